@@ -1,0 +1,1 @@
+"""The speculative-decoding engine: models, drafters, decoding loops and recipes."""

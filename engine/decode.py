@@ -1,0 +1,221 @@
+"""The decoding loop: autoregressive greedy, chain speculative decoding, and speculative sampling, for ragged batches.
+
+One step, for every row b of the batch at once: the drafter proposes up to k tokens after the row's last token;
+the target scores [last, d_1..d_k] at positions len_b-1 .. len_b-1+k in one forward; the acceptance rule keeps the
+longest verified prefix plus one token of the target's own; the row advances by that many tokens. With no drafter
+(k = 0) the same step is plain autoregressive decoding. All of a step's tensors have static shapes, so on CUDA a
+greedy step (drafting, verification and acceptance together) is captured once as a CUDA graph and replayed; the one
+host sync per step reads the accepted tokens, which the host needs anyway for stop conditions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters import Drafter
+from .model import KVCache, Transformer
+from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
+
+
+@dataclass
+class StopCondition:
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's own; (): never stop on EOS
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class RowResult:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    accepted: list[int] = field(default_factory=list)  # drafts accepted at each verification step
+    token_times: list[float] = field(default_factory=list)  # seconds from the batch start at which each token arrived
+    text: str = ""
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens emitted per target step (accepted drafts + 1): tau."""
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 1.0
+
+
+@dataclass
+class BatchStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+
+
+class DecodeState:
+    """Static device buffers of one batch: every token so far, per-row lengths, and the step's outputs."""
+
+    def __init__(self, batch: int, max_len: int, k: int, device):
+        self.history = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        self.out = torch.zeros(batch, k + 2, dtype=torch.long, device=device)  # [n_accepted, tokens...]
+
+
+class Decoder:
+    """Runs one target model with an optional drafter and a fixed k under a recipe's settings."""
+
+    def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None):
+        if drafter is None:
+            k = 0
+        if drafter is not None and k < 1:
+            raise ValueError(f"a drafter needs k >= 1, got k={k}")
+        self.model, self.drafter, self.k = model, drafter, k
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._cache: KVCache | None = None
+        self._graphs: dict = {}
+        self.last_stats = BatchStats()
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def _step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
+        S, k = st.history.shape[1], self.k
+        last = st.history.gather(1, (st.lengths - 1)[:, None])
+        if k:
+            prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
+            inputs = torch.cat([last, prop.tokens], 1)
+        else:
+            inputs = last
+        positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
+        logits = self.model(inputs, positions, self._cache)
+        if sampling.greedy:
+            n_acc, tokens = accept_greedy(inputs[:, 1:], prop.valid if k else st.lengths * 0, logits)
+        else:
+            n_acc, tokens = accept_sampled(inputs[:, 1:], prop.valid if k else st.lengths * 0,
+                                           prop.probs if k else None, logits, sampling, generator)
+        slots = (st.lengths[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
+        st.history.scatter_(1, slots, tokens)
+        st.lengths.add_((n_acc + 1) * st.active)
+        st.out[:, 0].copy_(n_acc)
+        st.out[:, 1:].copy_(tokens)
+        if k:
+            self.drafter.update(n_acc)
+
+    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
+        if not (self.cuda_graphs and sampling.greedy):
+            return self._step(st, sampling, generator)
+        key = (id(st), self.k)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(st, sampling)
+            self._graphs = {key: graph}  # one batch's state at a time; older graphs release their pool
+        graph.replay()
+
+    def _capture(self, st: DecodeState, sampling: SamplingParams):
+        # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
+        # each run: a step only appends, so restoring history and lengths undoes it.
+        saved = (st.history.clone(), st.lengths.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(st, sampling, None)
+                st.history.copy_(saved[0])
+                st.lengths.copy_(saved[1])
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(st, sampling, None)
+        return graph
+
+    # -- a batch -------------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], stop: StopCondition, sampling: SamplingParams = SamplingParams(),
+                 seed: int = 0) -> list[RowResult]:
+        """Decode a batch of token-id prompts of any lengths together; each row stops on its own."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        device = self.model.device
+        B, longest = len(prompts), max(len(p) for p in prompts)
+        need = longest + stop.max_new_tokens + self.k + 2
+        max_len = -(-need // 256) * 256  # round up so later batches reuse the cache and captured graphs
+        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < max_len:
+            self._cache, self._graphs = None, {}
+            self._cache = self.model.new_cache(B, max_len)
+            self._state = DecodeState(B, max_len, self.k, device)
+        max_len = self._cache.max_len
+        st = self._state
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        results = [RowResult(prompt=list(p)) for p in prompts]
+        eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            lengths = torch.tensor([len(p) for p in prompts], device=device)
+            padded = torch.zeros(B, longest, dtype=torch.long)
+            for b, p in enumerate(prompts):
+                padded[b, : len(p)] = torch.tensor(p)
+            padded = padded.to(device)
+            positions = torch.arange(longest, device=device)[None].expand(B, longest)
+            # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
+            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None])[:, 0]
+            if sampling.greedy:
+                first = logits.argmax(-1)
+            else:
+                first = torch.multinomial(probabilities(logits, sampling), 1, generator=generator).squeeze(1)
+            if self.drafter is not None:
+                self.drafter.prefill(padded, positions, max_len)
+            st.history.zero_()
+            st.history[:, :longest] = padded
+            st.history.scatter_(1, lengths[:, None], first[:, None])
+            st.lengths.copy_(lengths + 1)
+            st.active.fill_(True)
+            first_host = first.tolist()
+            t_first = time.perf_counter() - t0
+            active = [True] * B
+            for b, r in enumerate(results):
+                active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
+            stats = BatchStats(prefill_s=t_first)
+            while any(active):
+                self._run_step(st, sampling, generator)
+                out = st.out.tolist()  # the step's one host sync
+                now = time.perf_counter() - t0
+                stats.steps += 1
+                changed = False
+                for b, r in enumerate(results):
+                    if not active[b]:
+                        continue
+                    n = out[b][0]
+                    r.accepted.append(n)
+                    if not self._append(r, out[b][1: n + 2], now, stop, eos):
+                        active[b], changed = False, True
+                if changed:
+                    st.active.copy_(torch.tensor(active))
+            sync()
+            stats.decode_s = time.perf_counter() - t0 - t_first
+        self.last_stats = stats
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        return results
+
+    def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:
+        """Append a step's tokens to a row, cut at the first stop condition; False when the row is finished."""
+        for tok in new:
+            r.tokens.append(tok)
+            r.token_times.append(now)
+            if tok in eos:
+                r.finish_reason = "eos"
+            elif len(r.tokens) >= stop.max_new_tokens:
+                r.finish_reason = "length"
+            elif stop.stop_strings and self._hit_stop_string(r, stop.stop_strings):
+                r.finish_reason = "stop"
+            if r.finish_reason:
+                return False
+        return True
+
+    def _hit_stop_string(self, r: RowResult, stops: tuple[str, ...]) -> bool:
+        # Decode only a tail long enough to hold the longest stop string (tokens are at least one character).
+        tail = self.tokenizer.decode(r.tokens[-max(len(s) for s in stops) - 8:])
+        return any(s in tail for s in stops)

@@ -1,0 +1,115 @@
+"""Drafters: propose up to k tokens per row for the current context, then learn what was accepted.
+
+Every drafter works on device tensors and returns fixed shapes ([B, k] tokens, [B] valid counts), so a decoding
+step needs no host sync and its model forwards can be captured as CUDA graphs. A drafter that samples also returns
+its proposal distributions q [B, k, V] for speculative sampling; deterministic drafters return None (q is one-hot).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import KVCache, Transformer
+from .sampling import SamplingParams, probabilities
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] long; entries at or past `valid` are filler
+    valid: torch.Tensor  # [B] long, 0..k
+    probs: torch.Tensor | None = None  # [B, k, V] proposal distribution q when sampled
+
+
+class Drafter:
+    """The interface: `prefill` once per batch, then `propose` / `update` once per step."""
+
+    name = "base"
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> None:
+        """See the (right-padded) prompts; `max_len` bounds every position this batch will use."""
+
+    def propose(self, history: torch.Tensor, lengths: torch.Tensor, k: int, sampling: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def update(self, accepted: torch.Tensor) -> None:
+        """Learn from the number of drafts each row accepted this step ([B] long, on device)."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose what followed.
+
+    Tries n = max_ngram down to min_ngram and keeps the longest n that matches. Runs as tensor ops over the whole
+    history on the device: no host round trip, and cheap next to a target forward.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"ngram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, history, lengths, k, sampling, generator):
+        B, S = history.shape
+        device = history.device
+        best_start = torch.full((B,), -1, dtype=torch.long, device=device)  # index of the token after the match
+        cols = torch.arange(S, device=device)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if S <= n:
+                continue
+            tail_idx = (lengths[:, None] - n + torch.arange(n, device=device)[None]).clamp(min=0)
+            tail = history.gather(1, tail_idx)  # [B, n], the last n tokens
+            windows = history.unfold(1, n, 1)  # [B, S-n+1, n]
+            hit = (windows == tail[:, None, :]).all(-1)
+            starts = cols[: S - n + 1]
+            # a match must end before the tail starts (so a next token exists) and the tail must be complete
+            ok = hit & (starts[None] + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+            last = torch.where(ok, starts[None], -1).amax(1)
+            found = (last >= 0) & (best_start < 0)
+            best_start = torch.where(found, last + n, best_start)
+        offs = best_start[:, None] + torch.arange(k, device=device)[None]
+        tokens = history.gather(1, offs.clamp(0, S - 1))
+        valid = torch.where(best_start >= 0, (lengths - best_start).clamp(0, k), 0)
+        return Proposal(tokens, valid)
+
+
+class ModelDrafter(Drafter):
+    """A draft model with its own KV cache: a separate model sharing the target's vocabulary, or the target's own
+    first `n_layers` layers with its final norm and LM head (layer-skip self-draft)."""
+
+    def __init__(self, model: Transformer, n_layers: int | None = None, name: str = "model", forward=None):
+        self.model, self.n_layers, self.name = model, n_layers, name
+        self.forward = forward or model  # a CUDA-graph runner may stand in for the eager module
+        self.cache: KVCache | None = None
+
+    def prefill(self, tokens, positions, max_len):
+        B = tokens.shape[0]
+        if self.cache is None or self.cache.k.shape[1] != B or self.cache.max_len < max_len:
+            self.cache = self.model.new_cache(B, max_len, self.n_layers)
+        self.model(tokens, positions, self.cache, self.n_layers)
+
+    def _step(self, tokens, positions):
+        return self.forward(tokens, positions, self.cache, self.n_layers)[:, -1]
+
+    def propose(self, history, lengths, k, sampling, generator):
+        B = history.shape[0]
+        # Feed the last two tokens: the newest is not in our cache yet, and when every draft of the last step was
+        # accepted the one before it is not either. Recomputing an entry we already have is harmless.
+        pos = (lengths[:, None] - 2 + torch.arange(2, device=history.device)[None]).clamp(min=0)
+        logits = self._step(history.gather(1, pos), pos)
+        tokens, probs = [], []
+        next_pos = lengths[:, None]
+        for i in range(k):
+            if sampling.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = probabilities(logits, sampling)
+                tok = torch.multinomial(q, 1, generator=generator).squeeze(1)
+                probs.append(q)
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self._step(tok[:, None], next_pos + i)
+        valid = torch.full((B,), k, dtype=torch.long, device=history.device)
+        return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)

@@ -1,0 +1,75 @@
+"""An engine is a loaded target plus a recipe: it builds the drafter and decoder the recipe names and runs requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import loader
+from .decode import Decoder, RowResult, StopCondition
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .errors import SpecPilotError
+from .loader import LoadedModel
+from .recipe import Recipe
+from .sampling import SamplingParams
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    t, d = target.model.cfg.vocab_size, draft.model.cfg.vocab_size
+    if t != d:
+        raise SpecPilotError(f"vocabulary mismatch: target has {t} token ids, draft model {draft.source} has {d}")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise SpecPilotError(f"vocabulary mismatch: draft model {draft.source} maps tokens to other ids "
+                                 f"than the target")
+
+
+def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None) -> Drafter | None:
+    spec = recipe.drafter
+    if spec.kind == "none":
+        return None
+    if spec.kind == "ngram":
+        return NgramDrafter(spec.max_ngram, spec.min_ngram)
+    if spec.kind == "layerskip":
+        n = target.model.cfg.n_layers
+        if spec.layers >= n:
+            raise SpecPilotError(f"recipe key 'drafter.layers': {spec.layers} must be below the target's {n} layers")
+        return ModelDrafter(target.model, n_layers=spec.layers, name="layerskip")
+    if draft is None:
+        draft = loader.load(spec.model, spec.dtype or target.model.dtype, str(target.model.device))
+    check_same_vocabulary(target, draft)
+    return ModelDrafter(draft.model, name="model")
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int = 128
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None):
+        self.target, self.recipe = target, recipe
+        tok = target.tokenizer
+        eos = tok.eos_token_id if tok is not None else getattr(target.hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
+                               eos_ids, tok)
+
+    def encode(self, text: str, chat: bool = True) -> list[int]:
+        """Token ids of a user message, through the chat template when the tokenizer has one."""
+        tok = self.target.tokenizer
+        if tok is None:
+            raise SpecPilotError(f"target {self.target.source} has no tokenizer: pass token ids")
+        if chat and tok.chat_template:
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+        return tok.encode(text)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_strings: tuple[str, ...] = (), seed: int = 0, ignore_eos: bool = False) -> list[RowResult]:
+        """Decode prompts in batches of the recipe's max_batch_size, in order."""
+        stop = StopCondition(max_new_tokens, () if ignore_eos else None, tuple(stop_strings))
+        out: list[RowResult] = []
+        size = self.recipe.batch.max_batch_size
+        for i in range(0, len(prompts), size):
+            out += self.decoder.generate(prompts[i: i + size], stop, sampling, seed + i)
+        return out

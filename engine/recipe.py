@@ -1,0 +1,160 @@
+"""Recipes: versioned JSON files that fully describe an engine configuration.
+
+A recipe is the contract between the engine and everything else: the engine runs one, tools measure one, agents
+propose changes to one. The schema is the dataclasses below (documented in docs/RECIPE.md); `parse` rejects unknown
+keys and wrong types naming the key's path. `ar` and `stock` are built in; anything else is a file path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import SpecPilotError
+
+SCHEMA_VERSION = 1
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
+VERIFICATION_KINDS = ("chain",)
+WEIGHT_FORMATS = ("native",)
+SLOTS = ("linear", "attention", "rmsnorm", "accept")
+
+
+class RecipeError(SpecPilotError):
+    pass
+
+
+@dataclass
+class DrafterSpec:
+    kind: str = "none"
+    max_ngram: int = 3  # ngram
+    min_ngram: int = 1  # ngram
+    layers: int = 0  # layerskip: how many of the target's first layers draft
+    model: str = ""  # model: path, alias or cached hub id of the draft model
+    dtype: str = ""  # model: its dtype ("" = the target's)
+
+
+@dataclass
+class WeightsSpec:
+    format: str = "native"  # the target's own dtype, no re-encoding
+
+
+@dataclass
+class BatchSpec:
+    max_batch_size: int = 32  # requests decoded together; larger inputs are split in order
+
+
+@dataclass
+class Recipe:
+    name: str = "custom"
+    specpilot_recipe: int = SCHEMA_VERSION
+    description: str = ""
+    drafter: DrafterSpec = field(default_factory=DrafterSpec)
+    k: int = 0  # draft tokens verified per target forward
+    verification: str = "chain"
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
+    kernels: dict[str, str] = field(default_factory=lambda: {s: "builtin:torch" for s in SLOTS})
+    cuda_graphs: bool = True
+    batch: BatchSpec = field(default_factory=BatchSpec)
+    measured: dict = field(default_factory=dict)  # results attached by tools (speedup, gate report); not read
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+BUILTIN = {
+    "ar": Recipe(name="ar", description="autoregressive greedy decoding, no speculation"),
+    "stock": Recipe(name="stock", description="chain speculative decoding with an n-gram prompt-lookup drafter",
+                    drafter=DrafterSpec(kind="ngram", max_ngram=3, min_ngram=1), k=4),
+}
+
+
+def _build(cls, data, path: str):
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe key {path or '<root>'}: expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise RecipeError(f"recipe key {path + key!r} is unknown (allowed: {', '.join(sorted(names))})")
+    values = {}
+    for key, value in data.items():
+        values[key] = _typed(hints[key], value, path + key)
+    return cls(**values)
+
+
+def _typed(hint, value, path: str):
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path + ".")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key {path!r}: expected an object, got {type(value).__name__}")
+        args = typing.get_args(hint)
+        if args:
+            for k, v in value.items():
+                if not isinstance(v, args[1]):
+                    raise RecipeError(f"recipe key {path}.{k!r}: expected {args[1].__name__}, got {type(v).__name__}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        hint = tuple(typing.get_args(hint))
+    ok = isinstance(value, hint) and not (isinstance(value, bool) and hint in (int, float))
+    if not ok:
+        want = hint.__name__ if isinstance(hint, type) else " or ".join(h.__name__ for h in hint)
+        raise RecipeError(f"recipe key {path!r}: expected {want}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check(r: Recipe) -> Recipe:
+    def bad(key, msg):
+        raise RecipeError(f"recipe key {key!r}: {msg}")
+
+    if r.specpilot_recipe != SCHEMA_VERSION:
+        bad("specpilot_recipe", f"version {r.specpilot_recipe} is not supported (this SpecPilot reads {SCHEMA_VERSION})")
+    if r.drafter.kind not in DRAFTER_KINDS:
+        bad("drafter.kind", f"{r.drafter.kind!r} is not one of {', '.join(DRAFTER_KINDS)}")
+    if r.verification not in VERIFICATION_KINDS:
+        bad("verification", f"{r.verification!r} is not one of {', '.join(VERIFICATION_KINDS)}")
+    if r.weights.format not in WEIGHT_FORMATS:
+        bad("weights.format", f"{r.weights.format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    if r.drafter.kind == "none" and r.k != 0:
+        bad("k", "must be 0 without a drafter")
+    if r.drafter.kind != "none" and not 1 <= r.k <= 64:
+        bad("k", f"must be between 1 and 64 with a drafter, got {r.k}")
+    if r.drafter.kind == "ngram" and not 1 <= r.drafter.min_ngram <= r.drafter.max_ngram:
+        bad("drafter.min_ngram", "needs 1 <= min_ngram <= max_ngram")
+    if r.drafter.kind == "layerskip" and r.drafter.layers < 1:
+        bad("drafter.layers", "a layer-skip drafter needs layers >= 1")
+    if r.drafter.kind == "model" and not r.drafter.model:
+        bad("drafter.model", "a model drafter needs the draft model's path or alias")
+    for slot, impl in r.kernels.items():
+        if slot not in SLOTS:
+            bad(f"kernels.{slot}", f"unknown kernel slot (slots: {', '.join(SLOTS)})")
+        if impl != "builtin:torch":
+            bad(f"kernels.{slot}", f"unknown implementation {impl!r} (available: builtin:torch)")
+    if r.batch.max_batch_size < 1:
+        bad("batch.max_batch_size", "must be >= 1")
+    return r
+
+
+def parse(data: dict) -> Recipe:
+    return _check(_build(Recipe, data, ""))
+
+
+def load_recipe(spec: str | Path) -> Recipe:
+    """A built-in recipe name (`ar`, `stock`) or a recipe file path."""
+    if isinstance(spec, str) and spec in BUILTIN:
+        return parse(asdict(BUILTIN[spec]))
+    path = Path(spec)
+    if not path.is_file():
+        raise RecipeError(f"recipe {str(spec)!r} is neither a built-in ({', '.join(BUILTIN)}) nor a file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe file {path} is not valid JSON: {e}") from e
+    return parse(data)

@@ -1,0 +1,1 @@
+"""Kernel slots: named points where the engine calls a kernel, and their implementations."""

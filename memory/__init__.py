@@ -1,0 +1,1 @@
+"""Mechanism memory: verified mechanisms and failures, retrieved by deployment similarity."""

@@ -1,0 +1,1 @@
+"""Prompt templates, one per agent."""

@@ -1,0 +1,1 @@
+"""Sandboxed tools through which agents act: compile, benchmark, profile, token-force check."""
