@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Drafter
-from .model import KVCache, Transformer
+from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
 
 
@@ -58,17 +58,42 @@ class DecodeState:
         self.out = torch.zeros(batch, k + 2, dtype=torch.long, device=device)  # [n_accepted, tokens...]
 
 
+def _record(history, lengths, active, out, n_acc, tokens) -> None:
+    """Append each row's emitted tokens (tokens[:, :n_acc+1]) to its history and publish them in `out`."""
+    S, width = history.shape[1], tokens.shape[1]
+    slots = (lengths[:, None] + torch.arange(width, device=tokens.device)[None]).clamp(max=S - 1)
+    history.scatter_(1, slots, tokens)  # slots past n_acc hold junk beyond the row's length: never read
+    lengths.add_((n_acc + 1) * active)
+    out[:, 0].copy_(n_acc)
+    out[:, 1:].copy_(tokens)
+
+
+def _finish_step(history, lengths, active, out, drafts, valid, logits) -> torch.Tensor:
+    n_acc, tokens = accept_greedy(drafts, valid, logits)
+    _record(history, lengths, active, out, n_acc, tokens)
+    return n_acc
+
+
 class Decoder:
     """Runs one target model with an optional drafter and a fixed k under a recipe's settings."""
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer=None):
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
         self.model, self.drafter, self.k = model, drafter, k
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        # Compiling fuses each layer's norms, rotary embedding and activations, and the drafter's and acceptance's
+        # many small ops, into few kernels. Layers are compiled as one function shared by all of them (seconds,
+        # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
+        self._finish = _finish_step
+        if compile and model.device.type == "cuda":
+            model.layer_fn = compiled(Block.forward)
+            self._finish = compiled(_finish_step)
+            if drafter is not None:
+                drafter.compile()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._cache: KVCache | None = None
@@ -86,22 +111,21 @@ class Decoder:
             inputs = last
         positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
         logits = self.model(inputs, positions, self._cache)
+        valid = prop.valid if k else torch.zeros_like(st.lengths)
         if sampling.greedy:
-            n_acc, tokens = accept_greedy(inputs[:, 1:], prop.valid if k else st.lengths * 0, logits)
+            n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits)
         else:
-            n_acc, tokens = accept_sampled(inputs[:, 1:], prop.valid if k else st.lengths * 0,
-                                           prop.probs if k else None, logits, sampling, generator)
-        slots = (st.lengths[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
-        st.history.scatter_(1, slots, tokens)
-        st.lengths.add_((n_acc + 1) * st.active)
-        st.out[:, 0].copy_(n_acc)
-        st.out[:, 1:].copy_(tokens)
+            n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if k else None, logits, sampling,
+                                           generator)
+            _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
         if k:
             self.drafter.update(n_acc)
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
-        if not (self.cuda_graphs and sampling.greedy):
+        if not sampling.greedy:
             return self._step(st, sampling, generator)
+        if not self.cuda_graphs:
+            return self._step(st, sampling, None)
         key = (id(st), self.k)
         graph = self._graphs.get(key)
         if graph is None:
@@ -135,8 +159,10 @@ class Decoder:
         device = self.model.device
         B, longest = len(prompts), max(len(p) for p in prompts)
         need = longest + stop.max_new_tokens + self.k + 2
-        max_len = -(-need // 256) * 256  # round up so later batches reuse the cache and captured graphs
-        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < max_len:
+        # Power-of-two buckets: later batches reuse the cache and with it the compiled kernels and captured graphs
+        # (every shape change costs a recompile and a recapture).
+        max_len = max(512, 1 << (need - 1).bit_length())
+        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < need:
             self._cache, self._graphs = None, {}
             self._cache = self.model.new_cache(B, max_len)
             self._state = DecodeState(B, max_len, self.k, device)

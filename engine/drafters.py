@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import KVCache, Transformer
+from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, probabilities
 
 
@@ -36,6 +36,9 @@ class Drafter:
     def update(self, accepted: torch.Tensor) -> None:
         """Learn from the number of drafts each row accepted this step ([B] long, on device)."""
 
+    def compile(self) -> None:
+        """Compile the drafter's device work with torch.compile (called by the decoder on CUDA)."""
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and propose what followed.
@@ -51,7 +54,13 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def compile(self):
+        self._search = compiled(self._search)
+
     def propose(self, history, lengths, k, sampling, generator):
+        return Proposal(*self._search(history, lengths, k))
+
+    def _search(self, history, lengths, k: int):
         B, S = history.shape
         device = history.device
         best_start = torch.full((B,), -1, dtype=torch.long, device=device)  # index of the token after the match
@@ -72,17 +81,19 @@ class NgramDrafter(Drafter):
         offs = best_start[:, None] + torch.arange(k, device=device)[None]
         tokens = history.gather(1, offs.clamp(0, S - 1))
         valid = torch.where(best_start >= 0, (lengths - best_start).clamp(0, k), 0)
-        return Proposal(tokens, valid)
+        return tokens, valid
 
 
 class ModelDrafter(Drafter):
     """A draft model with its own KV cache: a separate model sharing the target's vocabulary, or the target's own
     first `n_layers` layers with its final norm and LM head (layer-skip self-draft)."""
 
-    def __init__(self, model: Transformer, n_layers: int | None = None, name: str = "model", forward=None):
+    def __init__(self, model: Transformer, n_layers: int | None = None, name: str = "model"):
         self.model, self.n_layers, self.name = model, n_layers, name
-        self.forward = forward or model  # a CUDA-graph runner may stand in for the eager module
         self.cache: KVCache | None = None
+
+    def compile(self):
+        self.model.layer_fn = compiled(Block.forward)
 
     def prefill(self, tokens, positions, max_len):
         B = tokens.shape[0]
@@ -91,7 +102,7 @@ class ModelDrafter(Drafter):
         self.model(tokens, positions, self.cache, self.n_layers)
 
     def _step(self, tokens, positions):
-        return self.forward(tokens, positions, self.cache, self.n_layers)[:, -1]
+        return self.model(tokens, positions, self.cache, self.n_layers)[:, -1]
 
     def propose(self, history, lengths, k, sampling, generator):
         B = history.shape[0]

@@ -77,7 +77,9 @@ def _gguf_as_directory(gguf: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -110,7 +112,9 @@ class LoadedModel:
 def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> LoadedModel:
     """Load a target as our Transformer plus its tokenizer. Errors name the cause."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     dtype = parse_dtype(dtype)
     check_device(device)
     where = resolve(target)

@@ -78,6 +78,14 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
+def compiled(fn):
+    """torch.compile for step-shaped work: static shapes, one graph, enough cache entries for every step shape."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -146,6 +154,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
         self.linear = F.linear  # the `linear` kernel slot; a recipe may swap it
+        self.layer_fn = Block.forward  # the whole layer; the decoder may swap in a compiled version of it
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -188,7 +197,7 @@ class Transformer(nn.Module):
             masks[window] = m[:, None, None].expand(B, 1, rep, T, cache.max_len).reshape(B, 1, rep * T, cache.max_len)
         x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, self.linear)
+            x = self.layer_fn(layer, x, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, self.linear)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head, None)

@@ -56,7 +56,8 @@ class Recipe:
     verification: str = "chain"
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     kernels: dict[str, str] = field(default_factory=lambda: {s: "builtin:torch" for s in SLOTS})
-    cuda_graphs: bool = True
+    cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
+    compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
     batch: BatchSpec = field(default_factory=BatchSpec)
     measured: dict = field(default_factory=dict)  # results attached by tools (speedup, gate report); not read
 

@@ -1,0 +1,168 @@
+"""Single-request speed of our engine beside HF transformers, in one process, systems alternating per prompt.
+
+    python -m specpilot.tools.engine_bench --device cuda --max-new-tokens 256 --limit 4 --out DIR
+
+Every system decodes the same chat-templated prompts for exactly N new tokens (EOS ignored, so all do the same work).
+Reports tok/s per (system, workload), milliseconds per target step, tau, and the weight-read floor (parameter bytes
+over the measured copy bandwidth) so a step time can be read against its physical ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..engine import loader
+from ..engine.engine import Engine
+from ..engine.recipe import load_recipe, parse
+from ..engine.workloads import load_workload
+
+SYSTEMS = {
+    "ar": "ar",
+    "ar-eager": {"name": "ar-eager", "cuda_graphs": False, "compile": False},
+    "ar-graphs": {"name": "ar-graphs", "compile": False},
+    "ngram-k4": "stock",
+    "ngram-k8": {"name": "ngram-k8", "drafter": {"kind": "ngram"}, "k": 8},
+    "layerskip8-k4": {"name": "layerskip8-k4", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4},
+    "selfdraft-fp16-k4": {"name": "selfdraft-fp16-k4", "drafter": {"kind": "model", "model": "smollm2-135m",
+                                                                  "dtype": "fp16"}, "k": 4},
+}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device copy (read + write counted)."""
+    n = 1 << 30 if device == "cuda" else 1 << 24
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    b = torch.empty_like(a)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        b.copy_(a)
+    sync()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        sync()
+        times.append(time.perf_counter() - t)
+    return 2 * n / statistics.median(times)
+
+
+def hf_runner(source: str, device: str, dtype, mode: str):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
+
+    def run(ids: list[int], n: int) -> tuple[list[int], float]:
+        x = torch.tensor([ids], device=device)
+        kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if mode == "static":
+            kw["cache_implementation"] = "static"
+        if mode == "prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = hf.generate(x, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out[0, len(ids):].tolist(), time.perf_counter() - t
+
+    return run
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--workloads", default="code,summarize,chat")
+    ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--hf", default="dynamic,static,prompt-lookup")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    target = loader.load(args.target, dtype, args.device)
+    engines = {}
+    for name in args.systems.split(","):
+        spec = SYSTEMS[name]
+        if name.startswith("selfdraft"):
+            spec = {**spec, "drafter": {**spec["drafter"], "model": args.target}}
+        engines[name] = Engine(target, load_recipe(spec) if isinstance(spec, str) else parse(spec))
+    runners = {}
+    for name, eng in engines.items():
+        def ours(ids, n, eng=eng):
+            [row] = eng.generate([ids], n, ignore_eos=True)
+            st = eng.decoder.last_stats
+            return row.tokens, st.prefill_s + st.decode_s, st.steps + 1, row.mean_accepted
+        runners[name] = ours
+    for mode in filter(None, args.hf.split(",")):
+        run = hf_runner(target.source, args.device, loader.parse_dtype(dtype), mode)
+        runners[f"hf-{mode}"] = lambda ids, n, run=run: (*run(ids, n), None, None)
+    ar_engine = engines.get("ar") or Engine(target, load_recipe("ar"))
+    bw = copy_bandwidth(args.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in target.model.parameters()}.values())
+    floor_s = weight_bytes / bw  # a step must read every weight once at (at best) copy bandwidth
+    rows = []
+    for wl in args.workloads.split(","):
+        questions = load_workload(wl, args.limit)
+        prompts = [ar_engine.encode(q.turns[0]) for q in questions]
+        for name, run in list(runners.items()):  # warm-up: compile, graphs captured, kernels loaded
+            t = time.perf_counter()
+            try:
+                run(prompts[0], 8)
+            except Exception as e:  # one broken system must not cost the others' measurements
+                print(f"{name}: failed in warm-up: {type(e).__name__}: {e}", flush=True)
+                del runners[name]
+                continue
+            print(f"warm-up {name} {wl}: {time.perf_counter() - t:.1f}s", flush=True)
+        for i, ids in enumerate(prompts):
+            order = list(runners)
+            order = order[i % len(order):] + order[: i % len(order)]  # rotate so drift hits every system alike
+            for name in order:
+                tokens, seconds, steps, tau = runners[name](ids, args.max_new_tokens)
+                print(f"{name} {wl} #{i}: {len(tokens) / seconds:.1f} tok/s", flush=True)
+                rows.append({"system": name, "workload": wl, "prompt": i, "tokens": len(tokens), "seconds": seconds,
+                             "target_steps": steps, "tau": tau, "token_ids": tokens})
+    ar_tokens = {(r["workload"], r["prompt"]): r["token_ids"] for r in rows if r["system"] == "ar"}
+    table = []
+    for name in runners:
+        for wl in args.workloads.split(","):
+            rs = [r for r in rows if r["system"] == name and r["workload"] == wl]
+            if not rs:
+                continue
+            tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
+            steps = [r for r in rs if r["target_steps"]]
+            ms_step = statistics.median(r["seconds"] / r["target_steps"] * 1e3 for r in steps) if steps else None
+            tau = statistics.mean(r["tau"] for r in steps) if steps else None
+            same = sum(r["token_ids"] == ar_tokens.get((wl, r["prompt"])) for r in rs) / len(rs) if ar_tokens else None
+            table.append({"system": name, "workload": wl, "tokens_per_s": tps, "ms_per_target_step": ms_step,
+                          "tau": tau, "identical_to_ar": same})
+    ar_tps = {t["workload"]: t["tokens_per_s"] for t in table if t["system"] == "ar"}
+    print(f"device={torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'} dtype={dtype} "
+          f"torch={torch.__version__} N={args.max_new_tokens} prompts/workload={args.limit}")
+    print(f"weights {weight_bytes / 1e6:.1f} MB, copy bandwidth {bw / 1e12:.2f} TB/s -> weight-read floor "
+          f"{floor_s * 1e6:.1f} us/step ({1 / floor_s:,.0f} steps/s)")
+    print(f"{'system':20s} {'workload':10s} {'tok/s':>9s} {'vs ar':>6s} {'ms/step':>8s} {'tau':>5s} {'=ar':>5s}")
+    for t in table:
+        ms = f"{t['ms_per_target_step']:.3f}" if t["ms_per_target_step"] else "-"
+        tau = f"{t['tau']:.2f}" if t["tau"] else "-"
+        same = f"{t['identical_to_ar']:.2f}" if t["identical_to_ar"] is not None else "-"
+        print(f"{t['system']:20s} {t['workload']:10s} {t['tokens_per_s']:9.1f} "
+              f"{t['tokens_per_s'] / ar_tps[t['workload']]:6.2f} {ms:>8s} {tau:>5s} {same:>5s}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engine_bench.json").write_text(json.dumps({
+            "command": "python -m specpilot.tools.engine_bench " + " ".join(argv or []), "copy_bandwidth": bw,
+            "weight_bytes": weight_bytes, "floor_s": floor_s, "table": table,
+            "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
