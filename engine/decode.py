@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import resolve as resolve_kernels
 from .drafters import Drafter
+from .errors import SpecPilotError
 from .model import Block, KVCache, Transformer, compiled
-from .sampling import SamplingParams, accept_greedy, accept_sampled, probabilities
+from .sampling import SamplingParams, accept_sampled, probabilities
 
 
 @dataclass
@@ -68,8 +70,8 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     out[:, 1:].copy_(tokens)
 
 
-def _finish_step(history, lengths, active, out, drafts, valid, logits) -> torch.Tensor:
-    n_acc, tokens = accept_greedy(drafts, valid, logits)
+def _finish_step(history, lengths, active, out, drafts, valid, logits, accept) -> torch.Tensor:
+    n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
     return n_acc
 
@@ -78,7 +80,8 @@ class Decoder:
     """Runs one target model with an optional drafter and a fixed k under a recipe's settings."""
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False):
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
+                 kernels: dict[str, str] | None = None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -88,12 +91,12 @@ class Decoder:
         # Compiling fuses each layer's norms, rotary embedding and activations, and the drafter's and acceptance's
         # many small ops, into few kernels. Layers are compiled as one function shared by all of them (seconds,
         # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
-        self._finish = _finish_step
-        if compile and model.device.type == "cuda":
-            model.layer_fn = compiled(Block.forward)
-            self._finish = compiled(_finish_step)
-            if drafter is not None:
-                drafter.compile()
+        self.ops = resolve_kernels(kernels)
+        compile = compile and model.device.type == "cuda"
+        self.layer_fn = compiled(Block.forward) if compile else Block.forward
+        self._finish = compiled(_finish_step) if compile else _finish_step
+        if drafter is not None:
+            drafter.prepare(self.ops, self.layer_fn, compile)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._cache: KVCache | None = None
@@ -110,10 +113,10 @@ class Decoder:
         else:
             inputs = last
         positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
-        logits = self.model(inputs, positions, self._cache)
+        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
         valid = prop.valid if k else torch.zeros_like(st.lengths)
         if sampling.greedy:
-            n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits)
+            n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits, self.ops.accept)
         else:
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if k else None, logits, sampling,
                                            generator)
@@ -185,7 +188,7 @@ class Decoder:
             padded = padded.to(device)
             positions = torch.arange(longest, device=device)[None].expand(B, longest)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
-            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None])[:, 0]
+            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.ops)[:, 0]
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
@@ -242,6 +245,8 @@ class Decoder:
         return True
 
     def _hit_stop_string(self, r: RowResult, stops: tuple[str, ...]) -> bool:
+        if self.tokenizer is None:
+            raise SpecPilotError("stop strings need a tokenizer, and this target has none")
         # Decode only a tail long enough to hold the longest stop string (tokens are at least one character).
         tail = self.tokenizer.decode(r.tokens[-max(len(s) for s in stops) - 8:])
         return any(s in tail for s in stops)

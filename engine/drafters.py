@@ -36,8 +36,8 @@ class Drafter:
     def update(self, accepted: torch.Tensor) -> None:
         """Learn from the number of drafts each row accepted this step ([B] long, on device)."""
 
-    def compile(self) -> None:
-        """Compile the drafter's device work with torch.compile (called by the decoder on CUDA)."""
+    def prepare(self, ops, layer_fn, compile: bool) -> None:
+        """Use the decoder's kernel implementations and layer function; compile device work when asked."""
 
 
 class NgramDrafter(Drafter):
@@ -54,8 +54,9 @@ class NgramDrafter(Drafter):
             raise ValueError(f"ngram drafter needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def compile(self):
-        self._search = compiled(self._search)
+    def prepare(self, ops, layer_fn, compile):
+        if compile:
+            self._search = compiled(self._search)
 
     def propose(self, history, lengths, k, sampling, generator):
         return Proposal(*self._search(history, lengths, k))
@@ -91,18 +92,19 @@ class ModelDrafter(Drafter):
     def __init__(self, model: Transformer, n_layers: int | None = None, name: str = "model"):
         self.model, self.n_layers, self.name = model, n_layers, name
         self.cache: KVCache | None = None
+        self.ops, self.layer_fn = model.default_ops, Block.forward
 
-    def compile(self):
-        self.model.layer_fn = compiled(Block.forward)
+    def prepare(self, ops, layer_fn, compile):
+        self.ops, self.layer_fn = ops, layer_fn
 
     def prefill(self, tokens, positions, max_len):
         B = tokens.shape[0]
         if self.cache is None or self.cache.k.shape[1] != B or self.cache.max_len < max_len:
             self.cache = self.model.new_cache(B, max_len, self.n_layers)
-        self.model(tokens, positions, self.cache, self.n_layers)
+        self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops)
 
     def _step(self, tokens, positions):
-        return self.model(tokens, positions, self.cache, self.n_layers)[:, -1]
+        return self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops, layer_fn=self.layer_fn)[:, -1]
 
     def propose(self, history, lengths, k, sampling, generator):
         B = history.shape[0]

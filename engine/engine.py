@@ -48,11 +48,8 @@ class Request:
 class Engine:
     def __init__(self, target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None):
         self.target, self.recipe = target, recipe
-        tok = target.tokenizer
-        eos = tok.eos_token_id if tok is not None else getattr(target.hf_config, "eos_token_id", None)
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
-                               eos_ids, tok, recipe.compile)
+                               target.eos_token_ids, target.tokenizer, recipe.compile, recipe.kernels)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -107,6 +107,19 @@ class LoadedModel:
     tokenizer: object
     hf_config: object
     source: str
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _eos_ids(tokenizer, hf_model) -> tuple[int, ...]:
+    """Every id generation stops on, as HF's generate does: the generation config's list plus the tokenizer's EOS
+    (chat models often end a turn with a token only the generation config names, e.g. Llama 3's <|eot_id|>)."""
+    ids: list[int] = []
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        for i in (eos if isinstance(eos, (list, tuple)) else [eos]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
 
 
 def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") -> LoadedModel:
@@ -141,8 +154,11 @@ def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") ->
             tokenizer = AutoTokenizer.from_pretrained(str(where))
         except Exception as e:
             raise SpecPilotError(f"could not load the tokenizer of {target}: {type(e).__name__}: {e}") from e
-    model = from_hf_state_dict(hf_config, hf.state_dict(), dtype).to(device)
-    return LoadedModel(model, tokenizer, hf_config, str(where))
+    try:
+        model = from_hf_state_dict(hf_config, hf.state_dict(), dtype).to(device)
+    except ValueError as e:
+        raise SpecPilotError(f"cannot run {target}: {e}") from e
+    return LoadedModel(model, tokenizer, hf_config, str(where), _eos_ids(tokenizer, hf))
 
 
 def check_device(device: str) -> None:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import Kernels, resolve
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -36,6 +38,9 @@ class ModelConfig:
     def from_hf(cls, hf) -> "ModelConfig":
         if hf.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {hf.model_type!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        act = getattr(hf, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported MLP activation {act!r} (supported: silu)")
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         window = getattr(hf, "sliding_window", None)
         if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
@@ -86,12 +91,6 @@ def compiled(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -116,17 +115,17 @@ class Block(nn.Module):
         self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x, cos, sin, k_cache, v_cache, rows, positions, mask, linear):
-        cfg = self.cfg
+    def forward(self, x, cos, sin, k_cache, v_cache, rows, positions, mask, ops: Kernels):
+        cfg, linear = self.cfg, ops.linear
         B, T, _ = x.shape
-        h = rms_norm(x, self.attn_norm, cfg.rms_eps)
+        h = ops.rmsnorm(x, self.attn_norm, cfg.rms_eps)
         qkv = linear(h, self.wqkv, self.bqkv)
         q, k, v = qkv.split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], -1)
         q = q.view(B, T, cfg.n_heads, cfg.head_dim)
         k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, cfg.rms_eps), rms_norm(k, self.k_norm, cfg.rms_eps)
+            q, k = ops.rmsnorm(q, self.q_norm, cfg.rms_eps), ops.rmsnorm(k, self.k_norm, cfg.rms_eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_cache[rows, :, positions] = k  # [B,T] index pairs -> [B,T,kv_heads,head_dim] slots
         v_cache[rows, :, positions] = v
@@ -134,11 +133,10 @@ class Block(nn.Module):
         # the query axis, so each kv head is read once by one SDPA call on any backend.
         rep = cfg.n_heads // cfg.n_kv_heads
         q = q.view(B, T, cfg.n_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4).reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
-        attn_mask = mask[self.window]
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=attn_mask)
+        o = ops.attention(q, k_cache, v_cache, mask[self.window])
         o = o.view(B, cfg.n_kv_heads, rep, T, cfg.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads * cfg.head_dim)
         x = x + linear(o, self.wo, self.bo)
-        h = linear(rms_norm(x, self.mlp_norm, cfg.rms_eps), self.w13, None)
+        h = linear(ops.rmsnorm(x, self.mlp_norm, cfg.rms_eps), self.w13, None)
         gate, up = h.chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2, None)
 
@@ -153,8 +151,7 @@ class Transformer(nn.Module):
         self.lm_head = self.embed if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
-        self.linear = F.linear  # the `linear` kernel slot; a recipe may swap it
-        self.layer_fn = Block.forward  # the whole layer; the decoder may swap in a compiled version of it
+        self.default_ops = resolve()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -179,12 +176,16 @@ class Transformer(nn.Module):
         self._rope = ((emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                n_layers: int | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
+                layer_fn=None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
         `logits_at` [B, m] picks the token indices whose logits are wanted (prefill needs one row, not B*T*vocab).
+        `ops` are the kernel-slot implementations and `layer_fn` the layer function (a compiled Block.forward).
         """
+        ops = ops or self.default_ops
+        layer_fn = layer_fn or Block.forward
         B, T = tokens.shape
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
         cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
@@ -197,10 +198,10 @@ class Transformer(nn.Module):
             masks[window] = m[:, None, None].expand(B, 1, rep, T, cache.max_len).reshape(B, 1, rep * T, cache.max_len)
         x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
-            x = self.layer_fn(layer, x, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, self.linear)
+            x = layer_fn(layer, x, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, ops)
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.linear(rms_norm(x, self.norm, self.cfg.rms_eps), self.lm_head, None)
+        return ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_eps), self.lm_head, None)
 
 
 def from_hf_state_dict(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:

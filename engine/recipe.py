@@ -13,13 +13,13 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..kernels import DEFAULTS as KERNEL_DEFAULTS, IMPLEMENTATIONS as KERNELS
 from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native",)
-SLOTS = ("linear", "attention", "rmsnorm", "accept")
 
 
 class RecipeError(SpecPilotError):
@@ -55,7 +55,7 @@ class Recipe:
     k: int = 0  # draft tokens verified per target forward
     verification: str = "chain"
     weights: WeightsSpec = field(default_factory=WeightsSpec)
-    kernels: dict[str, str] = field(default_factory=lambda: {s: "builtin:torch" for s in SLOTS})
+    kernels: dict[str, str] = field(default_factory=lambda: dict(KERNEL_DEFAULTS))  # slot -> implementation
     cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
     compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
     batch: BatchSpec = field(default_factory=BatchSpec)
@@ -134,10 +134,10 @@ def _check(r: Recipe) -> Recipe:
     if r.drafter.kind == "model" and not r.drafter.model:
         bad("drafter.model", "a model drafter needs the draft model's path or alias")
     for slot, impl in r.kernels.items():
-        if slot not in SLOTS:
-            bad(f"kernels.{slot}", f"unknown kernel slot (slots: {', '.join(SLOTS)})")
-        if impl != "builtin:torch":
-            bad(f"kernels.{slot}", f"unknown implementation {impl!r} (available: builtin:torch)")
+        if slot not in KERNELS:
+            bad(f"kernels.{slot}", f"unknown kernel slot (slots: {', '.join(KERNELS)})")
+        if impl not in KERNELS[slot]:
+            bad(f"kernels.{slot}", f"unknown implementation {impl!r} (available: {', '.join(KERNELS[slot])})")
     if r.batch.max_batch_size < 1:
         bad("batch.max_batch_size", "must be >= 1")
     return r

@@ -38,18 +38,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def accept_greedy(drafts: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification. Returns (n_accepted [B], tokens [B, k+1]): emitted are tokens[:, : n_accepted + 1]."""
-    target = logits.argmax(-1)  # [B, k+1]
-    k = drafts.shape[1]
-    match = (drafts == target[:, :k]) & (torch.arange(k, device=drafts.device)[None] < valid[:, None])
-    n_accepted = match.long().cumprod(1).sum(1)
-    return n_accepted, target
-
-
 def accept_sampled(drafts: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                    params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling. Same return convention as `accept_greedy`."""
+    """Speculative sampling. Returns (n_accepted [B], tokens [B, k+1]): the row emits tokens[:, : n_accepted + 1]."""
     B, k = drafts.shape
     p = probabilities(logits, params)  # [B, k+1, V]
     ar = torch.arange(k, device=drafts.device)[None]

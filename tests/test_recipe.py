@@ -7,7 +7,8 @@ from dataclasses import asdict
 import pytest
 
 from specpilot.engine.errors import SpecPilotError
-from specpilot.engine.recipe import (BUILTIN, DRAFTER_KINDS, SCHEMA_VERSION, SLOTS, DrafterSpec, Recipe, RecipeError,
+from specpilot.kernels.builtin import DEFAULTS as KERNEL_DEFAULTS
+from specpilot.engine.recipe import (BUILTIN, DRAFTER_KINDS, SCHEMA_VERSION, DrafterSpec, Recipe, RecipeError,
                                      load_recipe, parse)
 
 
@@ -19,7 +20,7 @@ def test_empty_object_gives_the_defaults():
     r = parse({})
     assert r == Recipe()
     assert r.k == 0 and r.drafter.kind == "none" and r.specpilot_recipe == SCHEMA_VERSION
-    assert r.kernels == {s: "builtin:torch" for s in SLOTS}
+    assert r.kernels == KERNEL_DEFAULTS
 
 
 def test_full_recipe_parses_into_typed_fields():
