@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import resolve as resolve_kernels
+from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter
 from .errors import SpecPilotError
 from .model import Block, KVCache, Transformer, compiled
@@ -81,7 +82,7 @@ class Decoder:
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
-                 kernels: dict[str, str] | None = None):
+                 kernels: dict[str, str] | None = None, overlap: bool = False, compile_mode: str = "default"):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -92,12 +93,16 @@ class Decoder:
         # many small ops, into few kernels. Layers are compiled as one function shared by all of them (seconds,
         # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         self.ops = resolve_kernels(kernels)
+        # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
+        # math version would materialize a [B, heads, T, S] score tensor).
+        self.prefill_ops = self.ops._replace(attention=attention_sdpa)
         compile = compile and model.device.type == "cuda"
-        self.layer_fn = compiled(Block.forward) if compile else Block.forward
+        self.layer_fn = compiled(Block.forward, compile_mode) if compile else Block.forward
         self._finish = compiled(_finish_step) if compile else _finish_step
         if drafter is not None:
             drafter.prepare(self.ops, self.layer_fn, compile)
         self.tokenizer = tokenizer
+        self.overlap = overlap
         self.eos_token_ids = eos_token_ids
         self._cache: KVCache | None = None
         self._graphs: dict = {}
@@ -136,6 +141,24 @@ class Decoder:
             self._graphs = {key: graph}  # one batch's state at a time; older graphs release their pool
         graph.replay()
 
+    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int):
+        """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
+        self._run_step(st, sampling, generator)
+        if st.out.device.type != "cuda":
+            return st.out.clone(), None
+        buf = self._host_out[index % 2]
+        buf.copy_(st.out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
+
+    @staticmethod
+    def _read(pending) -> list[list[int]]:
+        buf, done = pending
+        if done is not None:
+            done.synchronize()
+        return buf.tolist()
+
     def _capture(self, st: DecodeState, sampling: SamplingParams):
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
@@ -161,7 +184,7 @@ class Decoder:
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
         B, longest = len(prompts), max(len(p) for p in prompts)
-        need = longest + stop.max_new_tokens + self.k + 2
+        need = longest + stop.max_new_tokens + (self.k + 1) * (2 if self.overlap else 1) + 1
         # Power-of-two buckets: later batches reuse the cache and with it the compiled kernels and captured graphs
         # (every shape change costs a recompile and a recapture).
         max_len = max(512, 1 << (need - 1).bit_length())
@@ -169,6 +192,8 @@ class Decoder:
             self._cache, self._graphs = None, {}
             self._cache = self.model.new_cache(B, max_len)
             self._state = DecodeState(B, max_len, self.k, device)
+            if device.type == "cuda":  # two pinned buffers: the host reads one while the next step's copy lands
+                self._host_out = [torch.empty_like(self._state.out, device="cpu").pin_memory() for _ in range(2)]
         max_len = self._cache.max_len
         st = self._state
         generator = None
@@ -188,7 +213,7 @@ class Decoder:
             padded = padded.to(device)
             positions = torch.arange(longest, device=device)[None].expand(B, longest)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
-            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.ops)[:, 0]
+            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops)[:, 0]
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
@@ -206,9 +231,12 @@ class Decoder:
             for b, r in enumerate(results):
                 active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
             stats = BatchStats(prefill_s=t_first)
-            while any(active):
-                self._run_step(st, sampling, generator)
-                out = st.out.tolist()  # the step's one host sync
+            pending = self._launch(st, sampling, generator, 0) if any(active) else None
+            while pending is not None:
+                # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
+                # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
+                ahead = self._launch(st, sampling, generator, stats.steps + 1) if self.overlap else None
+                out = self._read(pending)  # the step's one host sync
                 now = time.perf_counter() - t0
                 stats.steps += 1
                 changed = False
@@ -221,6 +249,9 @@ class Decoder:
                         active[b], changed = False, True
                 if changed:
                     st.active.copy_(torch.tensor(active))
+                if not any(active):
+                    break
+                pending = ahead or self._launch(st, sampling, generator, stats.steps)
             sync()
             stats.decode_s = time.perf_counter() - t0 - t_first
         self.last_stats = stats

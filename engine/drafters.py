@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.builtin import attention_sdpa
 from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, probabilities
 
@@ -101,7 +102,7 @@ class ModelDrafter(Drafter):
         B = tokens.shape[0]
         if self.cache is None or self.cache.k.shape[1] != B or self.cache.max_len < max_len:
             self.cache = self.model.new_cache(B, max_len, self.n_layers)
-        self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops)
+        self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops._replace(attention=attention_sdpa))
 
     def _step(self, tokens, positions):
         return self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops, layer_fn=self.layer_fn)[:, -1]

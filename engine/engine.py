@@ -49,7 +49,8 @@ class Engine:
     def __init__(self, target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None):
         self.target, self.recipe = target, recipe
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
-                               target.eos_token_ids, target.tokenizer, recipe.compile, recipe.kernels)
+                               target.eos_token_ids, target.tokenizer, recipe.compile, recipe.kernels,
+                               recipe.overlap, recipe.compile_mode)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -83,12 +83,12 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-def compiled(fn):
+def compiled(fn, mode: str = "default"):
     """torch.compile for step-shaped work: static shapes, one graph, enough cache entries for every step shape."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True, mode=None if mode == "default" else mode)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

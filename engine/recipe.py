@@ -20,6 +20,7 @@ SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native",)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
 class RecipeError(SpecPilotError):
@@ -58,6 +59,8 @@ class Recipe:
     kernels: dict[str, str] = field(default_factory=lambda: dict(KERNEL_DEFAULTS))  # slot -> implementation
     cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
     compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
+    compile_mode: str = "default"  # torch.compile mode; "max-autotune-no-cudagraphs" autotunes the small GEMMs
+    overlap: bool = False  # the host reads step i's tokens while the device runs step i+1
     batch: BatchSpec = field(default_factory=BatchSpec)
     measured: dict = field(default_factory=dict)  # results attached by tools (speedup, gate report); not read
 
@@ -138,6 +141,8 @@ def _check(r: Recipe) -> Recipe:
             bad(f"kernels.{slot}", f"unknown kernel slot (slots: {', '.join(KERNELS)})")
         if impl not in KERNELS[slot]:
             bad(f"kernels.{slot}", f"unknown implementation {impl!r} (available: {', '.join(KERNELS[slot])})")
+    if r.compile_mode not in COMPILE_MODES:
+        bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:
         bad("batch.max_batch_size", "must be >= 1")
     return r

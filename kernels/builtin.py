@@ -49,5 +49,7 @@ IMPLEMENTATIONS = {
     "attention": {"builtin:sdpa": attention_sdpa, "builtin:math": attention_math},
     "accept": {"builtin:torch": accept_torch},
 }
-DEFAULTS = {"linear": "builtin:torch", "rmsnorm": "builtin:torch", "attention": "builtin:sdpa",
+# Decode and verify steps attend with few queries over a short cache: on the H200 the math version's graph step
+# took 1.07 ms against SDPA's 1.27 ms (cuDNN's flash kernel spends ~10 us a layer on one query); docs/BENCHMARKS.md.
+DEFAULTS = {"linear": "builtin:torch", "rmsnorm": "builtin:torch", "attention": "builtin:math",
             "accept": "builtin:torch"}
