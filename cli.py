@@ -47,6 +47,118 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .tools.bench import run_bench
+
+    return run_bench(args)
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure recipes side by side with the same engine's AR (and HF baselines)",
+                       description="Measure ar, stock, each --recipe and optional HF baselines side by side on "
+                                   "the same prompts; write DIR/results.json, DIR/report.md and plots.")
+    b.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    b.add_argument("--recipe", action="append", default=[],
+                   help="recipe JSON file to measure besides ar and stock (repeatable)")
+    b.add_argument("--workload", default="code",
+                   help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
+    b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--limit", type=int, default=None, help="first K questions of each workload")
+    b.add_argument("--repeats", type=int, default=1, help="times each batch is measured per system (median kept)")
+    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
+    b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_calibrate(args) -> int:
+    from .tools.calibrate import cache_path, describe, load_or_measure
+
+    ceilings = load_or_measure(args.device or _default_device(), args.force)
+    print(describe(ceilings))
+    print(f"cached in {cache_path(ceilings.name)}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import time
+
+    from .tools.profiler import profile
+
+    out = args.out or f"runs/profile-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = profile(args.target, args.recipe, args.workload, args.limit, args.max_new_tokens, args.batch_size,
+                     args.device or _default_device(), args.dtype, out, repeats=args.repeats)
+    print(json.dumps(result.to_dict(), default=str) if args.json else result.table())
+    print(f"wrote {out}/profile.json", file=sys.stderr)
+    return 0
+
+
+def add_costmodel_parsers(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure the device's ceilings for the cost model (cached per device)",
+                       description="Measure copy bandwidth, matmul FLOP/s, kernel launch and CUDA-graph node "
+                                   "overhead; cache them under $SPECPILOT_CACHE/calibration/.")
+    c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    c.add_argument("--force", action="store_true", help="measure again even when cached")
+    c.set_defaults(func=cmd_calibrate)
+    p = sub.add_parser("profile", help="time a recipe's step phases against their floors; ranked gaps per agent",
+                       description="Measure step phases, top kernels and acceptance of a target under a recipe, "
+                                   "compare them with the cost model's floors and write DIR/profile.json with the "
+                                   "gaps ranked by end-to-end gain. The cost model's GPU validation table: "
+                                   "python -m specpilot.tools.costmodel_validate")
+    add_target_args(p)
+    p.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
+    p.add_argument("--limit", type=int, default=None, help="questions to decode (default: one batch)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="interleaved timed runs; the fastest of each is kept")
+    p.add_argument("--out", default=None, help="output directory (default: runs/profile-<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the profile JSON instead of the table")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_check(args) -> int:
+    from pathlib import Path
+
+    from .engine.errors import SpecPilotError
+    from .tools.gate import check
+
+    device = args.device or _default_device()
+    try:
+        report = check(args.target, args.recipe, args.workload, args.limit, args.max_new_tokens, device,
+                       args.dtype or ("bf16" if device.startswith("cuda") else "fp32"), Path(args.out),
+                       salt=args.salt, patch=args.patch, batch_size=args.batch_size, timeout_s=args.timeout,
+                       cache_dir=Path(args.cache_dir) if args.cache_dir else None)
+    except SpecPilotError:
+        raise
+    except Exception as e:  # the gate itself failed: exit 2 (no verdict), never 1, which means "the candidate failed"
+        raise SpecPilotError(f"check could not run: {type(e).__name__}: {e}") from e
+    print(report.summary())
+    return 0 if report.passed else 1
+
+
+def add_check_parser(sub) -> None:
+    c = sub.add_parser("check", help="token-forcing gate: does a recipe give the stock system's greedy tokens?",
+                       description="Compare a candidate recipe's greedy tokens with the stock system's (same engine, "
+                                   "AR, same dtype and device) on salted prompts, forcing the reference token at "
+                                   "numerical ties. Exit 0 pass, 1 fail, 2 error. Writes DIR/report.json and "
+                                   "DIR/summary.txt (docs/GATE.md).")
+    add_target_args(c)
+    c.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
+    c.add_argument("--limit", type=int, default=None, help="first K questions")
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--salt", default=None, help="nonce in the prompts' system turn (default: a fresh one)")
+    c.add_argument("--patch", default=None, help="Python file the candidate process runs before decoding")
+    c.add_argument("--batch-size", type=int, default=None, help="overrides the recipe's batch.max_batch_size")
+    c.add_argument("--timeout", type=float, default=600.0, help="seconds the gate waits on the candidate in all")
+    c.add_argument("--cache-dir", default=None, help="reference cache (default: $SPECPILOT_CACHE/gate)")
+    c.add_argument("--out", required=True, help="output directory for report.json and summary.txt")
+    c.set_defaults(func=cmd_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpilot", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -64,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+    add_bench_parser(sub)
+    add_costmodel_parsers(sub)
+    add_check_parser(sub)
     return parser
 
 
@@ -72,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # recorded by bench in its results header
     if "--debug" in (argv if argv is not None else sys.argv[1:]):
         args.debug = True
     try:

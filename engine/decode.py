@@ -89,13 +89,13 @@ class Decoder:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
         self.model, self.drafter, self.k = model, drafter, k
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        # Compiling fuses each layer's norms, rotary embedding and activations, and the drafter's and acceptance's
-        # many small ops, into few kernels. Layers are compiled as one function shared by all of them (seconds,
-        # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         self.ops = resolve_kernels(kernels)
         # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
         # math version would materialize a [B, heads, T, S] score tensor).
         self.prefill_ops = self.ops._replace(attention=attention_sdpa)
+        # Compiling fuses each layer's norms, rotary embedding and activations, and the drafter's and acceptance's
+        # many small ops, into few kernels. Layers are compiled as one function shared by all of them (seconds,
+        # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         compile = compile and model.device.type == "cuda"
         self.layer_fn = compiled(Block.forward, compile_mode) if compile else Block.forward
         self._finish = compiled(_finish_step) if compile else _finish_step
@@ -107,6 +107,13 @@ class Decoder:
         self._cache: KVCache | None = None
         self._graphs: dict = {}
         self.last_stats = BatchStats()
+        # Profiling hook (specpilot.tools.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
+        # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
+        self.phase_timer = None
+
+    def _mark(self, point: str) -> None:
+        if self.phase_timer is not None:
+            self.phase_timer.mark(point)
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
@@ -114,25 +121,29 @@ class Decoder:
         last = st.history.gather(1, (st.lengths - 1)[:, None])
         if k:
             prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
+            self._mark("draft")
             inputs = torch.cat([last, prop.tokens], 1)
         else:
             inputs = last
         positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
         logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
+        self._mark("verify")
         valid = prop.valid if k else torch.zeros_like(st.lengths)
         if sampling.greedy:
-            n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits, self.ops.accept)
+            n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
+                                 self.ops.accept)
         else:
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if k else None, logits, sampling,
                                            generator)
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
         if k:
             self.drafter.update(n_acc)
+        self._mark("bookkeeping")
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
         if not sampling.greedy:
             return self._step(st, sampling, generator)
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or self.phase_timer is not None:
             return self._step(st, sampling, None)
         key = (id(st), self.k)
         graph = self._graphs.get(key)
@@ -141,8 +152,32 @@ class Decoder:
             self._graphs = {key: graph}  # one batch's state at a time; older graphs release their pool
         graph.replay()
 
+    def time_graph_replay(self, replays: int = 20) -> float | None:
+        """Device seconds of one captured step: the last batch's graph replayed between CUDA events. The replays
+        append junk tokens; the lengths are put back, so the state is as before. None when no graph exists."""
+        if not self._graphs:
+            return None
+        graph, lengths = next(iter(self._graphs.values())), self._state.lengths.clone()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        self._state.lengths.copy_(lengths)
+        return start.elapsed_time(end) / 1e3 / replays
+
+    def replay_once(self) -> None:
+        """Replay the last captured step once (for a profiler trace); the lengths are put back afterwards."""
+        graph, lengths = next(iter(self._graphs.values())), self._state.lengths.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        self._state.lengths.copy_(lengths)
+
     def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int):
         """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
+        self._mark("begin")
         self._run_step(st, sampling, generator)
         if st.out.device.type != "cuda":
             return st.out.clone(), None
@@ -236,7 +271,9 @@ class Decoder:
                 # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
                 # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
                 ahead = self._launch(st, sampling, generator, stats.steps + 1) if self.overlap else None
+                self._mark("sync")
                 out = self._read(pending)  # the step's one host sync
+                self._mark("synced")
                 now = time.perf_counter() - t0
                 stats.steps += 1
                 changed = False
@@ -249,6 +286,7 @@ class Decoder:
                         active[b], changed = False, True
                 if changed:
                     st.active.copy_(torch.tensor(active))
+                self._mark("end")
                 if not any(active):
                     break
                 pending = ahead or self._launch(st, sampling, generator, stats.steps)

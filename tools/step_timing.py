@@ -22,17 +22,6 @@ RECIPES = {"ar": {}, "ngram-k4": {"drafter": {"kind": "ngram"}, "k": 4}}
 PROMPT = "Write a Python function that checks whether a number is prime, with tests."
 
 
-def event_ms(fn, n: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
@@ -51,13 +40,9 @@ def main(argv=None) -> None:
                 first_s = time.perf_counter() - t
                 rows = engine.generate(prompts, args.max_new_tokens, ignore_eos=True)
                 stats, dec = engine.decoder.last_stats, engine.decoder
-                graph = next(iter(dec._graphs.values()))
-                lengths = dec._state.lengths.clone()
-                replay_ms = event_ms(graph.replay, 40)
-                dec._state.lengths.copy_(lengths)  # replays appended junk tokens; put the lengths back
+                replay_ms = dec.time_graph_replay(40) * 1e3
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    graph.replay()
-                    torch.cuda.synchronize()
+                    dec.replay_once()
                 kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
                 tokens = sum(len(r.tokens) for r in rows)
                 tau = sum(r.mean_accepted for r in rows) / B

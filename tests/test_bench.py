@@ -1,0 +1,193 @@
+"""`specpilot bench`: results.json validates against its schema and is self-consistent; bad input fails clearly.
+
+Two real runs through the CLI: a tiny random Llama with SmolLM2's vocabulary and tokenizer (every system including
+the HF baselines, a multi-turn workload), and SmolLM2-135M itself (ar and stock). CPU timings here are noise; only
+the arithmetic between the reported numbers is checked, never a speed.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import SMOLLM2_VOCAB, build_tiny_hf
+from specpilot import cli
+from specpilot.engine.workloads import Question
+from specpilot.tools.bench_metrics import accepted_histogram, token_latencies
+from specpilot.tools.bench_prompts import build_requests, conversation, encode_conversation
+from specpilot.tools.bench_report import PLOTS
+
+SCHEMA = json.loads((Path(cli.__file__).parent / "tools" / "bench_schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2):
+    return smollm2[0].tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_smol_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A random 2-layer Llama (hidden 64) with SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
+    model = build_tiny_hf("LlamaConfig", seed=3, std=0.2, vocab_size=SMOLLM2_VOCAB, hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
+                          eos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("tiny-smol")
+    model.save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path
+
+
+def bench(out: Path, *args: str) -> dict:
+    assert cli.main(["bench", *args, "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def check_consistent(results: dict) -> None:
+    """Schema, and every derived number recomputed from the numbers it derives from."""
+    jsonschema.validate(results, SCHEMA, cls=jsonschema.Draft202012Validator)
+    runs = {(r["system"], r["workload"], r["batch_size"]): r for r in results["runs"]}
+    for (system, workload, b), run in runs.items():
+        assert run["tokens"] / run["seconds"] == pytest.approx(run["tokens_per_s"], rel=1e-9)
+        ar = runs[("ar", workload, b)]
+        assert run["speedup_vs_ar"] == pytest.approx(run["tokens_per_s"] / ar["tokens_per_s"], rel=1e-9)
+        hist = run["accepted_histogram"]
+        assert len(hist) == run["draft_tokens"] + 1
+        if sum(hist):
+            tau = sum((a + 1) * c for a, c in enumerate(hist)) / sum(hist)
+            assert run["mean_accepted"] == pytest.approx(tau, rel=1e-9)
+        assert sum(run["finish_reasons"].values()) == run["requests"]
+        assert run["p50_token_ms"] <= run["p99_token_ms"]
+        assert run["ttft_ms"] <= run["p99_request_ms"]
+    assert all(runs[("ar", w, b)]["identical_to_ar"] == 1.0 for _, w, b in runs)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_smol_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-tiny")
+    recipe = tmp / "ngram-k2.json"  # named like a built-in on purpose: the bench must rename it
+    recipe.write_text(json.dumps({"name": "stock", "drafter": {"kind": "ngram"}, "k": 2}))
+    out = tmp / "out"
+    results = bench(out, "--target", str(tiny_smol_dir), "--workload", "chat,code", "--limit", "2",
+                    "--batch-sizes", "1,2,3", "--max-new-tokens", "8", "--baselines", "hf",
+                    "--recipe", str(recipe), "--recipe", "stock")
+    return out, results
+
+
+def test_tiny_bench_is_consistent(tiny_run):
+    _, results = tiny_run
+    check_consistent(results)
+    systems = {r["system"] for r in results["runs"]}
+    assert systems == {"ar", "stock", "stock-2", "hf-static", "hf-prompt-lookup"}
+    chat = [r for r in results["runs"] if r["workload"] == "chat" and r["system"] == "ar"]
+    assert all(r["requests"] == 4 for r in chat)  # two questions of two turns each
+
+
+def test_tiny_bench_lossless_systems_match_ar(tiny_run):
+    _, results = tiny_run
+    for run in results["runs"]:
+        if run["system"] in ("ar", "stock", "stock-2"):  # fp32 and greedy: speculation must not change a token
+            assert run["identical_to_ar"] == 1.0, run
+
+
+def test_tiny_bench_records_errors_and_goes_on(tiny_run):
+    _, results = tiny_run
+    cells = {(r["system"], r["workload"], r["batch_size"]) for r in results["runs"]}
+    errors = {(e["system"], e["workload"], e["batch_size"]): e["message"] for e in results["errors"]}
+    for workload in ("chat", "code"):
+        assert ("hf-prompt-lookup", workload, 1) in cells
+        assert ("hf-prompt-lookup", workload, 2) not in cells
+        assert "batch size 1 only" in errors[("hf-prompt-lookup", workload, 2)]
+    # code has 2 requests: batch size 3 is skipped with both numbers named; chat (4 requests) runs at 3, as a
+    # batch of 3 and a batch of 1
+    assert "size 3" in errors[(None, "code", 3)] and "2 requests" in errors[(None, "code", 3)]
+    assert not any(c[1:] == ("code", 3) for c in cells)
+    chat3 = [r for r in results["runs"] if r["workload"] == "chat" and r["batch_size"] == 3]
+    assert {r["system"] for r in chat3} == {"ar", "stock", "stock-2", "hf-static"}
+    assert all(r["batches"] == 2 and r["requests"] == 4 for r in chat3)
+
+
+def test_tiny_bench_writes_report_and_plots(tiny_run):
+    out, results = tiny_run
+    report = (out / "report.md").read_text()
+    assert "## chat" in report and "## code" in report and "batch size 1 only" in report
+    for name in PLOTS:
+        assert (out / name).stat().st_size > 0
+    head = results["header"]
+    assert head["command"].startswith("specpilot bench --target")
+    assert head["torch"] and head["transformers"] and head["device"] == "cpu"
+
+
+def test_smollm2_bench(tmp_path):
+    results = bench(tmp_path, "--workload", "code", "--limit", "2", "--batch-sizes", "1", "--max-new-tokens", "16")
+    check_consistent(results)
+    runs = {r["system"]: r for r in results["runs"]}
+    assert set(runs) == {"ar", "stock"}
+    assert runs["stock"]["mean_accepted"] >= 1.0
+    assert runs["stock"]["identical_to_ar"] == 1.0
+
+
+@pytest.mark.parametrize("broken", ["load", "decode"])
+def test_failing_hf_baseline_costs_only_itself(tiny_smol_dir, tmp_path, monkeypatch, broken):
+    from specpilot.tools import bench as bench_module
+    from specpilot.tools import hf_baselines
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no such kernel for this architecture")
+
+    if broken == "load":
+        monkeypatch.setattr(bench_module, "load_hf_model", fail)
+    else:
+        monkeypatch.setattr(hf_baselines.HFSystem, "decode", fail)
+    results = bench(tmp_path, "--target", str(tiny_smol_dir), "--workload", "math", "--limit", "1",
+                    "--max-new-tokens", "4", "--baselines", "hf")
+    check_consistent(results)
+    assert {r["system"] for r in results["runs"]} == {"ar", "stock"}
+    failed = {e["system"] for e in results["errors"] if "no such kernel" in e["message"]}
+    assert failed == {"hf-static", "hf-prompt-lookup"}
+    if broken == "load":
+        assert all("cannot run on this target" in e["message"] for e in results["errors"])
+
+
+def test_turn_prompts_carry_the_first_answer(smol_tokenizer):
+    questions = [Question("a", "chat", ("first question?", "follow-up?", "third?")), Question("b", "chat", ("only",))]
+    asked = []
+
+    def answer(prompts):
+        asked.append(prompts)
+        return [f"ANSWER-{len(asked)}-{i}" for i in range(len(prompts))]
+
+    requests = build_requests(questions, smol_tokenizer, answer)
+    assert [(r.question_id, r.turn) for r in requests] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    assert [len(p) for p in asked] == [1, 1]  # only turns that have a following turn are answered
+    assert requests[0].prompt == encode_conversation(smol_tokenizer, [{"role": "user", "content": "first question?"}])
+    second, third = (smol_tokenizer.decode(r.prompt) for r in requests[1:3])
+    assert "ANSWER-1-0" in second and second.index("first question?") < second.index("ANSWER-1-0") < \
+        second.index("follow-up?")
+    assert "ANSWER-1-0" in third and "ANSWER-2-0" in third
+    assert conversation(("x", "y"), ["ax"])[1] == {"role": "assistant", "content": "ax"}
+
+
+def test_latency_and_acceptance_arithmetic():
+    # two tokens from prefill at 1 s, one at 2 s, two sharing a step at 4 s: gaps 1, then 2 / 2 each
+    assert token_latencies([1.0, 1.0, 2.0, 4.0, 4.0]) == [1.0, 1.0, 1.0]
+    assert accepted_histogram([[0, 2, 2], [1]], 2) == [1, 1, 2]
+
+
+def test_unknown_workload_fails_before_loading(capsys):
+    code = cli.main(["bench", "--target", "/no/such/model", "--workload", "code,no-such-workload"])
+    err = capsys.readouterr().err
+    assert code != 0 and "specpilot: error:" in err and "no-such-workload" in err and "model" not in err
+
+
+@pytest.mark.parametrize("lines, expected", [
+    (['{"turns": ["fine"]}', '{"turns": ["broken"'], "line 2"),
+    ([], "empty"),
+])
+def test_bad_workload_file_names_the_problem(tmp_path, capsys, lines, expected):
+    path = tmp_path / "questions.jsonl"
+    path.write_text("\n".join(lines))
+    code = cli.main(["bench", "--target", "/no/such/model", "--workload", str(path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code != 0 and expected in err and err.count("\n") == 1

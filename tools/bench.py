@@ -1,0 +1,195 @@
+"""`specpilot bench`: every system side by side in one process, on the same prompts, in alternating order.
+
+Systems: the same engine's AR (`ar`, the reference), the `stock` recipe, each `--recipe`, and with `--baselines hf`
+HF transformers (hf_baselines.py). For each workload and batch size (a cell) the requests are split in order into
+batches; every system first decodes a warm-up (not counted), then each batch is decoded by every system in an order
+rotated per batch, so that drift (clocks, caches, other load) hits all systems alike. A system that fails in a cell
+becomes an error entry; the others are still measured. results.json is rewritten after every cell.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..engine import loader
+from ..engine.errors import SpecPilotError
+from ..engine.recipe import BUILTIN as BUILTIN_RECIPES
+from ..engine.recipe import Recipe, load_recipe
+from ..engine.workloads import Question, load_workload
+from . import bench_report
+from .bench_env import header
+from .bench_metrics import compare_to_ar, summarize
+from .bench_prompts import BenchRequest, build_requests
+from .bench_systems import BatchRun, BenchSkip, EngineSystem, System, memory_kind
+from .hf_baselines import HF_SYSTEMS, HFSystem, load_hf_model
+
+SCHEMA = "specpilot-bench/1"
+BASELINES = ("hf", "none")
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecPilotError(f"--batch-sizes {text!r}: expected comma-separated positive integers") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise SpecPilotError(f"--batch-sizes {text!r}: expected comma-separated positive integers")
+    return list(dict.fromkeys(sizes))
+
+
+def load_workloads(text: str, limit: int | None) -> dict[str, list[Question]]:
+    """Every workload's questions, read before any model is loaded so that bad input fails at once."""
+    specs = [w.strip() for w in text.split(",") if w.strip()]
+    if not specs:
+        raise SpecPilotError("--workload: no workload given")
+    return {spec: load_workload(spec, limit) for spec in dict.fromkeys(specs)}
+
+
+def recipes_to_measure(specs: list[str]) -> list[tuple[str, Recipe]]:
+    """(system name, recipe): ar and stock always, then each --recipe; a repeated name gets a numeric suffix."""
+    chosen = [("ar", load_recipe("ar")), ("stock", load_recipe("stock"))]
+    for spec in specs:
+        if spec in BUILTIN_RECIPES:  # ar and stock are measured anyway
+            continue
+        recipe = load_recipe(spec)
+        names = {name for name, _ in chosen}
+        name, n = recipe.name, 2
+        while name in names:
+            name, n = f"{recipe.name}-{n}", n + 1
+        chosen.append((name, recipe))
+    return chosen
+
+
+class Bench:
+    def __init__(self, args, out: Path, head: dict):
+        self.args, self.out = args, out
+        self.results = {"schema": SCHEMA, "header": head, "runs": [], "errors": []}
+
+    def error(self, system: str | None, workload: str | None, batch_size: int | None, message: str) -> None:
+        self.results["errors"].append({"system": system, "workload": workload, "batch_size": batch_size,
+                                       "message": message})
+        print(f"specpilot: warning: {message}", file=sys.stderr)
+
+    def write(self) -> None:
+        """Atomic rewrite, so that an interrupted run leaves the last complete file."""
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1) + "\n")
+        os.replace(tmp, self.out / "results.json")
+
+    def _try(self, system: System, workload: str, batch_size: int, prompts: list[list[int]]) -> BatchRun | None:
+        try:
+            return system.run(prompts, self.args.max_new_tokens, self.args.ignore_eos)
+        except BenchSkip as e:
+            self.error(system.name, workload, batch_size, str(e))
+        except Exception as e:  # one broken system must not cost the others their measurements
+            self.error(system.name, workload, batch_size, f"{system.name}: {type(e).__name__}: {e}")
+        return None
+
+    def measure_cell(self, systems: list[System], workload: str, batch_size: int, requests: list[BenchRequest],
+                     progress) -> None:
+        units = len(systems) * (1 + -(-len(requests) // batch_size) * self.args.repeats)
+        if batch_size > len(requests):
+            self.error(None, workload, batch_size, f"batch size {batch_size} is above the {len(requests)} "
+                       f"requests of workload {workload}: cell skipped")
+            progress.update(units)
+            self.write()
+            return
+        done_before = progress.n
+        prompts = [r.prompt for r in requests]
+        batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+        # Warm-up: compiles, captured graphs and caches for every batch shape of the cell (the last may be short).
+        warm = batches[:1] + (batches[-1:] if len(batches[-1]) != batch_size else [])
+        live = []
+        for s in systems:
+            progress.set_postfix_str(f"{workload} B={batch_size} {s.name} warm-up")
+            if all(self._try(s, workload, batch_size, b) is not None for b in warm):
+                live.append(s)
+            progress.update(1)
+        measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in batches] for s in live}
+        for i, batch in enumerate(batches):
+            for rep in range(self.args.repeats):
+                shift = (i * self.args.repeats + rep) % max(len(live), 1)
+                for s in live[shift:] + live[:shift]:
+                    if s.name in measured:
+                        progress.set_postfix_str(f"{workload} B={batch_size} {s.name}")
+                        run = self._try(s, workload, batch_size, batch)
+                        if run is None:
+                            del measured[s.name]  # a partial set of batches would not be comparable
+                        else:
+                            measured[s.name][i].append(run)
+                    progress.update(1)
+        progress.update(units - (progress.n - done_before))
+        self._add_runs(systems, workload, batch_size, measured)
+
+    def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]]) -> None:
+        # Per batch, the repeat of median time (the lower median for an even count), so that every figure of a
+        # run comes from one actual decode.
+        chosen = {name: [sorted(reps, key=lambda r: r.seconds)[(len(reps) - 1) // 2] for reps in per_batch]
+                  for name, per_batch in measured.items()}
+        ar_runs = chosen.get("ar")
+        cell = {}
+        for s in systems:
+            if s.name in chosen:
+                cell[s.name] = summarize(s.name, workload, batch_size, chosen[s.name], s.k, memory_kind(s.device),
+                                         s.device.type == "cpu", self.args.repeats)
+        for name, run in cell.items():
+            compare_to_ar(run, chosen[name], cell.get("ar"), ar_runs)
+        self.results["runs"] += cell.values()
+        self.write()
+
+
+def build_systems(bench: Bench, target, recipes: list[tuple[str, Recipe]], baselines: str) -> list[System]:
+    systems: list[System] = [EngineSystem(name, target, recipe) for name, recipe in recipes]
+    if baselines == "hf":
+        try:
+            hf_model = load_hf_model(target)
+        except Exception as e:  # e.g. an architecture HF cannot build from this directory
+            for name in HF_SYSTEMS:
+                bench.error(name, None, None, f"{name}: cannot run on this target: {type(e).__name__}: {e}")
+        else:
+            systems += [HFSystem(name, hf_model, target) for name in HF_SYSTEMS]
+    return systems
+
+
+def run_bench(args) -> int:
+    from tqdm import tqdm
+
+    # Everything the user typed is checked before the (slow) model load.
+    if args.baselines not in BASELINES:
+        raise SpecPilotError(f"--baselines {args.baselines!r}: expected one of {', '.join(BASELINES)}")
+    if args.max_new_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
+        raise SpecPilotError("--max-new-tokens, --repeats and --limit must be positive")
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    workloads = load_workloads(args.workload, args.limit)
+    recipes = recipes_to_measure(args.recipe or [])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"runs/bench-{stamp}")
+
+    target = loader.load(args.target, dtype, device)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args, out, header(args, target.model.device, dtype, list(workloads), batch_sizes))
+    systems = build_systems(bench, target, recipes, args.baselines)
+    reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
+    requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
+                for w, qs in workloads.items()}
+    total = sum(len(systems) * (1 + -(-len(rs) // b) * args.repeats) for rs in requests.values() for b in batch_sizes)
+    bench.write()
+    try:
+        with tqdm(total=total, desc="bench", unit="decode", file=sys.stderr,
+                  disable=not (args.progress or sys.stderr.isatty())) as progress:
+            for workload, reqs in requests.items():
+                for b in batch_sizes:
+                    bench.measure_cell(systems, workload, b, reqs, progress)
+    finally:
+        bench.write()
+        bench_report.write_report(out, bench.results)
+    print(bench_report.summary_text(bench.results))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots")
+    return 0

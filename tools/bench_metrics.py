@@ -1,0 +1,91 @@
+"""Turn one system's measured batches of one (workload, batch size) cell into the numbers of a results.json run.
+
+Definitions (docs/BENCH.md repeats them for readers of results.json):
+- tokens_per_s = generated tokens / wall seconds of the measured batches (prefill included).
+- mean_accepted (tau) = tokens emitted by verification steps / row-steps, each row-step emitting accepted + 1.
+- per-token latency: a row's gaps between successive token arrivals; the n tokens of one step share its gap
+  equally (gap / n each). The first token's wait is the time to first token, reported apart.
+- request latency: when a row's last token arrived, from the start of its batch.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from itertools import pairwise
+
+import numpy as np
+
+from .bench_systems import BatchRun
+
+QUANTILES = tuple(range(101))  # percentiles stored for latency CDFs
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def token_latencies(times: list[float]) -> list[float]:
+    """Per-token latencies (seconds) of one row, from its token arrival times."""
+    steps = sorted(Counter(times).items())  # (arrival time, tokens that arrived then)
+    out = []
+    for (prev, _), (now, count) in pairwise(steps):
+        out += [(now - prev) / count] * count
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def accepted_histogram(accepted: list[list[int]], k: int) -> list[int]:
+    counts = [0] * (k + 1)
+    for row in accepted:
+        for a in row:
+            counts[min(a, k)] += 1
+    return counts
+
+
+def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun], k: int, memory_kind: str,
+              device_is_cpu: bool, repeats: int) -> dict:
+    """A results.json run without the fields that need AR's run of the same cell (filled by compare_to_ar)."""
+    tokens = sum(len(row) for r in runs for row in r.tokens)
+    seconds = sum(r.seconds for r in runs)
+    cpu_seconds = sum(r.cpu_seconds for r in runs)
+    # One GPU is busy for the whole synchronized call; on CPU the busy time is what the process's threads used.
+    device_seconds = cpu_seconds if device_is_cpu else seconds
+    accepted = [row for r in runs for row in r.accepted]
+    row_steps = sum(len(row) for row in accepted)
+    histogram = accepted_histogram(accepted, k)
+    per_token = [x for r in runs for times in r.token_times for x in token_latencies(times)]
+    first = [times[0] for r in runs for times in r.token_times if times]
+    last = [times[-1] for r in runs for times in r.token_times if times]
+    return {
+        "system": system, "workload": workload, "batch_size": batch_size,
+        "requests": sum(len(r.tokens) for r in runs), "batches": len(runs), "repeats": repeats,
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "speedup_vs_ar": None,
+        "mean_accepted": (sum(map(sum, accepted)) + row_steps) / row_steps if row_steps else 1.0,
+        "draft_tokens": k,
+        "accepted_histogram": histogram,
+        "acceptance_by_position": [sum(histogram[i + 1:]) / row_steps if row_steps else 0.0 for i in range(k)],
+        "ttft_ms": _ms(_percentile(first, 50)),
+        "p50_token_ms": _ms(_percentile(per_token, 50)), "p99_token_ms": _ms(_percentile(per_token, 99)),
+        "p50_request_ms": _ms(_percentile(last, 50)), "p99_request_ms": _ms(_percentile(last, 99)),
+        "token_latency_quantiles_ms": [_ms(_percentile(per_token, q)) for q in QUANTILES] if per_token else [],
+        "peak_memory_bytes": max(r.peak_memory_bytes for r in runs), "memory_kind": memory_kind,
+        "device_seconds": device_seconds,
+        "tokens_per_device_s": tokens / device_seconds if device_seconds > 0 else None,
+        "identical_to_ar": None,
+        "finish_reasons": dict(Counter(f for r in runs for f in r.finish_reasons)),
+    }
+
+
+def compare_to_ar(run: dict, runs: list[BatchRun], ar_run: dict | None, ar_runs: list[BatchRun] | None) -> None:
+    """Fill speedup_vs_ar and identical_to_ar from AR's run of the same cell (left null when AR failed)."""
+    if ar_run is None or ar_runs is None:
+        return
+    if run["tokens_per_s"] is not None and ar_run["tokens_per_s"]:
+        run["speedup_vs_ar"] = run["tokens_per_s"] / ar_run["tokens_per_s"]
+    mine = [row for r in runs for row in r.tokens]
+    theirs = [row for r in ar_runs for row in r.tokens]
+    if len(mine) == len(theirs) and mine:
+        run["identical_to_ar"] = sum(a == b for a, b in zip(mine, theirs)) / len(mine)

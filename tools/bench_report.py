@@ -1,0 +1,165 @@
+"""report.md and the plots of a benchmark, from its results.json alone.
+
+    python -m specpilot.tools.bench_report DIR      # (re)write DIR/report.md and DIR/*.png from DIR/results.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PLOTS = ("speedup_vs_batch.png", "tau_histogram.png", "latency_cdf.png")
+# (heading, run key, format): one column of a workload's table
+COLUMNS = (("system", "system", "{}"), ("B", "batch_size", "{}"), ("requests", "requests", "{}"),
+           ("tok/s", "tokens_per_s", "{:,.1f}"), ("speedup", "speedup_vs_ar", "{:.2f}x"),
+           ("τ", "mean_accepted", "{:.2f}"), ("p50 tok ms", "p50_token_ms", "{:.2f}"),
+           ("p99 tok ms", "p99_token_ms", "{:.2f}"), ("TTFT ms", "ttft_ms", "{:.1f}"),
+           ("p50 req ms", "p50_request_ms", "{:.0f}"), ("p99 req ms", "p99_request_ms", "{:.0f}"),
+           ("=AR", "identical_to_ar", "{:.0%}"), ("peak MiB", "peak_memory_bytes", "{:,.0f}"))
+
+
+def _cell(run: dict, key: str, fmt: str) -> str:
+    value = run.get(key)
+    if value is None:
+        return "-"
+    return fmt.format(value / 2**20 if key == "peak_memory_bytes" else value)
+
+
+def workload_table(runs: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+             "|" + "|".join("---" if k in ("system",) else "---:" for _, k, _ in COLUMNS) + "|"]
+    for run in sorted(runs, key=lambda r: r["batch_size"]):  # stable: system order kept within a batch size
+        lines.append("| " + " | ".join(_cell(run, k, f) for _, k, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def _by_workload(results: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {w: [] for w in results["header"].get("workloads", [])}
+    for run in results["runs"]:
+        out.setdefault(run["workload"], []).append(run)
+    return out
+
+
+def summary_text(results: dict) -> str:
+    parts = []
+    for workload, runs in _by_workload(results).items():
+        if runs:
+            parts.append(f"workload {workload}\n{workload_table(runs)}")
+    return "\n\n".join(parts) or "no runs measured"
+
+
+def markdown(results: dict) -> str:
+    h = results["header"]
+    commit = h.get("git_commit") or "unknown"
+    if h.get("git_dirty"):
+        commit += " (with uncommitted changes)"
+    memory = {r["memory_kind"] for r in results["runs"]}
+    lines = [
+        "# SpecPilot benchmark", "",
+        f"`{h.get('command')}`", "",
+        f"- date: {h.get('date')}; git commit: {commit}",
+        f"- target: {h.get('target')} ({h.get('dtype')}) on {h.get('device')}: {h.get('device_name')}"
+        + (f", driver {h['driver']}" if h.get("driver") else ""),
+        (f"- specpilot {h.get('specpilot')}, torch {h.get('torch')}, transformers {h.get('transformers')}, "
+         f"triton {h.get('triton') or 'not installed'}"),
+        (f"- max new tokens {h.get('max_new_tokens')} ({'EOS ignored' if h.get('ignore_eos') else 'stop at EOS'}), "
+         f"repeats {h.get('repeats')} (median), questions per workload: {h.get('limit') or 'all'}"),
+        ("- speedup and =AR (share of requests token-identical to AR) are against this engine's AR in the same cell; "
+         "τ is the mean tokens per verification step; peak memory is "
+         + (" / ".join(sorted(memory)) or "-") + " (see docs/BENCH.md)"), "",
+    ]
+    for workload, runs in _by_workload(results).items():
+        lines += [f"## {workload}", "", workload_table(runs) if runs else "no runs measured", ""]
+    lines += ["## Errors", ""]
+    for e in results["errors"]:
+        where = ", ".join(f"{k} {e[k]}" for k in ("system", "workload", "batch_size") if e[k] is not None)
+        lines.append(f"- {where or 'bench'}: {e['message']}")
+    if not results["errors"]:
+        lines.append("none")
+    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
+    return "\n".join(lines)
+
+
+def _systems(runs: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["system"] for r in runs))
+
+
+def _axes(plt, count: int, title: str):
+    fig, axes = plt.subplots(1, max(count, 1), figsize=(4.5 * max(count, 1), 3.6), squeeze=False)
+    fig.suptitle(title)
+    return fig, axes[0]
+
+
+def plot_speedup(plt, results: dict, path: Path) -> None:
+    workloads = {w: rs for w, rs in _by_workload(results).items() if rs}
+    fig, axes = _axes(plt, len(workloads), "Speedup over the same engine's AR")
+    for ax, (workload, runs) in zip(axes, workloads.items()):
+        for system in _systems(runs):
+            pts = sorted((r["batch_size"], r["speedup_vs_ar"]) for r in runs
+                         if r["system"] == system and r["speedup_vs_ar"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=system)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(title=workload, xlabel="batch size", ylabel="speedup vs AR")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_tau(plt, results: dict, path: Path) -> None:
+    """Share of verification steps that accepted 0..k drafts, per speculative system, all cells pooled."""
+    fig, [ax] = _axes(plt, 1, "Accepted drafts per verification step (all cells)")
+    spec = [r for r in results["runs"] if r["draft_tokens"] > 0 and sum(r["accepted_histogram"])]
+    systems = _systems(spec)
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        runs = [r for r in spec if r["system"] == system]
+        counts = [sum(r["accepted_histogram"][a] for r in runs) for a in range(runs[0]["draft_tokens"] + 1)]
+        tau = sum(c * (a + 1) for a, c in enumerate(counts)) / sum(counts)
+        ax.bar([a + i * width for a in range(len(counts))], [c / sum(counts) for c in counts], width,
+               label=f"{system} (τ={tau:.2f})")
+    if not systems:
+        ax.text(0.5, 0.5, "no speculative system measured", ha="center", va="center", transform=ax.transAxes)
+    ax.set(xlabel="drafts accepted", ylabel="share of steps")
+    if systems:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_latency_cdf(plt, results: dict, path: Path) -> None:
+    """Per-token latency CDF per system at the smallest batch size measured."""
+    runs = [r for r in results["runs"] if r["token_latency_quantiles_ms"]]
+    smallest = min((r["batch_size"] for r in runs), default=None)
+    workloads = list(dict.fromkeys(r["workload"] for r in runs if r["batch_size"] == smallest))
+    fig, axes = _axes(plt, len(workloads), f"Per-token latency CDF, batch size {smallest}")
+    for ax, workload in zip(axes, workloads):
+        for r in runs:
+            if r["workload"] == workload and r["batch_size"] == smallest:
+                qs = r["token_latency_quantiles_ms"]
+                ax.plot(qs, [i / (len(qs) - 1) for i in range(len(qs))], label=r["system"])
+        ax.set(title=workload, xlabel="ms per token", ylabel="share of tokens")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write_report(out: Path, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    (out / "report.md").write_text(markdown(results))
+    for name, plot in zip(PLOTS, (plot_speedup, plot_tau, plot_latency_cdf)):
+        plot(plt, results, out / name)
+        plt.close("all")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m specpilot.tools.bench_report DIR (a bench output directory with results.json)")
+    directory = Path(sys.argv[1])
+    write_report(directory, json.loads((directory / "results.json").read_text()))
+    print(f"wrote {directory / 'report.md'} and {', '.join(PLOTS)}")

@@ -1,0 +1,101 @@
+"""The systems a benchmark compares, behind one interface: decode a batch of prompts, report what happened when.
+
+Every system is timed the same way (`measured`): device synchronized before and after, wall clock around the whole
+call (prefill, decoding, host work), process CPU time, and peak memory. Our engine runs each recipe; the HF
+baselines live in hf_baselines.py.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.engine import Engine
+from ..engine.loader import LoadedModel
+from ..engine.recipe import Recipe
+
+
+@dataclass
+class BatchRun:
+    """One measured decode of one batch by one system."""
+
+    tokens: list[list[int]]  # per row, the generated tokens (EOS included when it stopped the row)
+    token_times: list[list[float]]  # per row, seconds from the call's start at which each token arrived
+    accepted: list[list[int]]  # per row, drafts accepted at each verification step (0 for plain AR steps)
+    finish_reasons: list[str]  # per row: eos, length
+    seconds: float = 0.0  # wall time of the whole call, device synchronized
+    cpu_seconds: float = 0.0  # process CPU time of the call (all threads)
+    peak_memory_bytes: int = 0
+
+
+class BenchSkip(Exception):
+    """A system that cannot run a cell by design (not a failure of the system): recorded as an error entry."""
+
+
+class System:
+    name: str
+    device: torch.device
+    k: int = 0  # most drafts verified per step: the accepted-count histogram has k + 1 bins
+
+    def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
+        raise NotImplementedError
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
+        return measured(lambda: self.decode(prompts, max_new_tokens, ignore_eos), self.device)
+
+
+def memory_kind(device: torch.device) -> str:
+    return "gpu_allocated" if device.type == "cuda" else "process_rss"
+
+
+def _peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
+
+
+def measured(call, device: torch.device) -> BatchRun:
+    """Run `call` (which returns a BatchRun with tokens filled in) and fill in its time and memory."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    run = call()
+    if cuda:
+        torch.cuda.synchronize(device)
+    run.seconds = time.perf_counter() - t0
+    run.cpu_seconds = time.process_time() - cpu0
+    # On CPU the peak RSS cannot be reset: it is the process's peak so far (models of every system included).
+    run.peak_memory_bytes = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+    return run
+
+
+class EngineSystem(System):
+    """Our engine under one recipe, on the shared loaded target."""
+
+    def __init__(self, name: str, target: LoadedModel, recipe: Recipe):
+        self.name, self.engine, self.k = name, Engine(target, recipe), recipe.k
+        self.device = target.model.device
+        self.eos = set(target.eos_token_ids)
+
+    def decode(self, prompts, max_new_tokens, ignore_eos) -> BatchRun:
+        # Split as the engine would at its recipe's max_batch_size, but decode each part here so that its token
+        # times can be put on the one clock of this call (the engine's restart at each part).
+        size = self.engine.recipe.batch.max_batch_size
+        t0 = time.perf_counter()
+        run = BatchRun([], [], [], [])
+        for i in range(0, len(prompts), size):
+            offset = time.perf_counter() - t0
+            for row in self.engine.generate(prompts[i: i + size], max_new_tokens, ignore_eos=ignore_eos):
+                run.tokens.append(row.tokens)
+                run.token_times.append([offset + t for t in row.token_times])
+                run.accepted.append(row.accepted)
+                run.finish_reasons.append(row.finish_reason)
+        return run
+
+    def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+        """Greedy answer texts, stopping at EOS: the assistant turns of multi-turn prompts."""
+        return [row.text for row in self.engine.generate(prompts, max_new_tokens)]

@@ -1,0 +1,192 @@
+"""Measure a device's ceilings for the cost model and cache them per device name.
+
+    specpilot calibrate [--device cuda|cpu] [--force]
+
+What is measured (docs/COSTMODEL.md):
+- copy bandwidth: a large device copy, bytes read + written per second (fastest of 7 timed copies);
+- matmul rate: a large square matmul, FLOP/s (bf16 on CUDA; fp32 on CPU, where bf16 has no fast path);
+- launch: one tiny kernel launched eagerly, host-timed over many (CPU: the per-op overhead of a tiny torch op);
+- graph node: one tiny kernel as a node of a replayed CUDA graph of many (CPU: = launch);
+- GEMM node: one tiny GEMM as a graph node, the least a GEMM kernel costs (CPU: a tiny matmul op).
+The cache is $SPECPILOT_CACHE/calibration/<device name slug>.json; the CPU calibration takes about a second.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.loader import cache_root
+from .costmodel import DeviceCeilings
+
+CALIBRATION_VERSION = 1
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine() or 'cpu'} x{os.cpu_count()}"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def cache_path(name: str) -> Path:
+    return cache_root() / "calibration" / f"{slug(name)}.json"
+
+
+def _timer(device: str):
+    """seconds(fn, n): mean time of fn() over n calls (CUDA: events; CPU: perf_counter), after one warm-up call."""
+    cuda = device.startswith("cuda")
+
+    def seconds(fn, n: int) -> float:
+        fn()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3 / n
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n
+
+    return seconds
+
+
+def _best(seconds, fn, n: int, repeats: int) -> float:
+    """The fastest of `repeats` timings: other work sharing the machine only ever adds time."""
+    return min(seconds(fn, n) for _ in range(repeats))
+
+
+def copy_bandwidth(device: str) -> float:
+    n = 1 << 30 if device.startswith("cuda") else 1 << 26
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    a.random_() if device.startswith("cuda") else a.fill_(7)  # random_ is slow on a CPU; a copy ignores values
+    b = torch.empty_like(a)
+    return 2 * n / _best(_timer(device), lambda: b.copy_(a), 1, 7)
+
+
+def matmul_rate(device: str) -> tuple[float, str]:
+    cuda = device.startswith("cuda")
+    n, dtype = (8192, torch.bfloat16) if cuda else (768, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n ** 3 / _best(_timer(device), lambda: a @ b, 3 if cuda else 2, 5), str(dtype).split(".")[-1]
+
+
+def launch_overhead(device: str) -> float:
+    """Host time per tiny kernel launched eagerly (the device cannot be the bottleneck: each does nothing)."""
+    x = torch.zeros(1, device=device)
+    n = 2000
+    for _ in range(100):
+        x.add_(1)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = []
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        sync()
+        times.append((time.perf_counter() - t) / n)
+    return min(times)
+
+
+def graph_node(device: str, gemm: bool) -> float:
+    """Per-node time of a replayed CUDA graph of tiny kernels (or tiny GEMMs)."""
+    n = 500
+    x = torch.randn(1, 256, device=device, dtype=torch.bfloat16)
+    ws = [torch.randn(256, 256, device=device, dtype=torch.bfloat16) for _ in range(8)]
+    y = torch.zeros(1, device=device)
+
+    def body():
+        for i in range(n):
+            F.linear(x, ws[i % len(ws)]) if gemm else y.add_(1)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return _best(_timer(device), graph.replay, 10, 5) / n
+
+
+def tiny_gemm_cpu() -> float:
+    """One thread: a tiny matmul never gains from more, and a busy machine can stall a thread pool for ms."""
+    x, w = torch.randn(1, 256), torch.randn(256, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _best(_timer("cpu"), lambda: F.linear(x, w), 200, 5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
+    """The ceilings of `device`, and notes on how they were measured."""
+    name = device_name(device)
+    bw = copy_bandwidth(device)
+    rate, mm_dtype = matmul_rate(device)
+    launch = launch_overhead(device)
+    if device.startswith("cuda"):
+        node, gemm = graph_node(device, False), graph_node(device, True)
+    else:
+        node, gemm = launch, tiny_gemm_cpu()
+    notes = {"device": device, "matmul_dtype": mm_dtype, "torch": torch.__version__,
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "version": CALIBRATION_VERSION,
+             "graphs": device.startswith("cuda")}
+    return DeviceCeilings(name, bw, rate, launch, node, gemm), notes
+
+
+def load_or_measure(device: str = "cpu", force: bool = False) -> DeviceCeilings:
+    """The cached ceilings of this device, measuring (and caching) them when absent, stale or forced."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from ..engine.errors import SpecPilotError
+
+        raise SpecPilotError(f"device {device!r} was asked for but CUDA is not available on this machine")
+    path = cache_path(device_name(device))
+    if path.is_file() and not force:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("notes", {}).get("version") == CALIBRATION_VERSION:
+                return DeviceCeilings(**{f.name: data["ceilings"][f.name] for f in fields(DeviceCeilings)})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # unreadable: measure again
+    ceilings, notes = measure(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"ceilings": asdict(ceilings), "notes": notes}, indent=2) + "\n")
+    os.replace(tmp, path)
+    return ceilings
+
+
+def describe(c: DeviceCeilings) -> str:
+    return "\n".join([
+        f"device            {c.name}",
+        f"copy bandwidth    {c.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write)",
+        f"matmul rate       {c.matmul_flops_per_s / 1e12:,.2f} TFLOP/s",
+        f"launch            {c.launch_s * 1e6:.2f} us per eager kernel",
+        f"graph node        {c.graph_node_s * 1e6:.2f} us per node",
+        f"GEMM node         {(c.gemm_node_s or c.graph_node_s) * 1e6:.2f} us per tiny GEMM",
+    ])

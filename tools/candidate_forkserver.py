@@ -1,0 +1,110 @@
+"""A fork server for candidate workers: imports torch and transformers once, then forks a fresh worker per request.
+
+    python -m specpilot.tools.candidate_forkserver FD
+
+Started by the gate (tools/candidate_client.py) with a scrubbed environment and one end of a Unix datagram socket
+pair as FD. Requests are JSON datagrams:
+
+    {"spawn": [worker args], "cwd": DIR, "env": {...}, "stderr": FILE}  + two file descriptors (stdin, stdout)
+        -> {"pid": N}: a forked child with those as fd 0 and 1, FILE as fd 2, DIR as cwd and exactly `env`, running
+           candidate_worker.main(worker args): the same worker `python -m specpilot.tools.candidate_worker` runs
+    {"release": N, "grace": S}
+        -> {"status": exit status, negative for a signal}: waits up to S seconds for child N to exit, kills it if
+           it has not, and reaps it. Children are reaped only here, so a pid the gate holds is never reused.
+
+Forking from this process (which has run no torch operation, so no thread pool exists) rather than from the gate
+(which has) is what makes forking safe. The server exits when the gate closes its end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+PRELOAD = ["torch", "transformers", "specpilot.engine.engine", "specpilot.tools.candidate_worker",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           *[f"transformers.models.{a}.modeling_{a}" for a in ("llama", "mistral", "qwen2", "qwen3")]]
+
+
+def _child(req: dict, fds: list[int]) -> None:
+    code = 1
+    try:
+        err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        os.dup2(err, 2)
+        for fd in (*fds, err):
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.stdin = open(0, closefd=False)
+        sys.argv = ["candidate_worker", *req["spawn"]]  # as `python -m specpilot.tools.candidate_worker ...` sees it
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        from specpilot.tools import candidate_worker
+
+        code = candidate_worker.main(req["spawn"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def _release(pid: int, grace: float) -> int:
+    deadline = time.monotonic() + grace
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    return os.waitstatus_to_exitcode(status)
+
+
+def serve(sock: socket.socket) -> None:
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        except OSError:
+            return
+        if not data:
+            return
+        req = json.loads(data)
+        if "spawn" in req:
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _child(req, fds)
+            for fd in fds:
+                os.close(fd)
+            reply = {"pid": pid}
+        else:
+            try:
+                reply = {"status": _release(int(req["release"]), float(req.get("grace", 0)))}
+            except ChildProcessError:
+                reply = {"status": None}
+        sock.send(json.dumps(reply).encode())
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,314 @@
+"""The cost model of one decoding step: pure functions from a deployment and the device's ceilings to predicted
+phase times, expected tokens per step, speedup, floors and gaps. Nothing here touches a device.
+
+A step is draft + verify (one target forward over k+1 tokens per row) + bookkeeping (acceptance, history). Every
+forward is a list of kernels, and each kernel costs the largest of its three limits:
+
+    t_kernel = max(floor, bytes / copy_bandwidth, flops / matmul_rate)
+    floor    = per-node time of a CUDA graph (gemm_node_s for a GEMM, graph_node_s otherwise) when graphed,
+               max(launch_s, that) when launched eagerly
+
+and a forward's time is the sum over its kernels. Summing per-kernel maxima (rather than taking one max over the
+whole forward) is what makes small-batch steps come out launch-bound, as measured: a decode GEMV's bytes take
+well under its node floor, so the step costs ~kernels x floor, while a large-batch verify turns the big GEMMs
+memory- or compute-bound one at a time. docs/COSTMODEL.md has the derivation and the byte and FLOP counts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+# Kernel counts of a compiled step when none are given, from the structure of our engine (a count, not a time):
+# per layer 4 GEMMs, 3 attention kernels (math: 2 batched GEMMs and a fused softmax) and ~6 fused elementwise
+# kernels; per forward embedding, rotary gather, masks, final norm, LM head. On the H200 an AR step of the 30-layer
+# SmolLM2 launched 419 kernels and n-gram k=4 added 36 (docs/BENCHMARKS.md); the validation measures the counts.
+KERNELS_PER_LAYER = 13
+KERNELS_PER_FORWARD = 9
+KERNELS_BOOKKEEPING = 20
+KERNELS_PER_NGRAM_ORDER = 10
+KERNELS_NGRAM_FIXED = 6
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
+
+
+@dataclass(frozen=True)
+class DeviceCeilings:
+    name: str
+    copy_bytes_per_s: float  # large device copy, bytes read + written per second
+    matmul_flops_per_s: float  # large square matmul (bf16 on CUDA, fp32 on CPU)
+    launch_s: float  # one tiny kernel launched eagerly, host-timed
+    graph_node_s: float  # one tiny kernel as a node of a replayed CUDA graph (CPU: = launch_s)
+    gemm_node_s: float | None = None  # one tiny GEMM as a graph node: a GEMM kernel's floor (None: graph_node_s)
+
+    def kernel_floor(self, graphs: bool, gemm: bool = False) -> float:
+        node = (self.gemm_node_s or self.graph_node_s) if gemm else self.graph_node_s
+        return node if graphs else max(self.launch_s, node)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied_embeddings: bool = True
+    qk_norm: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        """From specpilot.engine.model.ModelConfig."""
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
+                   cfg.head_dim, cfg.tie_embeddings, cfg.qk_norm, cfg.model_type == "qwen2")
+
+    @property
+    def qkv_out(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def matrices(self) -> list[tuple[int, int]]:
+        """(out, in) of one layer's weight matrices, as our engine fuses them: qkv, o, gate+up, down."""
+        h, i = self.hidden, self.intermediate
+        return [(self.qkv_out, h), (h, self.heads * self.head_dim), (2 * i, h), (h, i)]
+
+    @property
+    def layer_params(self) -> int:
+        extra = 2 * self.head_dim * self.qk_norm + self.qkv_out * self.qkv_bias
+        return sum(o * i for o, i in self.matrices()) + 2 * self.hidden + extra  # + attention and MLP norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All parameters, a tied LM head counted once (with the embedding)."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.layers * self.layer_params + self.embedding_params + self.hidden + head
+
+    def params_read(self, n_layers: int | None = None) -> int:
+        """Parameters one forward reads: its layers, the final norm and the LM head (embedding rows are few)."""
+        n = self.layers if n_layers is None else n_layers
+        return n * self.layer_params + self.hidden + self.vocab * self.hidden
+
+    def estimate_kernels(self, n_layers: int | None = None) -> int:
+        return KERNELS_PER_LAYER * (self.layers if n_layers is None else n_layers) + KERNELS_PER_FORWARD
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: ModelShape
+    bytes_per_param: float = 2.0  # weight format (2: bf16/fp16 native, 4: fp32, ~0.56: 4-bit with scales)
+    dtype_bytes: int = 2  # activations and KV cache
+    batch: int = 1
+    k: int = 0
+    drafter_kind: str = "none"
+    drafter_model: ModelShape | None = None  # drafter_kind "model"
+    drafter_layers: int = 0  # drafter_kind "layerskip": the target's first layers
+    drafter_bytes_per_param: float | None = None  # None: bytes_per_param
+    ngram_orders: int = 3  # drafter_kind "ngram": max_ngram - min_ngram + 1
+    context_len: int = 512  # key slots every attention reads: our engine attends over the whole static cache
+    kernels_per_target_forward: int | None = None  # None: estimated from the structure
+    kernels_per_draft_forward: int | None = None  # ngram: its whole search; layerskip/model: one draft forward
+    kernels_bookkeeping: int | None = None
+    cuda_graphs: bool = True
+    attention: str = "math"  # "math" (bmm, softmax, bmm) or "sdpa" (one fused kernel)
+
+    def __post_init__(self):
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter_kind {self.drafter_kind!r} is not one of {', '.join(DRAFTER_KINDS)}")
+        if (self.drafter_kind == "none") != (self.k == 0):
+            raise ValueError("k must be 0 exactly when there is no drafter")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted time of some kernels with their limits; costs add up."""
+
+    time_s: float = 0.0  # sum over kernels of max(floor, bytes/BW, flops/rate)
+    memory_s: float = 0.0  # unavoidable bytes (weights, KV, logits) / BW
+    compute_s: float = 0.0  # FLOPs / matmul rate
+    launch_s: float = 0.0  # kernels x per-kernel floor
+    bytes: float = 0.0  # all bytes the kernels move
+    flops: float = 0.0
+    kernels: int = 0
+
+    @property
+    def floor_s(self) -> float:
+        """The physical floor: the larger of the memory and compute floors."""
+        return max(self.memory_s, self.compute_s)
+
+    def __add__(self, o: "Cost") -> "Cost":
+        return Cost(*(a + b for a, b in zip(_values(self), _values(o))))
+
+    def __mul__(self, n: int) -> "Cost":
+        return Cost(*(a * n for a in _values(self)))
+
+
+def _values(c: Cost) -> tuple:
+    return (c.time_s, c.memory_s, c.compute_s, c.launch_s, c.bytes, c.flops, c.kernels)
+
+
+def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple[float, float, bool]]) -> Cost:
+    """Cost of kernels given as (bytes, flops, is_gemm); memory_s/compute_s count every byte and FLOP."""
+    bw, rate = dev.copy_bytes_per_s, dev.matmul_flops_per_s
+    out = Cost()
+    for b, f, gemm in items:
+        floor = dev.kernel_floor(graphs, gemm)
+        out += Cost(max(floor, b / bw, f / rate), b / bw, f / rate, floor, b, f, 1)
+    return out
+
+
+def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: ModelShape | None = None,
+                 n_layers: int | None = None, bytes_per_param: float | None = None,
+                 kernels: int | None = None) -> Cost:
+    """One forward of `tokens` tokens per row over the deployment's batch: the target's (with its kernel count)
+    unless a drafter's shape is given."""
+    m = shape or dep.model
+    if kernels is None and shape is None:
+        kernels = dep.kernels_per_target_forward
+    L = m.layers if n_layers is None else n_layers
+    bpp = dep.bytes_per_param if bytes_per_param is None else bytes_per_param
+    B, S, d, M = dep.batch, dep.context_len, dep.dtype_bytes, dep.batch * tokens
+    gemms = [(o * i * bpp + M * (i + o) * d, 2.0 * M * i * o, True) for o, i in m.matrices()]
+    kv = B * S * m.kv_heads * m.head_dim * d  # K (or V) of one layer
+    q = M * m.heads * m.head_dim * d  # queries (or attention output)
+    sc = M * m.heads * S  # attention scores
+    if dep.attention == "math":
+        attn = [(kv + q + sc * d, 2.0 * sc * m.head_dim, True), (sc * (2 * d + 1), 5.0 * sc, False),
+                (kv + sc * d + q, 2.0 * sc * m.head_dim, True)]
+    else:
+        attn = [(2 * kv + 2 * q, 4.0 * sc * m.head_dim, True)]
+    layer = _kernels(dev, dep.cuda_graphs, gemms + attn)
+    logits = M * m.vocab * d
+    head = _kernels(dev, dep.cuda_graphs, [(m.vocab * m.hidden * bpp + M * m.hidden * d + logits,
+                                           2.0 * M * m.hidden * m.vocab, True)])
+    cost = layer * L + head
+    # The remaining kernels (norms, rotary, cache writes, activations, embedding, masks) are fused elementwise work
+    # on activations of a few (token x hidden) vectors: node floors, unless their traffic is larger.
+    n_other = max(0, (kernels or m.estimate_kernels(L)) - cost.kernels)
+    act = L * M * d * (6 * m.hidden + 2 * m.qkv_out + 3 * m.intermediate)
+    floor = dev.kernel_floor(dep.cuda_graphs)
+    bw = dev.copy_bytes_per_s
+    cost += Cost(max(n_other * floor, act / bw), 0.0, 0.0, n_other * floor, act, 0.0, n_other)
+    # Floors count only what a forward cannot avoid: weights, the KV it attends over, the logits it writes.
+    unavoidable = m.params_read(L) * bpp + 2 * kv * L + logits
+    return replace(cost, memory_s=unavoidable / bw)
+
+
+def draft_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
+    B, k, d = dep.batch, dep.k, dep.dtype_bytes
+    if dep.drafter_kind == "none":
+        return Cost()
+    if dep.drafter_kind == "ngram":  # compare the history's windows with its tail: a few passes over int64 tokens
+        n = dep.kernels_per_draft_forward or KERNELS_PER_NGRAM_ORDER * dep.ngram_orders + KERNELS_NGRAM_FIXED
+        bytes_ = 3 * B * dep.context_len * 8 * dep.ngram_orders
+        floor = dev.kernel_floor(dep.cuda_graphs)
+        bw = dev.copy_bytes_per_s
+        return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
+    if dep.drafter_kind == "layerskip":
+        shape, layers, bpp = dep.model, dep.drafter_layers, dep.bytes_per_param
+    else:
+        if dep.drafter_model is None:
+            raise ValueError("drafter_kind 'model' needs drafter_model")
+        shape, layers, bpp = dep.drafter_model, None, dep.drafter_bytes_per_param or dep.bytes_per_param
+    kw = dict(shape=shape, n_layers=layers, bytes_per_param=bpp, kernels=dep.kernels_per_draft_forward)
+    # Catch-up forward over the last two tokens, then k-1 single-token forwards; an argmax over the logits per draft.
+    fwd = forward_cost(dev, dep, 2, **kw) + forward_cost(dev, dep, 1, **kw) * (k - 1)
+    logits = B * shape.vocab * d
+    return fwd + _kernels(dev, dep.cuda_graphs, [(logits, 0.0, False)] * k)
+
+
+def bookkeeping_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
+    """Acceptance (argmax over the verify logits, prefix match) and history/length updates."""
+    n = dep.kernels_bookkeeping or KERNELS_BOOKKEEPING
+    bytes_ = dep.batch * (dep.k + 1) * dep.model.vocab * dep.dtype_bytes
+    floor, bw = dev.kernel_floor(dep.cuda_graphs), dev.copy_bytes_per_s
+    return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
+
+
+def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
+    """Tokens per step: 1 + sum_i prod_{j<=i} a_j from per-position acceptance a_1..a_k (a missing position counts
+    as 0), or (1 - a^(k+1)) / (1 - a) from one acceptance rate a (k+1 at a = 1)."""
+    if isinstance(acceptance, (int, float)):
+        a = float(acceptance)
+        return k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    total, run = 1.0, 1.0
+    for a in list(acceptance)[:k]:
+        run *= a
+        total += run
+    return total
+
+
+@dataclass(frozen=True)
+class Prediction:
+    draft: Cost
+    verify: Cost
+    bookkeeping: Cost
+    ar_step_s: float
+    tokens_per_step: float
+    batch: int
+    k: int
+    gaps: dict = field(default_factory=dict)  # component -> predicted - floor (s); "acceptance" in tokens/step
+
+    @property
+    def step_s(self) -> float:
+        return self.draft.time_s + self.verify.time_s + self.bookkeeping.time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.tokens_per_step / self.step_s
+
+    @property
+    def ar_tokens_per_s(self) -> float:
+        return self.batch / self.ar_step_s
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.ar_tokens_per_s
+
+    @property
+    def memory_floor_s(self) -> float:
+        return self.draft.memory_s + self.verify.memory_s + self.bookkeeping.memory_s
+
+    @property
+    def compute_floor_s(self) -> float:
+        return self.draft.compute_s + self.verify.compute_s + self.bookkeeping.compute_s
+
+    @property
+    def launch_floor_s(self) -> float:
+        return self.draft.launch_s + self.verify.launch_s + self.bookkeeping.launch_s
+
+    @property
+    def perfect_tokens_per_s(self) -> float:
+        """Every draft accepted (k+1 tokens a step) at the same step time."""
+        return self.batch * (self.k + 1) / self.step_s
+
+    @property
+    def perfect_speedup(self) -> float:
+        return self.perfect_tokens_per_s / self.ar_tokens_per_s
+
+    def to_dict(self) -> dict:
+        out = {name: asdict(getattr(self, name)) | {"floor_s": getattr(self, name).floor_s}
+               for name in ("draft", "verify", "bookkeeping")}
+        for name in ("step_s", "tokens_per_step", "tokens_per_s", "ar_step_s", "ar_tokens_per_s", "speedup",
+                     "memory_floor_s", "compute_floor_s", "launch_floor_s", "perfect_tokens_per_s", "perfect_speedup"):
+            out[name] = getattr(self, name)
+        return out | {"gaps": dict(self.gaps)}
+
+
+def ar_deployment(dep: Deployment) -> Deployment:
+    return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None)
+
+
+def predict(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float] = 0.0) -> Prediction:
+    """Predicted phase times, tokens per step (from one acceptance rate or a per-position profile) and gaps."""
+    verify = forward_cost(dev, dep, dep.k + 1, kernels=dep.kernels_per_target_forward)
+    draft, book = draft_cost(dev, dep), bookkeeping_cost(dev, dep)
+    ar = ar_deployment(dep)
+    ar_step = (forward_cost(dev, ar, 1, kernels=dep.kernels_per_target_forward) + bookkeeping_cost(dev, ar)).time_s
+    tokens = expected_tokens(dep.k, acceptance)
+    gaps = {name: c.time_s - c.floor_s for name, c in (("draft", draft), ("verify", verify), ("bookkeeping", book))}
+    gaps["acceptance"] = dep.k + 1 - tokens
+    return Prediction(draft, verify, book, ar_step, tokens, dep.batch, dep.k, gaps)

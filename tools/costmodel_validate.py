@@ -1,0 +1,107 @@
+"""The cost model's predicted step time against the engine's measured one on a GPU, as one markdown table.
+
+    python -m specpilot.tools.costmodel_validate [--target smollm2-135m] [--batch-sizes 1,8,32]
+        [--ks 0,1,2,4,8,16] [--max-new-tokens 128] [--recalibrate] [--out FILE.json]
+
+For each batch size B and k (0 = AR; k >= 1 = chain verification with the n-gram drafter) it builds the engine
+with the default recipe settings (compiled, CUDA graphs, math attention), decodes B distinct prompts twice with
+EOS ignored (the first run compiles and captures), then measures `replay`: the device time of one captured step
+(the graph replayed 20 times between CUDA events), and `loop`: decode time per step of the real loop, host
+included. The kernels one replay launches are counted with torch.profiler: a structural input of the model (a
+count, not a time); the drafter's kernels are the chain step's count less the AR step's at that B. The prediction
+uses only those counts, the calibrated ceilings (`specpilot calibrate`) and the model's shape; `est` is the
+prediction with kernel counts estimated from the structure alone. The error is predicted / replay - 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from ..engine import loader
+from ..engine.engine import Engine
+from ..engine.recipe import parse
+from ..engine.workloads import load_workload
+from .calibrate import load_or_measure
+from .costmodel import KERNELS_BOOKKEEPING, Deployment, ModelShape, predict
+
+TOLERANCE = 0.25
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    engine.generate(prompts, max_new_tokens, ignore_eos=True)  # compile, capture
+    engine.generate(prompts, max_new_tokens, ignore_eos=True)
+    dec, stats = engine.decoder, engine.decoder.last_stats
+    replay_s = dec.time_graph_replay()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dec.replay_once()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"replay_s": replay_s, "loop_s": stats.decode_s / stats.steps, "kernels": kernels,
+            "context_len": dec._cache.max_len}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--ks", default="0,1,2,4,8,16", help="0 = AR, else chain verification with the n-gram drafter")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--workload", default="code")
+    ap.add_argument("--recalibrate", action="store_true", help="measure the ceilings again")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("costmodel_validate needs CUDA", file=sys.stderr)
+        return 2
+    dev = load_or_measure("cuda", force=args.recalibrate)
+    target = loader.load(args.target, "bf16", "cuda")
+    shape = ModelShape.from_config(target.model.cfg)
+    ks = [int(k) for k in args.ks.split(",")]
+    questions = load_workload(args.workload)
+    print(f"<!-- {' '.join(['python -m specpilot.tools.costmodel_validate'] + (argv or sys.argv[1:]))} -->")
+    print(f"<!-- {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {dev.name}: copy "
+          f"{dev.copy_bytes_per_s / 1e12:.2f} TB/s, matmul {dev.matmul_flops_per_s / 1e12:.0f} TFLOP/s, launch "
+          f"{dev.launch_s * 1e6:.2f} us, graph node {dev.graph_node_s * 1e6:.2f} us, GEMM node "
+          f"{(dev.gemm_node_s or dev.graph_node_s) * 1e6:.2f} us -->\n")
+    print("| B | recipe | k | kernels | measured replay ms | loop ms | predicted ms | error | est. ms | est. error"
+          " | memory floor ms | launch floor ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for B in map(int, args.batch_sizes.split(",")):
+        ar_kernels = None
+        prompts = None
+        for k in ks:
+            spec = {"name": f"ngram-k{k}" if k else "ar"} | ({"drafter": {"kind": "ngram"}, "k": k} if k else {})
+            engine = Engine(target, parse(spec))
+            prompts = prompts or [engine.encode(questions[i % len(questions)].turns[0]) for i in range(B)]
+            m = measure(engine, prompts, args.max_new_tokens)
+            if k == 0:
+                ar_kernels = m["kernels"]
+            dep = Deployment(shape, 2, 2, B, k, "ngram" if k else "none", context_len=m["context_len"],
+                             kernels_per_target_forward=ar_kernels - KERNELS_BOOKKEEPING if ar_kernels else None,
+                             kernels_per_draft_forward=m["kernels"] - ar_kernels if k and ar_kernels else None,
+                             kernels_bookkeeping=KERNELS_BOOKKEEPING, cuda_graphs=True)
+            p = predict(dep, dev)
+            est = predict(replace(dep, kernels_per_target_forward=None, kernels_per_draft_forward=None), dev)
+            err, est_err = p.step_s / m["replay_s"] - 1, est.step_s / m["replay_s"] - 1
+            rows.append({"batch": B, "k": k, **m, "predicted_s": p.step_s, "error": err, "estimated_s": est.step_s,
+                         "estimated_error": est_err, "memory_floor_s": p.memory_floor_s,
+                         "launch_floor_s": p.launch_floor_s, "deployment": asdict(dep)})
+            print(f"| {B} | {spec['name'] if k else 'ar'} | {k} | {m['kernels']} | {m['replay_s'] * 1e3:.3f} | "
+                  f"{m['loop_s'] * 1e3:.3f} | {p.step_s * 1e3:.3f} | {err:+.0%} | {est.step_s * 1e3:.3f} | "
+                  f"{est_err:+.0%} | {p.memory_floor_s * 1e3:.3f} | {p.launch_floor_s * 1e3:.3f} |", flush=True)
+            del engine
+    ok = sum(abs(r["error"]) <= TOLERANCE for r in rows)
+    print(f"\n{ok} of {len(rows)} predictions within {TOLERANCE:.0%} of the measured replay time.")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"ceilings": asdict(dev), "rows": rows}, f, indent=2)
+    return 0 if ok == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Where a deployment's step time goes, against its floors, as a ranked list of gaps for the agents.
+
+    specpilot profile --target T --recipe R --workload W --out DIR
+
+Measures (1) the real step time (graphed on CUDA) of the engine's own loop, (2) the step's phases on the eager
+step through the decoder's `phase_timer` hook: draft, verify, bookkeeping (CUDA events on GPU, perf_counter on
+CPU), host sync (time blocked reading the step's tokens) and idle (the rest of the step's wall time), (3) the top
+kernels from torch.profiler with the achieved bandwidth of GEMMs, (4) tau and acceptance per draft position, and
+(5) the cost model's floors on the calibrated ceilings. Gaps = measured - floor per component, ranked by the
+end-to-end gain closing each alone would bring, each assigned to the agent that owns it. docs/COSTMODEL.md has the
+JSON schema and how the router reads it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..engine import loader
+from ..engine.decode import StopCondition
+from ..engine.engine import Engine
+from ..engine.loader import LoadedModel
+from ..engine.recipe import Recipe, load_recipe
+from ..engine.workloads import load_workload
+from . import calibrate
+from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
+from .kernel_stats import phase_events, top_kernels
+from .phase_timer import DEVICE_PHASES, PHASES, PhaseTimer, loop_steps, trimmed_mean
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Profile:
+    meta: dict
+    step: dict
+    phases: dict
+    acceptance: dict
+    top_kernels: list
+    ceilings: dict
+    floors: dict
+    prediction: dict
+    gaps: list
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA_VERSION, **asdict(self)}
+
+    def table(self) -> str:
+        s, ph, m = self.step, self.phases, self.meta
+        replay = f", graph replay {s['replay_s'] * 1e3:.3f} ms" if s.get("replay_s") else ""
+        lines = [f"{m['target']} / {m['recipe']} on {m['device']}, B={m['batch_size']}: step {s['loop_s'] * 1e3:.3f} ms"
+                 f"{replay} (eager {s['eager_s'] * 1e3:.3f} ms), tau {self.acceptance['tau']:.2f}, "
+                 f"{s['tokens_per_s']:.1f} tok/s",
+                 "phases (eager step): " + ", ".join(f"{p} {ph[p] * 1e3:.3f}" for p in PHASES) + " ms",
+                 f"{'rank':>4}  {'gap':<28} {'measured':>10} {'floor':>10} {'gain':>7}  agent"]
+        for i, g in enumerate(self.gaps, 1):
+            lines.append(f"{i:>4}  {g['component'][:28]:<28} {g['measured_s'] * 1e3:>8.3f}ms "
+                         f"{g['floor_s'] * 1e3:>8.3f}ms {g['gain'] * 100:>6.1f}%  {g['agent']}: {g['reason']}")
+        return "\n".join(lines)
+
+
+def _acceptance(rows_by_batch: list[list], k: int) -> dict:
+    steps = [n for rows in rows_by_batch for r in rows for n in r.accepted]
+    reach = [sum(1 for n in steps if n >= i) for i in range(k + 1)]
+    per_pos = [reach[i] / reach[i - 1] if reach[i - 1] else 0.0 for i in range(1, k + 1)]
+    batch_steps = sum(max((len(r.accepted) for r in rows), default=0) * len(rows) for rows in rows_by_batch)
+    return {"k": k, "tau": (sum(steps) + len(steps)) / max(1, len(steps)), "perfect_tau": k + 1,
+            "per_position": per_pos, "row_steps": len(steps),
+            "active_fraction": len(steps) / batch_steps if batch_steps else 1.0}
+
+
+def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int, kernels: dict) -> Deployment:
+    model, dec = target.model, engine.decoder
+    draft_kernels = kernels.get("draft")
+    if recipe.drafter.kind in ("layerskip", "model") and draft_kernels:
+        draft_kernels = max(1, round(draft_kernels / recipe.k) - 1)  # per draft forward, less its argmax
+    drafter_model = None
+    if recipe.drafter.kind == "model":
+        drafter_model = ModelShape.from_config(dec.drafter.model.cfg)
+    elem = model.embed.element_size()
+    book = (kernels.get("bookkeeping") or 0) + (kernels.get("launch") or 0)
+    attention = "sdpa" if recipe.kernels.get("attention") == "builtin:sdpa" else "math"
+    return Deployment(ModelShape.from_config(model.cfg), bytes_per_param=elem, dtype_bytes=elem, batch=batch,
+                      k=recipe.k, drafter_kind=recipe.drafter.kind, drafter_model=drafter_model,
+                      drafter_layers=recipe.drafter.layers,
+                      ngram_orders=recipe.drafter.max_ngram - recipe.drafter.min_ngram + 1,
+                      context_len=dec._cache.max_len,
+                      kernels_per_target_forward=round(kernels["verify"]) if kernels.get("verify") else None,
+                      kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
+                      kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention)
+
+
+def _gap(component, measured, floor, step_s, agent, reason) -> dict:
+    gap = max(0.0, measured - floor)
+    return {"component": component, "measured_s": measured, "floor_s": floor, "gap_s": gap,
+            "gain": step_s / max(step_s - gap, 0.01 * step_s) - 1.0, "agent": agent, "reason": reason}
+
+
+def _gaps(step: dict, phases: dict, acc: dict, pred, top: list, batch: int, k: int, cuda: bool) -> list:
+    """Measured - floor per component, in the real step's time (phases are scaled from the eager step)."""
+    T, wall, replay = step["loop_s"], phases["wall"], step.get("replay_s")
+    busy = sum(phases[p] for p in DEVICE_PHASES)
+    scale = replay / max(busy, 1e-12) if replay else T / max(wall, 1e-12)
+    real = {p: phases[p] * scale for p in DEVICE_PHASES}
+    kt, kn = phases.get("kernel_s") or {}, phases.get("kernels") or {}
+    if replay and all(p in kt for p in (DEVICE_PHASES if k else DEVICE_PHASES[1:])):
+        # graphed: each phase's kernels' own device time, plus its share of the replay's gaps between kernels
+        n = sum(kn.get(p, 0) for p in DEVICE_PHASES)
+        gap = max(0.0, replay - sum(kt.get(p, 0.0) for p in DEVICE_PHASES)) / max(n, 1)
+        real = {p: kt.get(p, 0.0) + kn.get(p, 0) * gap for p in DEVICE_PHASES}
+    idle = max(0.0, T - replay) if replay else phases["idle"] * scale
+    gaps = []
+    for name in DEVICE_PHASES:
+        cost, m = getattr(pred, name), real[name]
+        if name == "draft" and not k:
+            continue
+        floor = cost.floor_s
+        if name == "draft":
+            agent, why = "algorithm", f"drafting takes {m / T:.0%} of the step ({cost.kernels} kernels)"
+        elif cost.launch_s >= 0.5 * m:
+            per = cost.launch_s / max(1, cost.kernels) * 1e6
+            agent, why = "scheduler", (f"launch-bound: {cost.kernels} kernels x {per:.1f} us = "
+                                       f"{cost.launch_s * 1e3:.3f} ms of {m * 1e3:.3f} ms")
+        else:
+            bound = "memory" if cost.memory_s >= cost.compute_s else "compute"
+            agent, why = "kernel-writer", f"at {floor / max(m, 1e-12):.0%} of its {bound} floor"
+        gaps.append(_gap(name, m, floor, T, agent, why))
+    if cuda:
+        gaps.append(_gap("host_sync", phases["host_sync"], phases["host_sync"], T, "scheduler",
+                         "overlaps device work on CUDA; its exposed cost shows as idle"))
+    else:
+        gaps.append(_gap("host_sync", phases["host_sync"] * scale, 0.0, T, "scheduler",
+                         "host blocked reading each step's tokens"))
+    gaps.append(_gap("idle", idle, 0.0, T, "scheduler", "host work between steps not overlapped with the device"))
+    if k:
+        g = _gap("acceptance", T / acc["tau"], T / (k + 1), T, "algorithm",
+                 f"tau {acc['tau']:.2f} of a perfect {k + 1}; per position "
+                 + ", ".join(f"{a:.2f}" for a in acc["per_position"][:4]))
+        gaps.append(g | {"gain": (k + 1) / acc["tau"] - 1.0})
+    if batch > 1:
+        f = acc["active_fraction"]
+        g = _gap("batching_dilution", T, T * f, T, "scheduler",
+                 f"{1 - f:.0%} of row-steps ran for rows that had already finished")
+        gaps.append(g | {"gain": 1.0 / max(f, 1e-12) - 1.0})
+    # CPU op times under torch.profiler carry its overhead: scaled to the real step (device kernel times are not).
+    ks = 1.0 if cuda else T / max(step["profiled_s"], 1e-12)
+    for kern in [t for t in top if t.get("floor_s") is not None][:3]:
+        calls = kern["count"] / max(1, step["profiled_steps"])
+        gaps.append(_gap(f"kernel {kern['op']} {kern['shapes']}", kern["per_step_s"] * ks, kern["floor_s"] * calls
+                         / kern["count"], T, "kernel-writer",
+                         f"{kern['bandwidth_fraction']:.0%} of copy bandwidth, {calls:.0f} calls a step"))
+    return sorted(gaps, key=lambda g: -g["gain"])
+
+
+def _timed_run(dec, batches, stop, timer=None):
+    dec.phase_timer, overlap = timer, dec.overlap
+    dec.overlap = dec.overlap and timer is None  # phases need one step in flight at a time
+    try:
+        rows, decode_s, steps = [], 0.0, 0
+        for b in batches:
+            rows.append(dec.generate(b, stop))
+            decode_s, steps = decode_s + dec.last_stats.decode_s, steps + dec.last_stats.steps
+        return rows, decode_s, steps
+    finally:
+        dec.phase_timer, dec.overlap = None, overlap
+
+
+def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload: str = "code",
+            limit: int | None = None, max_new_tokens: int = 64, batch_size: int = 1, device: str | None = None,
+            dtype: str | None = None, out_dir: str | Path | None = None, prompts: list[list[int]] | None = None,
+            repeats: int = 2, ceilings: DeviceCeilings | None = None, profiled_tokens: int = 16) -> Profile:
+    """Profile one deployment (a target under a recipe at a batch size) on a workload's first turns."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    if isinstance(target, LoadedModel):
+        name = target.source
+    else:
+        name, target = target, loader.load(target, dtype or ("bf16" if cuda else "fp32"), device)
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    engine = Engine(target, recipe)
+    dec, k, B = engine.decoder, recipe.k, batch_size
+    source = workload if prompts is None else "token ids given"
+    if prompts is None:
+        prompts = [engine.encode(q.turns[0]) for q in load_workload(workload, limit or B)]
+    prompts = (prompts * B)[: max(len(prompts), B)]
+    batches = [prompts[i: i + B] for i in range(0, len(prompts) - B + 1, B)]
+    stop = StopCondition(max_new_tokens)
+    dec.generate(batches[0], stop)  # compile, capture
+    if cuda:
+        _timed_run(dec, batches[:1], StopCondition(4), PhaseTimer(device, k))  # the eager path's first use
+    normal, timers = [], []
+    for _ in range(repeats):  # interleaved, and the fastest of each kept: other load only ever adds time
+        normal.append(_timed_run(dec, batches, stop))
+        timers.append(PhaseTimer(device, k))
+        _timed_run(dec, batches, stop, timers[-1])
+    rows, decode_s, steps = min(normal, key=lambda r: trimmed_mean(loop_steps(r[0])))
+    phases = min(timers, key=lambda t: t.mean()["wall"]).mean()
+    replay = dec.time_graph_replay() if cuda and dec.cuda_graphs else None
+    ranges = PhaseTimer(device, k, ranges=True)
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        _timed_run(dec, batches[:1], StopCondition(min(max_new_tokens, profiled_tokens)), ranges)
+    psteps = len(ranges.steps)
+    kernels, kernel_s, inside = phase_events(prof.events(), cuda, psteps)
+    dev = ceilings or calibrate.load_or_measure(device)
+    top = top_kernels(inside, cuda, psteps, target.model.embed.element_size(), dev)
+    acc = _acceptance(rows, k)
+    dep = _deployment(target, engine, recipe, B, kernels)
+    pred = predict(dep, dev, acc["per_position"])
+    eager = predict(replace(dep, cuda_graphs=False), dev, acc["per_position"])
+    tokens = sum(len(r.tokens) - 1 for batch in rows for r in batch)
+    step = {"loop_s": trimmed_mean(loop_steps(rows)), "loop_mean_s": decode_s / max(1, steps), "replay_s": replay,
+            "eager_s": phases["wall"], "steps": steps,
+            "decode_s": decode_s, "tokens": tokens, "tokens_per_s": tokens / decode_s if decode_s else 0.0,
+            "graphed": bool(dec.cuda_graphs), "profiled_steps": psteps, "profiled_s": ranges.mean()["wall"]}
+    phases = phases | {"sum_s": sum(phases[p] for p in PHASES) - (phases["host_sync"] if cuda else 0.0),
+                       "overlapped": ["host_sync"] if cuda else [], "kernels": kernels, "kernel_s": kernel_s,
+                       "timing": "cuda events" if cuda else "perf_counter"}
+    floors = {p: {"memory_s": c.memory_s, "compute_s": c.compute_s, "floor_s": c.floor_s, "launch_s": c.launch_s,
+                  "kernels": c.kernels} for p, c in (("draft", pred.draft), ("verify", pred.verify),
+                                                     ("bookkeeping", pred.bookkeeping))}
+    floors |= {"memory_floor_s": pred.memory_floor_s, "compute_floor_s": pred.compute_floor_s,
+               "launch_floor_s": pred.launch_floor_s,
+               "perfect_tokens_per_s": step["tokens_per_s"] * (k + 1) / acc["tau"]}
+    meta = {"target": str(name), "recipe": recipe.name, "device": device, "device_name": dev.name,
+            "dtype": str(target.model.dtype).split(".")[-1], "batch_size": B, "k": k, "drafter": recipe.drafter.kind,
+            "workload": source, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "context_len": dep.context_len,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result = Profile(meta, step, phases, acc, top, asdict(dev), floors,
+                     {"graphed": pred.to_dict(), "eager": eager.to_dict(), "deployment": _dep_dict(dep)},
+                     _gaps(step, phases, acc, pred, top, B, k, cuda))
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "profile.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    return result
+
+
+def _dep_dict(dep: Deployment) -> dict:
+    d = asdict(dep)
+    d["model"] = asdict(dep.model) | {"params": dep.model.params}
+    return d
