@@ -51,6 +51,14 @@ class BatchStats:
     steps: int = 0
 
 
+def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool = False) -> int:
+    """KV-cache slots a batch gets: room for the prompt, the new tokens and one (with overlap two) steps of k + 1
+    verified tokens, rounded up to a power of two so later batches reuse the cache and with it the compiled kernels
+    and captured graphs (every shape change costs a recompile and a recapture). Attention reads all of it."""
+    need = longest_prompt + max_new_tokens + (k + 1) * (2 if overlap else 1) + 1
+    return max(512, 1 << (need - 1).bit_length())
+
+
 class DecodeState:
     """Static device buffers of one batch: every token so far, per-row lengths, and the step's outputs."""
 
@@ -219,11 +227,8 @@ class Decoder:
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
         B, longest = len(prompts), max(len(p) for p in prompts)
-        need = longest + stop.max_new_tokens + (self.k + 1) * (2 if self.overlap else 1) + 1
-        # Power-of-two buckets: later batches reuse the cache and with it the compiled kernels and captured graphs
-        # (every shape change costs a recompile and a recapture).
-        max_len = max(512, 1 << (need - 1).bit_length())
-        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < need:
+        max_len = cache_length(longest, stop.max_new_tokens, self.k, self.overlap)
+        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < max_len:
             self._cache, self._graphs = None, {}
             self._cache = self.model.new_cache(B, max_len)
             self._state = DecodeState(B, max_len, self.k, device)

@@ -101,6 +101,19 @@ def _gguf_as_directory(gguf: Path) -> Path:
     return out
 
 
+def source_dir(target: str) -> Path | str:
+    """Where a target's config, weights and tokenizer live, without loading it: a model directory (a GGUF is
+    dequantized into one once) or a hub id in the local cache."""
+    where = resolve(target)
+    if isinstance(where, Path) and where.is_file():
+        if where.suffix != ".gguf":
+            raise SpecPilotError(f"unsupported model file {where}: expected a .gguf file or a model directory")
+        where = _gguf_as_directory(where)
+    if isinstance(where, Path) and not (where / "config.json").is_file():
+        raise SpecPilotError(f"model directory {where} has no config.json")
+    return where
+
+
 @dataclass
 class LoadedModel:
     model: Transformer
@@ -130,13 +143,7 @@ def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") ->
     hf_logging.disable_progress_bar()
     dtype = parse_dtype(dtype)
     check_device(device)
-    where = resolve(target)
-    if isinstance(where, Path) and where.is_file():
-        if where.suffix != ".gguf":
-            raise SpecPilotError(f"unsupported model file {where}: expected a .gguf file or a model directory")
-        where = _gguf_as_directory(where)
-    if isinstance(where, Path) and not (where / "config.json").is_file():
-        raise SpecPilotError(f"model directory {where} has no config.json")
+    where = source_dir(target)
     try:
         hf_config = AutoConfig.from_pretrained(str(where))
     except Exception as e:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import SMOLLM2_VOCAB, build_tiny_hf
+from specpilot.engine.decode import cache_length
 from specpilot.cli import main
 from specpilot.tools import gate_reference as gr
 from specpilot.tools.gate import Verdict, _compare, check, judge
@@ -314,7 +315,7 @@ def shape_spreads(model, questions: list[gr.QuestionRef], n: int) -> dict[str, f
     """max |logit(shape) - logit(one teacher-forced forward)| over the first n positions of questions[0], for the
     shapes a correct candidate decodes with: batch 4 and k+1-token verification (k = 1, 4, 8)."""
     q, prefill = questions[0], _ops()[0]
-    max_len, L = gr._cache_len(len(q.prompt), NEW), len(q.prompt)
+    max_len, L = cache_length(len(q.prompt), NEW, k=0), len(q.prompt)
     with torch.inference_mode():
         ref = gr.forward_logits(model, q.prompt, q.tokens[:n], max_len, prefill)
         others = [questions[i % len(questions)] for i in range(1, 4)]

@@ -13,6 +13,7 @@ from specpilot.engine.engine import Engine
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import load_recipe
 from specpilot.tools import calibrate
+from specpilot.tools.kernel_stats import GEMM_OPS
 from specpilot.tools.phase_timer import PHASES, PhaseTimer
 from specpilot.tools.profiler import profile
 
@@ -43,7 +44,7 @@ def motif_prompts() -> list[list[int]]:
     return [torch.randint(0, TINY_VOCAB, (n,), generator=g).tolist() * 3 for n in (7, 5, 9)]
 
 
-def check_profile(p, k: int, batch: int) -> None:
+def check_profile(p, k: int, batch: int, gemm_in_top: bool = False) -> None:
     ph = p.phases
     assert sum(ph[name] for name in PHASES) == pytest.approx(ph["wall"], rel=1e-9)  # idle is the remainder
     assert ph["sum_s"] == pytest.approx(ph["wall"], rel=1e-9)
@@ -63,7 +64,10 @@ def check_profile(p, k: int, batch: int) -> None:
     assert acc["k"] == k and len(acc["per_position"]) == k and all(0 <= a <= 1 for a in acc["per_position"])
     assert 1 <= acc["tau"] <= k + 1
     assert ph["kernels"]["verify"] > 0
-    assert p.top_kernels and any(t["achieved_bytes_per_s"] for t in p.top_kernels)
+    # every GEMM among the top ops carries its achieved bandwidth; on a tiny model GEMMs may not make the top at all
+    gemms = [t for t in p.top_kernels if t["op"] in GEMM_OPS]
+    assert p.top_kernels and all(t["achieved_bytes_per_s"] > 0 and t["floor_s"] > 0 for t in gemms)
+    assert gemms or not gemm_in_top
     fl = p.floors
     assert 0 < fl["verify"]["floor_s"] and fl["memory_floor_s"] > 0
     assert fl["perfect_tokens_per_s"] >= p.step["tokens_per_s"] * 0.999
@@ -95,7 +99,7 @@ def test_profile_tiny_ar_batch(tiny_llama, ceilings):
 def test_profile_smollm2_stock(smollm2, ceilings):
     loaded, _ = smollm2
     p = profile(loaded, "stock", "code", limit=1, max_new_tokens=32, ceilings=ceilings, repeats=3)
-    check_profile(p, k=4, batch=1)
+    check_profile(p, k=4, batch=1, gemm_in_top=True)
     assert p.meta["context_len"] >= 512
     assert p.prediction["deployment"]["model"]["params"] == 134_515_008
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..engine import loader
+from ..engine.decode import cache_length
 from ..engine.engine import Engine
 from ..engine.errors import SpecPilotError
 from ..engine.loader import LoadedModel
@@ -70,14 +71,7 @@ class Reference:
 
 def model_source(target: str) -> str:
     """Where the target's config, weights and tokenizer live, without loading it (a GGUF is dequantized once)."""
-    where = loader.resolve(target)
-    if isinstance(where, Path) and where.is_file():
-        if where.suffix != ".gguf":
-            raise SpecPilotError(f"unsupported model file {where}: expected a .gguf file or a model directory")
-        where = loader._gguf_as_directory(where)
-    if isinstance(where, Path) and not (where / "config.json").is_file():
-        raise SpecPilotError(f"model directory {where} has no config.json")
-    return str(where)
+    return str(loader.source_dir(target))
 
 
 def load_tokenizer(source: str):
@@ -117,12 +111,6 @@ def cache_key(source: str, workload: str, questions: list[Question], limit: int 
               "max_new_tokens": max_new_tokens, "dtype": str(loader.parse_dtype(dtype)), "device": device,
               "salt": salt, "torch": torch.__version__}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _cache_len(prompt_len: int, max_new_tokens: int) -> int:
-    """The KV-cache length the engine's Decoder picks for one prompt with k = 0 (it shapes attention's numerics)."""
-    need = prompt_len + max_new_tokens + 2
-    return max(512, 1 << (need - 1).bit_length())
 
 
 def forward_logits(model, prompt: list[int], tokens: list[int], max_len: int, ops) -> torch.Tensor:
@@ -174,7 +162,7 @@ def compute(loaded: LoadedModel, question_ids: list[str], prompts: list[list[int
             if not row.tokens:
                 raise SpecPilotError(f"the stock system generated no token for question {qid}")
             ref = torch.tensor(row.tokens, device=model.device)
-            max_len = _cache_len(len(prompt), max_new_tokens)
+            max_len = cache_length(len(prompt), max_new_tokens, k=0)  # the length AR decoding attends over
             steps = torch.stack(captured[: len(row.tokens)]) if len(captured) >= len(row.tokens) else None
             if steps is None or not torch.equal(steps.argmax(-1), ref):
                 # the capture does not line up with the tokens (an engine change): recompute the steps ourselves
