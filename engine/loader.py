@@ -53,18 +53,21 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve(target: str) -> Path | str:
-    """Path of a GGUF file or model directory, or a hub id present in the local cache."""
+def resolve(target: str) -> Path:
+    """Path of a GGUF file or a model directory (a hub id's cached snapshot included)."""
     if target in ALIASES:
         return ALIASES[target]()
     path = Path(target).expanduser()
     if path.exists():
         return path
     if target.count("/") == 1 and not target.startswith((".", "/")):
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
 
-        if isinstance(try_to_load_from_cache(target, "config.json"), str):
-            return target
+        try:  # the cached snapshot's directory: from here on a hub id is just a model directory
+            return Path(snapshot_download(target, local_files_only=True))
+        except (LocalEntryNotFoundError, ValueError, OSError):
+            pass
     raise SpecPilotError(f"model not found: {target!r} is not a file, a directory, an alias "
                          f"({', '.join(ALIASES)}) or a hub id in the local cache")
 
@@ -101,15 +104,15 @@ def _gguf_as_directory(gguf: Path) -> Path:
     return out
 
 
-def source_dir(target: str) -> Path | str:
+def source_dir(target: str) -> Path:
     """Where a target's config, weights and tokenizer live, without loading it: a model directory (a GGUF is
-    dequantized into one once) or a hub id in the local cache."""
+    dequantized into one once; a hub id is its cached snapshot)."""
     where = resolve(target)
-    if isinstance(where, Path) and where.is_file():
+    if where.is_file():
         if where.suffix != ".gguf":
             raise SpecPilotError(f"unsupported model file {where}: expected a .gguf file or a model directory")
         where = _gguf_as_directory(where)
-    if isinstance(where, Path) and not (where / "config.json").is_file():
+    if not (where / "config.json").is_file():
         raise SpecPilotError(f"model directory {where} has no config.json")
     return where
 
@@ -156,7 +159,7 @@ def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") ->
     except Exception as e:
         raise SpecPilotError(f"could not load weights of {target}: {type(e).__name__}: {e}") from e
     tokenizer = None
-    if not isinstance(where, Path) or any((where / f).is_file() for f in TOKENIZER_FILES):
+    if any((where / f).is_file() for f in TOKENIZER_FILES):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(where))
         except Exception as e:

@@ -1,6 +1,9 @@
 """Our Transformer against HF transformers on the same weights, the static KV cache, and the loader's errors."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -253,3 +256,30 @@ def test_load_unsupported_activation_is_not_silently_wrong(tiny_model_dir):
     ids = random_ids(16, seed=8)
     err = rel_err(our_logits(loaded.model, ids), hf_logits(hf, ids))
     assert err < REL_TOL, f"hidden_act='gelu' loaded without error but logits differ from HF's by {err:.3g} (relative)"
+
+
+def test_load_hub_id_from_local_cache(tiny_model_dir, tmp_path):
+    """A hub id resolves offline when its snapshot is in the HF cache (standard models--org--name layout)."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = Path(tiny_model_dir("llama"))
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(src, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot.name)
+    code = ("from specpilot.engine.loader import load; import torch\n"
+            "m = load('tiny-org/tiny-llama', 'fp32', 'cpu')\n"
+            "print(m.model.cfg.n_layers, m.source)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    layers, source = done.stdout.split()
+    assert layers == "2" and Path(source) == snapshot
+    # and a hub id that is not cached is refused with the cause named
+    code_missing = "from specpilot.engine.loader import load; load('tiny-org/absent', 'fp32', 'cpu')\n"
+    done = subprocess.run([sys.executable, "-c", code_missing], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0 and "model not found" in done.stderr
