@@ -6,6 +6,7 @@ its proposal distributions q [B, k, V] for speculative sampling; deterministic d
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # [B, k, V] proposal distribution q when sampled
 
 
-class Drafter:
+class Drafter(ABC):
     """The interface: `prefill` once per batch, then `propose` / `update` once per step."""
 
     name = "base"
@@ -30,9 +31,10 @@ class Drafter:
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> None:
         """See the (right-padded) prompts; `max_len` bounds every position this batch will use."""
 
+    @abstractmethod
     def propose(self, history: torch.Tensor, lengths: torch.Tensor, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        raise NotImplementedError
+        """Up to k tokens per row after `history[b, :lengths[b]]`."""
 
     def update(self, accepted: torch.Tensor) -> None:
         """Learn from the number of drafts each row accepted this step ([B] long, on device)."""
