@@ -4,8 +4,9 @@ The candidate runs `specpilot.tools.candidate_worker` in its own process, with a
 whose name contains KEY, TOKEN, SECRET or PASSWORD), its own temporary directory as working directory, stderr
 captured to a file, and a wall-clock budget for the time the gate waits on it. By default the process is forked from
 a fork server that has imported torch and transformers once (a worker then starts in about a second instead of
-five or more); SPECPILOT_GATE_LAUNCH=subprocess starts a fresh `python -m` process instead. `launch` is the one
-place a process starts, so a sandbox can replace it. Anything that goes wrong on the candidate's side raises
+five or more); SPECPILOT_GATE_LAUNCH=subprocess starts a fresh `python -m` process in the sandbox instead
+(tools/sandbox.py: network namespace, allow-listed environment, process group; docs/SANDBOX.md). The fork-server
+path is not network-isolated yet. `launch` is the one place a process starts. Anything that goes wrong on the candidate's side raises
 CandidateFailure.
 """
 from __future__ import annotations
@@ -21,6 +22,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ..engine.loader import cache_root
+from . import sandbox
 
 SCRUBBED = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 STDERR_TAIL = 2000
@@ -87,13 +91,21 @@ class _Lines:
 
 
 class _Subprocess:
-    """`python -m specpilot.tools.candidate_worker`: JSON lines on its stdin and stdout."""
+    """`python -m specpilot.tools.candidate_worker` in the sandbox (tools/sandbox.py): its own process group, a
+    network namespace where the OS allows one, the allow-listed environment, no core dumps, bounded file writes.
+    No address-space limit: torch reserves far more virtual memory than it uses. JSON lines on stdin and stdout."""
 
     def __init__(self, worker_args: list[str], cwd: Path, env: dict, stderr_path: Path):
+        limits = sandbox.SandboxLimits(memory_bytes=None)
+        argv, isolated = sandbox.command([sys.executable, "-m", "specpilot.tools.candidate_worker", *worker_args],
+                                         limits)
+        # HOME becomes the temp dir, so the model caches are named explicitly
+        caches = {"SPECPILOT_CACHE": str(cache_root()),
+                  "HF_HOME": os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))}
         with open(stderr_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "specpilot.tools.candidate_worker", *worker_args],
-                                         cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, bufsize=1)
+            self.proc = subprocess.Popen(argv, cwd=cwd, env=sandbox.child_env(str(cwd), isolated, caches),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         bufsize=1, start_new_session=True, preexec_fn=sandbox.limiter(limits))
         self.lines = _Lines(self.proc.stdout).queue
 
     def send(self, line: str) -> None:
@@ -101,7 +113,7 @@ class _Subprocess:
         self.proc.stdin.flush()
 
     def stop(self) -> int:
-        self.proc.kill()
+        sandbox.kill_group(self.proc.pid)  # the worker and anything it started
         status = self.proc.wait()
         try:
             self.proc.stdin.close()
