@@ -19,6 +19,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
 
 
+def add_workload_args(p: argparse.ArgumentParser, limit_help: str) -> None:
+    p.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
+    p.add_argument("--limit", type=int, default=None, help=limit_help)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+
+
 def cmd_generate(args) -> int:
     from .engine import loader
     from .engine.engine import Engine
@@ -110,10 +116,8 @@ def add_costmodel_parsers(sub) -> None:
                                    "gaps ranked by end-to-end gain. The cost model's GPU validation table: "
                                    "python -m specpilot.tools.costmodel_validate")
     add_target_args(p)
-    p.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
-    p.add_argument("--limit", type=int, default=None, help="questions to decode (default: one batch)")
+    add_workload_args(p, "questions to decode (default: one batch)")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="interleaved timed runs; the fastest of each is kept")
     p.add_argument("--out", default=None, help="output directory (default: runs/profile-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the profile JSON instead of the table")
@@ -147,9 +151,7 @@ def add_check_parser(sub) -> None:
                                    "numerical ties. Exit 0 pass, 1 fail, 2 error. Writes DIR/report.json and "
                                    "DIR/summary.txt (docs/GATE.md).")
     add_target_args(c)
-    c.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
-    c.add_argument("--limit", type=int, default=None, help="first K questions")
-    c.add_argument("--max-new-tokens", type=int, default=64)
+    add_workload_args(c, "first K questions")
     c.add_argument("--salt", default=None, help="nonce in the prompts' system turn (default: a fresh one)")
     c.add_argument("--patch", default=None, help="Python file the candidate process runs before decoding")
     c.add_argument("--batch-size", type=int, default=None, help="overrides the recipe's batch.max_batch_size")

@@ -129,15 +129,21 @@ def smollm2():
     return loaded, hf
 
 
+def tiny_smol_vocab_dir(tmp_path_factory, name: str, seed: int, hidden: int, layers: int, tied: bool) -> Path:
+    """A saved random Llama with SmolLM2's vocabulary size (49152): a draft model for SmolLM2, or a small target
+    that can use SmolLM2's tokenizer."""
+    model = build_tiny_hf("LlamaConfig", seed=seed, std=0.2, vocab_size=SMOLLM2_VOCAB, hidden_size=hidden,
+                          intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=tied,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_draft(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's vocabulary size (49152), hidden 32, one layer: a separate draft model."""
+    """Hidden 32, one layer: a separate draft model for SmolLM2."""
     from specpilot.engine.loader import load
 
-    model = build_tiny_hf("LlamaConfig", seed=7, std=0.2, vocab_size=SMOLLM2_VOCAB, hidden_size=32,
-                          intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
-                          eos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("smollm2-draft")
-    model.save_pretrained(path)
-    return load(str(path), "fp32", "cpu")
+    return load(str(tiny_smol_vocab_dir(tmp_path_factory, "smollm2-draft", 7, 32, 1, tied=True)), "fp32", "cpu")

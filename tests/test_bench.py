@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import SMOLLM2_VOCAB, build_tiny_hf
+from conftest import tiny_smol_vocab_dir
 from specpilot import cli
 from specpilot.engine.workloads import Question
 from specpilot.tools.bench_metrics import accepted_histogram, token_latencies
@@ -29,12 +29,7 @@ def smol_tokenizer(smollm2):
 @pytest.fixture(scope="module")
 def tiny_smol_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A random 2-layer Llama (hidden 64) with SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
-    model = build_tiny_hf("LlamaConfig", seed=3, std=0.2, vocab_size=SMOLLM2_VOCAB, hidden_size=64,
-                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None,
-                          eos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("tiny-smol")
-    model.save_pretrained(path)
+    path = tiny_smol_vocab_dir(tmp_path_factory, "tiny-smol", 3, 64, 2, tied=False)
     smol_tokenizer.save_pretrained(path)
     return path
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -35,13 +36,16 @@ class BenchSkip(Exception):
     """A system that cannot run a cell by design (not a failure of the system): recorded as an error entry."""
 
 
-class System:
+class System(ABC):
+    """One measured system: our engine under a recipe, or an HF baseline."""
+
     name: str
     device: torch.device
     k: int = 0  # most drafts verified per step: the accepted-count histogram has k + 1 bins
 
+    @abstractmethod
     def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
-        raise NotImplementedError
+        """Generate for one batch; `run` adds time and memory."""
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
         return measured(lambda: self.decode(prompts, max_new_tokens, ignore_eos), self.device)
