@@ -13,7 +13,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kernels import DEFAULTS as KERNEL_DEFAULTS, IMPLEMENTATIONS as KERNELS
+from ..kernels import DEFAULTS as KERNEL_DEFAULTS, check_choice as check_kernel
 from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
@@ -137,10 +137,9 @@ def _check(r: Recipe) -> Recipe:
     if r.drafter.kind == "model" and not r.drafter.model:
         bad("drafter.model", "a model drafter needs the draft model's path or alias")
     for slot, impl in r.kernels.items():
-        if slot not in KERNELS:
-            bad(f"kernels.{slot}", f"unknown kernel slot (slots: {', '.join(KERNELS)})")
-        if impl not in KERNELS[slot]:
-            bad(f"kernels.{slot}", f"unknown implementation {impl!r} (available: {', '.join(KERNELS[slot])})")
+        why = check_kernel(slot, impl)
+        if why:
+            bad(f"kernels.{slot}", why)
     if r.compile_mode not in COMPILE_MODES:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:

@@ -1,11 +1,29 @@
-"""Kernel slots: named points where the engine calls a kernel, and the implementations a recipe can pick."""
+"""Kernel slots: named points where the engine calls a kernel, and the implementations a recipe can pick.
+
+A recipe names one implementation per slot: `builtin:NAME` (registered below) or the path of a candidate source file
+that defines a function named after the slot (`def linear(x, w, b): ...`). Built-ins that need Triton are registered
+as "module:function" and imported only when picked, so that importing the engine never imports Triton (and
+TRITON_INTERPRET can still be set before a kernel module is first imported).
+"""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from pathlib import Path
 from typing import Callable, NamedTuple
 
-from .builtin import DEFAULTS, IMPLEMENTATIONS
+from . import builtin
 
-SLOTS = tuple(DEFAULTS)
+SLOTS = ("linear", "rmsnorm", "attention", "accept")
+
+# slot -> {name: callable or "module:function" relative to this package}
+IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {
+    "linear": {"builtin:torch": builtin.linear_torch},
+    "rmsnorm": {"builtin:torch": builtin.rmsnorm_torch},
+    "attention": {"builtin:sdpa": builtin.attention_sdpa, "builtin:math": builtin.attention_math},
+    "accept": {"builtin:torch": builtin.accept_torch},
+}
+DEFAULTS = dict(builtin.DEFAULTS)
 
 
 class Kernels(NamedTuple):
@@ -15,13 +33,51 @@ class Kernels(NamedTuple):
     accept: Callable
 
 
+def is_candidate_path(name: str) -> bool:
+    return not name.startswith("builtin:") and name.endswith(".py")
+
+
+def check_choice(slot: str, name: str) -> str | None:
+    """Why `name` cannot implement `slot`, or None when it can (the candidate file is only looked at, not run)."""
+    if slot not in IMPLEMENTATIONS:
+        return f"unknown kernel slot (slots: {', '.join(SLOTS)})"
+    if is_candidate_path(name):
+        return None if Path(name).is_file() else f"candidate source {name!r} does not exist"
+    if name not in IMPLEMENTATIONS[slot]:
+        return (f"unknown implementation {name!r} (available: {', '.join(IMPLEMENTATIONS[slot])}, "
+                f"or the path of a .py file defining {slot}())")
+    return None
+
+
+def load_candidate(slot: str, path: str | Path) -> Callable:
+    """The function `slot` defined by the candidate source file at `path`."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"specpilot_candidate_{slot}_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, slot, None)
+    if not callable(fn):
+        raise KeyError(f"candidate {path} defines no function {slot}()")
+    return fn
+
+
+def implementation(slot: str, name: str) -> Callable:
+    why = check_choice(slot, name)
+    if why:
+        raise KeyError(f"kernel slot {slot!r}: {why}")
+    if is_candidate_path(name):
+        return load_candidate(slot, name)
+    impl = IMPLEMENTATIONS[slot][name]
+    if isinstance(impl, str):
+        module, attr = impl.split(":")
+        impl = getattr(importlib.import_module(module, __name__), attr)
+    return impl
+
+
 def resolve(choice: dict[str, str] | None = None) -> Kernels:
     """The implementation per slot; `choice` maps slot -> name and may leave slots at their defaults."""
     names = {**DEFAULTS, **(choice or {})}
-    for slot, name in names.items():
+    for slot in names:
         if slot not in IMPLEMENTATIONS:
             raise KeyError(f"unknown kernel slot {slot!r} (slots: {', '.join(SLOTS)})")
-        if name not in IMPLEMENTATIONS[slot]:
-            raise KeyError(f"unknown implementation {name!r} for slot {slot!r} "
-                           f"(available: {', '.join(IMPLEMENTATIONS[slot])})")
-    return Kernels(**{slot: IMPLEMENTATIONS[slot][names[slot]] for slot in SLOTS})
+    return Kernels(**{slot: implementation(slot, names[slot]) for slot in SLOTS})

@@ -43,12 +43,6 @@ def accept_torch(drafts: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor
     return match.long().cumprod(1).sum(1), target
 
 
-IMPLEMENTATIONS = {
-    "linear": {"builtin:torch": linear_torch},
-    "rmsnorm": {"builtin:torch": rmsnorm_torch},
-    "attention": {"builtin:sdpa": attention_sdpa, "builtin:math": attention_math},
-    "accept": {"builtin:torch": accept_torch},
-}
 # Decode and verify steps attend with few queries over a short cache: on the H200 the math version's graph step
 # took 1.07 ms against SDPA's 1.27 ms (cuDNN's flash kernel spends ~10 us a layer on one query); docs/BENCHMARKS.md.
 DEFAULTS = {"linear": "builtin:torch", "rmsnorm": "builtin:torch", "attention": "builtin:math",

@@ -6,7 +6,7 @@ from the registry when its Decoder is built, which the candidate worker does aft
 """
 import torch
 
-from specpilot.kernels import builtin
+from specpilot import kernels
 
 
 def accept_unverified(drafts, valid, logits):
@@ -17,4 +17,4 @@ def accept_unverified(drafts, valid, logits):
     return valid.clone(), torch.where(unverified, torch.cat([drafts, target[:, k:]], 1), target)
 
 
-builtin.IMPLEMENTATIONS["accept"]["builtin:torch"] = accept_unverified
+kernels.IMPLEMENTATIONS["accept"]["builtin:torch"] = accept_unverified
