@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from .memory.cli import add_memory_parser
+
 
 def _default_device() -> str:
     import torch
@@ -71,6 +73,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--limit", type=int, default=None, help="first K questions of each workload")
+    b.add_argument("--cell-requests", type=int, default=None,
+                   help="each (workload, batch size) cell decodes only its first max(N, batch size) requests: "
+                        "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
     b.add_argument("--repeats", type=int, default=1, help="times each batch is measured per system (median kept)")
     b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
@@ -181,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_costmodel_parsers(sub)
     add_check_parser(sub)
+    add_memory_parser(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import resolve as resolve_kernels
+from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter
 from .errors import SpecPilotError
@@ -90,14 +90,14 @@ class Decoder:
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
-                 kernels: dict[str, str] | None = None, overlap: bool = False, compile_mode: str = "default"):
+                 kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default"):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
         self.model, self.drafter, self.k = model, drafter, k
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        self.ops = resolve_kernels(kernels)
+        self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
         # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
         # math version would materialize a [B, heads, T, S] score tensor).
         self.prefill_ops = self.ops._replace(attention=attention_sdpa)

@@ -4,12 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import loader
+from ..kernels import resolve as resolve_kernels
 from .decode import Decoder, RowResult, StopCondition
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .errors import SpecPilotError
 from .loader import LoadedModel
 from .recipe import Recipe
 from .sampling import SamplingParams
+from .weights import bind_weights, lossless12_weights
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -48,9 +50,13 @@ class Request:
 class Engine:
     def __init__(self, target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None):
         self.target, self.recipe = target, recipe
+        ops, compile = resolve_kernels(recipe.kernels), recipe.compile
+        if recipe.weights.format == "lossless12":
+            ops = ops._replace(linear=bind_weights(ops.linear, lossless12_weights(target.model)))
+            compile = False  # the weight lookup by parameter identity is Python, not traceable; CUDA graphs still apply
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
-                               target.eos_token_ids, target.tokenizer, recipe.compile, recipe.kernels,
-                               recipe.overlap, recipe.compile_mode)
+                               target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
+                               recipe.compile_mode)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

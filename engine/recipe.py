@@ -19,7 +19,7 @@ from .errors import SpecPilotError
 SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 VERIFICATION_KINDS = ("chain",)
-WEIGHT_FORMATS = ("native",)
+WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
@@ -39,7 +39,7 @@ class DrafterSpec:
 
 @dataclass
 class WeightsSpec:
-    format: str = "native"  # the target's own dtype, no re-encoding
+    format: str = "native"  # native: the target's own dtype; lossless12: bf16 re-encoded in 12 bits (bit-exact)
 
 
 @dataclass
@@ -140,6 +140,9 @@ def _check(r: Recipe) -> Recipe:
         why = check_kernel(slot, impl)
         if why:
             bad(f"kernels.{slot}", why)
+    if r.weights.format == "lossless12" and r.kernels.get("linear", KERNEL_DEFAULTS["linear"]) == "builtin:torch":
+        bad("kernels.linear", "weights.format 'lossless12' needs a linear kernel that reads 12-bit weights "
+                              "(builtin:lossless12 or a candidate file)")
     if r.compile_mode not in COMPILE_MODES:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:

@@ -186,3 +186,12 @@ def test_bad_workload_file_names_the_problem(tmp_path, capsys, lines, expected):
     code = cli.main(["bench", "--target", "/no/such/model", "--workload", str(path), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code != 0 and expected in err and err.count("\n") == 1
+
+
+def test_cell_requests_caps_each_cell(tiny_smol_dir, tmp_path):
+    """--cell-requests 1: a B = 1 cell decodes one request, a B = 2 cell two; the results stay consistent."""
+    results = bench(tmp_path / "out", "--target", str(tiny_smol_dir), "--workload", "code", "--limit", "3",
+                    "--batch-sizes", "1,2", "--max-new-tokens", "4", "--cell-requests", "1")
+    check_consistent(results)
+    assert results["header"]["cell_requests"] == 1
+    assert {(r["batch_size"], r["requests"]) for r in results["runs"]} == {(1, 1), (2, 2)}

@@ -97,19 +97,25 @@ def test_launch_bound_step():
     assert predict(replace(dep, cuda_graphs=False), dev, 0.5).step_s == pytest.approx(450e-6)
 
 
-def test_per_kernel_max_not_global_max():
-    # A forward costs the sum of per-kernel maxima, not one max over the forward. Bandwidth 1000 B/s, 1-byte
-    # weights and activations, the 6 kernels a fused-attention toy forward has (no further elementwise kernels).
+def test_per_kernel_costs_eager_max_graphed_sum():
+    # A forward costs the sum of per-kernel costs, not one max over the forward. Bandwidth 1000 B/s, 1-byte weights
+    # and activations, the 6 kernels a fused-attention toy forward has (no further elementwise kernels); GEMM-class:
+    # 4 GEMMs of 44, 24, 84, 44 bytes, attention 24, head 54. The other kernels' 64 activation bytes cost 0.064.
+    from dataclasses import replace
     dev = DeviceCeilings("mix", 1000.0, INF, 0.0, 0.01, 0.01)
-    c = forward_cost(dev, toy(kernels_per_target_forward=6), tokens=1)
-    # GEMMs 44, 24, 84, 44 bytes -> 0.044, 0.024, 0.084, 0.044 s (all above the 0.01 s floor);
-    # attention 24 bytes -> 0.024; head 54 -> 0.054; no other kernels (6 counted), but their 64 activation
-    # bytes still cost 0.064. Sum: 0.338 s, where a single max over the forward would give max(0.338, 0.06).
-    assert c.time_s == pytest.approx(0.338)
+    eager = toy(kernels_per_target_forward=6, cuda_graphs=False)
+    # launched eagerly each costs max(floor, bytes/BW): all above the 0.01 s floor -> .044+.024+.084+.044+.024+.054
+    # + .064 = 0.338 s, where a single max over the forward would give max(0.338, 0.06)
+    assert forward_cost(dev, eager, tokens=1).time_s == pytest.approx(0.338)
     slow = DeviceCeilings("mix", 1000.0, INF, 0.0, 0.05, 0.05)
-    # floors 0.05: GEMMs max(0.05, .044)=.05, max(.05,.024)=.05, .084, .05; attention .05; head .054; act .064
-    assert forward_cost(slow, toy(kernels_per_target_forward=6), tokens=1).time_s == pytest.approx(
+    # floors 0.05: max(.05,.044)=.05, max(.05,.024)=.05, .084, .05; attention .05; head .054; activations .064
+    assert forward_cost(slow, eager, tokens=1).time_s == pytest.approx(
         0.05 + 0.05 + 0.084 + 0.05 + 0.05 + 0.054 + 0.064)
+    # in a CUDA graph a GEMM-class kernel pays its node latency and then its bytes: 6 x 0.01 more than eagerly
+    graphed = replace(eager, cuda_graphs=True)
+    assert forward_cost(dev, graphed, tokens=1).time_s == pytest.approx(0.338 + 6 * 0.01)
+    assert forward_cost(slow, graphed, tokens=1).time_s == pytest.approx(
+        0.094 + 0.074 + 0.134 + 0.094 + 0.074 + 0.104 + 0.064)
 
 
 def test_layerskip_and_model_drafters():

@@ -1,4 +1,4 @@
-"""Lossless 12-bit bf16 format (engine/lossless12.py): bit-exact round trips on every SmolLM2 tensor and on random
+"""Lossless 12-bit bf16 format (kernels/lossless12_format.py): bit-exact round trips on every SmolLM2 tensor and on random
 tensors with the awkward values (±0, subnormals, ±inf, NaN payloads, extreme exponents), the layout a GEMV kernel
 relies on, and the measured escape rate / bits-per-weight bounds documented in docs/LOSSLESS12.md."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.engine.lossless12 import ESCAPE, Packed12, decode, encode, exponent_histogram
+from specpilot.kernels.lossless12_format import ESCAPE, Packed12, decode, encode, exponent_histogram
 
 # Measured with `python -m specpilot.tools.weight_stats --target smollm2-135m` (docs/LOSSLESS12.md):
 # overall escape rate 2.51e-04, worst tensor layers.0.wqkv 1.39e-03, overall 12.069 bits/weight, max 12.333.

@@ -92,6 +92,7 @@ class Bench:
 
     def measure_cell(self, systems: list[System], workload: str, batch_size: int, requests: list[BenchRequest],
                      progress) -> None:
+        requests = requests[: cell_size(len(requests), batch_size, self.args.cell_requests)]
         units = len(systems) * (1 + -(-len(requests) // batch_size) * self.args.repeats)
         if batch_size > len(requests):
             self.error(None, workload, batch_size, f"batch size {batch_size} is above the {len(requests)} "
@@ -143,6 +144,11 @@ class Bench:
         self.write()
 
 
+def cell_size(n_requests: int, batch_size: int, cell_requests: int | None) -> int:
+    """How many of a workload's requests one cell decodes (--cell-requests N: the first max(N, B))."""
+    return n_requests if cell_requests is None else min(n_requests, max(cell_requests, batch_size))
+
+
 def build_systems(bench: Bench, target, recipes: list[tuple[str, Recipe]], baselines: str) -> list[System]:
     systems: list[System] = [EngineSystem(name, target, recipe) for name, recipe in recipes]
     if baselines == "hf":
@@ -162,8 +168,9 @@ def run_bench(args) -> int:
     # Everything the user typed is checked before the (slow) model load.
     if args.baselines not in BASELINES:
         raise SpecPilotError(f"--baselines {args.baselines!r}: expected one of {', '.join(BASELINES)}")
-    if args.max_new_tokens < 1 or args.repeats < 1 or (args.limit is not None and args.limit < 1):
-        raise SpecPilotError("--max-new-tokens, --repeats and --limit must be positive")
+    if args.max_new_tokens < 1 or args.repeats < 1 or any(v is not None and v < 1 for v in (args.limit,
+                                                                                            args.cell_requests)):
+        raise SpecPilotError("--max-new-tokens, --repeats, --limit and --cell-requests must be positive")
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     workloads = load_workloads(args.workload, args.limit)
     recipes = recipes_to_measure(args.recipe or [])
@@ -179,7 +186,8 @@ def run_bench(args) -> int:
     reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
     requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
                 for w, qs in workloads.items()}
-    total = sum(len(systems) * (1 + -(-len(rs) // b) * args.repeats) for rs in requests.values() for b in batch_sizes)
+    total = sum(len(systems) * (1 + -(-cell_size(len(rs), b, args.cell_requests) // b) * args.repeats)
+                for rs in requests.values() for b in batch_sizes)
     bench.write()
     try:
         with tqdm(total=total, desc="bench", unit="decode", file=sys.stderr,

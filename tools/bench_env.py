@@ -27,8 +27,10 @@ def _version(module: str) -> str | None:
 def _specpilot_version() -> str | None:
     try:
         return importlib.metadata.version("specpilot")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout on the path, not installed (the H200)
+        from .. import __version__
+
+        return __version__
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -79,5 +81,5 @@ def header(args, device: torch.device, dtype: str, workloads: list[str], batch_s
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": args.target, "dtype": dtype, "device": str(device), "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos, "workloads": workloads, "batch_sizes": batch_sizes, "repeats": args.repeats,
-        "limit": args.limit, "threads": torch.get_num_threads(),
+        "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None), "threads": torch.get_num_threads(),
     }

@@ -63,7 +63,8 @@ def markdown(results: dict) -> str:
         (f"- specpilot {h.get('specpilot')}, torch {h.get('torch')}, transformers {h.get('transformers')}, "
          f"triton {h.get('triton') or 'not installed'}"),
         (f"- max new tokens {h.get('max_new_tokens')} ({'EOS ignored' if h.get('ignore_eos') else 'stop at EOS'}), "
-         f"repeats {h.get('repeats')} (median), questions per workload: {h.get('limit') or 'all'}"),
+         f"repeats {h.get('repeats')} (median), questions per workload: {h.get('limit') or 'all'}"
+         + (f", per cell the first max({h['cell_requests']}, B)" if h.get("cell_requests") else "")),
         ("- speedup and =AR (share of requests token-identical to AR) are against this engine's AR in the same cell; "
          "τ is the mean tokens per verification step; peak memory is "
          + (" / ".join(sorted(memory)) or "-") + " (see docs/BENCH.md)"), "",

@@ -7,7 +7,9 @@ What is measured (docs/COSTMODEL.md):
 - matmul rate: a large square matmul, FLOP/s (bf16 on CUDA; fp32 on CPU, where bf16 has no fast path);
 - launch: one tiny kernel launched eagerly, host-timed over many (CPU: the per-op overhead of a tiny torch op);
 - graph node: one tiny kernel as a node of a replayed CUDA graph of many (CPU: = launch);
-- GEMM node: one tiny GEMM as a graph node, the least a GEMM kernel costs (CPU: a tiny matmul op).
+- GEMM node: one GEMV as a node of a replayed graph, its weights coming from DRAM (the chain's weights exceed L2, as
+  a model's do), less its own transfer time at copy bandwidth: the latency a graphed GEMM pays on top of moving its
+  bytes (CPU: a tiny matmul op).
 The cache is $SPECPILOT_CACHE/calibration/<device name slug>.json; the CPU calibration takes about a second.
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from ..engine.loader import cache_root
 from .costmodel import DeviceCeilings
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: GEMM node on DRAM-resident weights, net of its transfer
 
 
 def device_name(device: str) -> str:
@@ -110,12 +112,20 @@ def launch_overhead(device: str) -> float:
     return min(times)
 
 
-def graph_node(device: str, gemm: bool) -> float:
-    """Per-node time of a replayed CUDA graph of tiny kernels (or tiny GEMMs)."""
+GEMM_NODE_SHAPE = (1024, 512)  # bf16 weights of 1 MiB: the size of a small model's per-layer matrices
+
+
+def graph_node(device: str, gemm: bool, copy_bytes_per_s: float | None = None) -> float:
+    """Per-node time of a replayed CUDA graph of tiny kernels; with `gemm`, of GEMVs over 1 MiB weights cycling
+    through more memory than L2 holds, less each one's transfer time at `copy_bytes_per_s`."""
     n = 500
-    x = torch.randn(1, 256, device=device, dtype=torch.bfloat16)
-    ws = [torch.randn(256, 256, device=device, dtype=torch.bfloat16) for _ in range(8)]
     y = torch.zeros(1, device=device)
+    if gemm:
+        out_f, in_f = GEMM_NODE_SHAPE
+        l2 = torch.cuda.get_device_properties(torch.device(device)).L2_cache_size
+        count = max(8, -(-4 * l2 // (out_f * in_f * 2)))  # 4x L2: every node reads its weights from DRAM
+        x = torch.randn(1, in_f, device=device, dtype=torch.bfloat16)
+        ws = [torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16) for _ in range(count)]
 
     def body():
         for i in range(n):
@@ -129,7 +139,10 @@ def graph_node(device: str, gemm: bool) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    return _best(_timer(device), graph.replay, 10, 5) / n
+    per_node = _best(_timer(device), graph.replay, 10, 5) / n
+    if gemm and copy_bytes_per_s:
+        return max(0.0, per_node - GEMM_NODE_SHAPE[0] * GEMM_NODE_SHAPE[1] * 2 / copy_bytes_per_s)
+    return per_node
 
 
 def tiny_gemm_cpu() -> float:
@@ -150,7 +163,7 @@ def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
     rate, mm_dtype = matmul_rate(device)
     launch = launch_overhead(device)
     if device.startswith("cuda"):
-        node, gemm = graph_node(device, False), graph_node(device, True)
+        node, gemm = graph_node(device, False), graph_node(device, True, bw)
     else:
         node, gemm = launch, tiny_gemm_cpu()
     notes = {"device": device, "matmul_dtype": mm_dtype, "torch": torch.__version__,
@@ -188,5 +201,5 @@ def describe(c: DeviceCeilings) -> str:
         f"matmul rate       {c.matmul_flops_per_s / 1e12:,.2f} TFLOP/s",
         f"launch            {c.launch_s * 1e6:.2f} us per eager kernel",
         f"graph node        {c.graph_node_s * 1e6:.2f} us per node",
-        f"GEMM node         {(c.gemm_node_s or c.graph_node_s) * 1e6:.2f} us per tiny GEMM",
+        f"GEMM node         {(c.gemm_node_s or c.graph_node_s) * 1e6:.2f} us per graphed GEMM, beyond its bytes",
     ])

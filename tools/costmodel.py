@@ -37,7 +37,10 @@ class DeviceCeilings:
     matmul_flops_per_s: float  # large square matmul (bf16 on CUDA, fp32 on CPU)
     launch_s: float  # one tiny kernel launched eagerly, host-timed
     graph_node_s: float  # one tiny kernel as a node of a replayed CUDA graph (CPU: = launch_s)
-    gemm_node_s: float | None = None  # one tiny GEMM as a graph node: a GEMM kernel's floor (None: graph_node_s)
+    # One GEMM node of a replayed graph beyond its own transfer time, measured on weights that come from DRAM (the
+    # chain's weights exceed L2, as a model's do): a GEMM moving b bytes costs gemm_node_s + b / copy bandwidth in a
+    # graph, since a chain of dependent small kernels pays each one's latency and transfer in turn. None: graph_node_s.
+    gemm_node_s: float | None = None
 
     def kernel_floor(self, graphs: bool, gemm: bool = False) -> float:
         node = (self.gemm_node_s or self.graph_node_s) if gemm else self.graph_node_s
@@ -126,7 +129,7 @@ class Deployment:
 class Cost:
     """Predicted time of some kernels with their limits; costs add up."""
 
-    time_s: float = 0.0  # sum over kernels of max(floor, bytes/BW, flops/rate)
+    time_s: float = 0.0  # sum over kernels of max(floor, bytes/BW, flops/rate); graphed GEMMs floor + bytes/BW
     memory_s: float = 0.0  # unavoidable bytes (weights, KV, logits) / BW
     compute_s: float = 0.0  # FLOPs / matmul rate
     launch_s: float = 0.0  # kernels x per-kernel floor
@@ -156,7 +159,10 @@ def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple[float, float, 
     out = Cost()
     for b, f, gemm in items:
         floor = dev.kernel_floor(graphs, gemm)
-        out += Cost(max(floor, b / bw, f / rate), b / bw, f / rate, floor, b, f, 1)
+        # In a graph a GEMM's latency and its weight transfer add up (see DeviceCeilings.gemm_node_s); elsewhere the
+        # floor (a launch, or a tiny node) overlaps the transfer.
+        move = floor + b / bw if graphs and gemm else max(floor, b / bw)
+        out += Cost(max(move, f / rate), b / bw, f / rate, floor, b, f, 1)
     return out
 
 

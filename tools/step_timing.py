@@ -1,8 +1,8 @@
 """GPU time of one captured decoding step, against the whole loop, per attention kernel and batch size.
 
-    python -m specpilot.tools.step_timing --target T [--batch-sizes 1,8] [--max-new-tokens 256]
+    python -m specpilot.tools.step_timing --target T [--batch-sizes 1,8] [--variants ar,ar-sdpa,...]
 
-For each (batch size, attention implementation, recipe) it decodes N tokens twice (the first run compiles and
+For each (batch size, variant) it decodes N tokens twice (the first run compiles and
 captures), then replays the step's CUDA graph 40 times between CUDA events (`replay` = device time of one step),
 and counts the kernels one replay launches with torch.profiler. `loop` is the decode time per step of the real
 loop, host work included; loop - replay is the host's share. CUDA only.
@@ -18,45 +18,63 @@ from ..engine import loader
 from ..engine.engine import Engine
 from ..engine.recipe import parse
 
-RECIPES = {"ar": {}, "ngram-k4": {"drafter": {"kind": "ngram"}, "k": 4}}
+_L12 = {"weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
+_NGRAM = {"drafter": {"kind": "ngram"}, "k": 4}
+VARIANTS = {  # recipe fields over the defaults; each a lever on the AR or n-gram step
+    "ar": {},
+    "ar-sdpa": {"kernels": {"attention": "builtin:sdpa"}},
+    "ar-triton": {"kernels": {"rmsnorm": "builtin:triton", "attention": "builtin:triton"}},
+    "ar-overlap": {"overlap": True},
+    "ar-autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
+    "ar-lossless12": _L12,
+    "ngram-k4": _NGRAM,
+    "ngram-k4-overlap": {**_NGRAM, "overlap": True},
+    "ngram-k4-triton": {**_NGRAM, "kernels": {"rmsnorm": "builtin:triton", "attention": "builtin:triton",
+                                              "accept": "builtin:triton"}},
+    "ngram-k4-lossless12": {**_NGRAM, **_L12},
+}
 PROMPT = "Write a Python function that checks whether a number is prime, with tests."
+
+
+def measure(engine: Engine, name: str, B: int, max_new_tokens: int) -> None:
+    prompts = [engine.encode(PROMPT + " " * i) for i in range(B)]  # distinct lengths: a ragged batch
+    t = time.perf_counter()
+    engine.generate(prompts, max_new_tokens, ignore_eos=True)
+    first_s = time.perf_counter() - t
+    rows = engine.generate(prompts, max_new_tokens, ignore_eos=True)
+    stats, dec = engine.decoder.last_stats, engine.decoder
+    replay_ms = dec.time_graph_replay(40) * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dec.replay_once()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    tokens = sum(len(r.tokens) for r in rows)
+    tau = sum(r.mean_accepted for r in rows) / B
+    print(f"B={B} {name:20s} first {first_s:5.1f}s {tokens / (stats.prefill_s + stats.decode_s):8.1f} tok/s  "
+          f"loop {stats.decode_s / stats.steps * 1e3:.3f} ms/step  replay {replay_ms:.3f} ms  "
+          f"kernels {len(kernels)}  tau {tau:.2f}", flush=True)
+    if B == 1:
+        by_name: dict[str, tuple[int, float]] = {}
+        for e in kernels:
+            count, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (count + 1, us + e.device_time)
+        for kname, (count, us) in sorted(by_name.items(), key=lambda x: -x[1][1])[:6]:
+            print(f"     {us / 1e3:7.3f} ms {count:4d}x {kname[:80]}", flush=True)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--attention", default="builtin:sdpa,builtin:math")
+    ap.add_argument("--variants", default="ar,ar-sdpa,ngram-k4", help=f"any of {', '.join(VARIANTS)}")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args(argv)
     target = loader.load(args.target, "bf16", "cuda")
     for B in map(int, args.batch_sizes.split(",")):
-        for attention in args.attention.split(","):
-            for name, extra in RECIPES.items():
-                engine = Engine(target, parse({"name": name, "kernels": {"attention": attention}, **extra}))
-                prompts = [engine.encode(PROMPT + " " * i) for i in range(B)]  # distinct lengths: a ragged batch
-                t = time.perf_counter()
-                engine.generate(prompts, args.max_new_tokens, ignore_eos=True)
-                first_s = time.perf_counter() - t
-                rows = engine.generate(prompts, args.max_new_tokens, ignore_eos=True)
-                stats, dec = engine.decoder.last_stats, engine.decoder
-                replay_ms = dec.time_graph_replay(40) * 1e3
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    dec.replay_once()
-                kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                tokens = sum(len(r.tokens) for r in rows)
-                tau = sum(r.mean_accepted for r in rows) / B
-                print(f"B={B} {attention:13s} {name:9s} first {first_s:5.1f}s "
-                      f"{tokens / (stats.prefill_s + stats.decode_s):8.1f} tok/s  "
-                      f"loop {stats.decode_s / stats.steps * 1e3:.3f} ms/step  replay {replay_ms:.3f} ms  "
-                      f"kernels {len(kernels)}  tau {tau:.2f}", flush=True)
-                if B == 1 and name == "ar":
-                    by_name: dict[str, tuple[int, float]] = {}
-                    for e in kernels:
-                        count, us = by_name.get(e.name, (0, 0.0))
-                        by_name[e.name] = (count + 1, us + e.device_time)
-                    for kname, (count, us) in sorted(by_name.items(), key=lambda x: -x[1][1])[:6]:
-                        print(f"     {us / 1e3:7.3f} ms {count:4d}x {kname[:80]}")
+        for name in args.variants.split(","):
+            try:
+                measure(Engine(target, parse({"name": name, **VARIANTS[name]})), name, B, args.max_new_tokens)
+            except Exception as e:  # a variant that fails must not cost the others their measurements
+                print(f"B={B} {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Exponent statistics of a model's bf16 weights and what the lossless 12-bit format (engine/lossless12.py) costs.
+"""Exponent statistics of a model's bf16 weights and what the lossless 12-bit format (kernels/lossless12_format.py) costs.
 
     python -m specpilot.tools.weight_stats --target smollm2-135m [--per-tensor] [--no-random]
 
@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from ..engine.lossless12 import exponent_histogram, tensor_stats
+from ..kernels.lossless12_format import exponent_histogram, tensor_stats
 
 RANDOM_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (1024, 4096))
 HEADER = f"{'tensor':<24}{'count':>6}{'weights':>12}{'distinct':>9}{'top15':>10}{'top16':>10}" \

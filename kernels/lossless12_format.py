@@ -82,17 +82,18 @@ def _rows_cols(shape: tuple[int, ...], n: int) -> tuple[int, int]:
 
 
 def encode(w: torch.Tensor) -> Packed12:
-    """Pack a bf16 tensor into the 12-bit format. Bit-exact: decode(encode(w)) has w's bits, NaN payloads too."""
+    """Pack a bf16 tensor into the 12-bit format, on w's device. Bit-exact: decode(encode(w)) has w's bits, NaN
+    payloads too."""
     b = _bits(w)
     n = b.numel()
     exp = (b >> 7) & 0xFF
     hist = torch.bincount(exp, minlength=256)
     order = torch.sort(hist, descending=True, stable=True).indices[:N_EXPONENTS]
     chosen = order[hist[order] > 0].sort().values          # the used ones among the 15 most frequent, ascending
-    exp_table = torch.zeros(TABLE_SIZE, dtype=torch.uint8)
+    exp_table = torch.zeros(TABLE_SIZE, dtype=torch.uint8, device=b.device)
     exp_table[:chosen.numel()] = chosen.to(torch.uint8)
-    lut = torch.full((256,), ESCAPE, dtype=torch.int32)
-    lut[chosen] = torch.arange(chosen.numel(), dtype=torch.int32)
+    lut = torch.full((256,), ESCAPE, dtype=torch.int32, device=b.device)
+    lut[chosen] = torch.arange(chosen.numel(), dtype=torch.int32, device=b.device)
 
     code = lut[exp]
     esc = code == ESCAPE
@@ -106,7 +107,7 @@ def encode(w: torch.Tensor) -> Packed12:
     exc_bits = w.detach().contiguous().view(torch.int16).flatten()[exc_index].clone()
     rows, cols = _rows_cols(tuple(w.shape), n)
     per_row = torch.bincount(exc_index // cols, minlength=rows)
-    exc_row_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), per_row.cumsum(0)]).to(torch.int32)
+    exc_row_ptr = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)]).to(torch.int32)
     return Packed12(tuple(w.shape), exp_table, hi, lo, exc_index, exc_bits, exc_row_ptr)
 
 
@@ -132,3 +133,50 @@ def tensor_stats(name: str, w: torch.Tensor) -> dict:
                 top15=float(top[:15].sum() / n), top16=float(top[:16].sum() / n), escapes=p.n_escapes,
                 escape_rate=p.escape_rate, nbytes=p.nbytes, bits_per_weight=p.bits_per_weight,
                 exact=bool(torch.equal(decode(p).view(torch.int16), w.contiguous().view(torch.int16))))
+
+
+@dataclass
+class Packed12Linear:
+    """A [N, K] weight in the 12-bit format, as device tensors the kernel reads."""
+    hi16: torch.Tensor      # int16 [N, K/2]: the hi bytes of elements 2j (low byte) and 2j+1 (high byte)
+    lo: torch.Tensor        # uint8 [N, K/2]: their exponent codes (2j low nibble, 2j+1 high nibble)
+    table: torch.Tensor     # int32 [16]: exponent << 23 per code; the escape code's entry is 0
+    exc_row: torch.Tensor   # int32 [E]: escapes' rows, sorted
+    exc_col: torch.Tensor   # int32 [E]: escapes' columns
+    exc_val: torch.Tensor   # float32 [E]: escapes' exact values
+    row_ptr: torch.Tensor   # int32 [N + 1]: escapes of row n are exc_*[row_ptr[n]:row_ptr[n + 1]]
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.hi16, self.lo, self.table, self.exc_row, self.exc_col, self.exc_val, self.row_ptr))
+
+
+def to_linear_planes(w: torch.Tensor, device=None) -> Packed12Linear:
+    """A bf16 [N, K] weight (K even) encoded and laid out for the fused linear kernel (kernels/lossless12_linear.py)."""
+    if w.dim() != 2 or w.shape[1] % 2:
+        raise ValueError(f"lossless12 linear weights must be 2-D with an even number of columns, got {tuple(w.shape)}")
+    n, k = w.shape
+    p = encode(w.to(device) if device is not None else w)  # encodes on the GPU when given one: seconds, not minutes
+    exc_row = (p.exc_index // k).to(torch.int32)
+    planes = Packed12Linear(
+        hi16=p.hi.view(torch.int16).reshape(n, k // 2), lo=p.lo.reshape(n, k // 2),
+        table=p.exp_table.to(torch.int32) << 23, exc_row=exc_row, exc_col=(p.exc_index % k).to(torch.int32),
+        exc_val=(p.exc_bits.to(torch.int32) << 16).view(torch.float32), row_ptr=p.exc_row_ptr, shape=(n, k))
+    return Packed12Linear(**{f: (getattr(planes, f).to(device) if f != "shape" else planes.shape)
+                             for f in planes.__dataclass_fields__})
+
+
+def decode_linear_weight(w: Packed12Linear, dtype=torch.bfloat16) -> torch.Tensor:
+    """The [N, K] weight, decoded with torch ops (the exact values the fused kernel multiplies with)."""
+    h = w.hi16.to(torch.int32) & 0xFFFF
+    c = w.lo.to(torch.int32)
+    even = ((h & 0x80) << 24) | w.table[c & 15] | ((h & 0x7F) << 16)
+    odd = ((h & 0x8000) << 16) | w.table[c >> 4] | ((h & 0x7F00) << 8)
+    full = torch.stack([even, odd], dim=-1).reshape(w.shape).view(torch.float32)
+    full[w.exc_row.long(), w.exc_col.long()] = w.exc_val
+    if dtype == torch.bfloat16:  # the top half of the fp32 bits: exact, NaN payloads too (a float cast is not)
+        return (full.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    return full.to(dtype)
+

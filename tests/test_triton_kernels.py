@@ -1,0 +1,172 @@
+"""The Triton built-ins of the rmsnorm, attention and accept slots, run on CPU by Triton's interpreter: each equals its
+torch reference on fp32 inputs, and the engine with all three decodes exactly the default kernels' greedy tokens.
+
+TRITON_INTERPRET must be set before the first kernel module is imported (triton.jit reads it when it decorates), so
+it is set here before anything imports them; the kernel modules are imported only by this file.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from specpilot import kernels  # noqa: E402
+from specpilot.engine.decode import _finish_step  # noqa: E402
+from specpilot.engine.engine import Engine  # noqa: E402
+from specpilot.engine.loader import load  # noqa: E402
+from specpilot.engine.model import Block  # noqa: E402
+from specpilot.engine.recipe import parse  # noqa: E402
+from specpilot.kernels import triton_accept, triton_attention, triton_rmsnorm  # noqa: E402
+from specpilot.kernels.builtin import accept_torch, attention_math, rmsnorm_torch  # noqa: E402
+
+# Triton 3.6's interpreter converts 1-element arrays to scalars the way numpy deprecates: noise, not our code.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+TRITON_KERNELS = {"rmsnorm": "builtin:triton", "attention": "builtin:triton", "accept": "builtin:triton"}
+
+
+def test_kernels_run_in_the_interpreter():
+    # Compiled kernels cannot run without a GPU: this fails if a kernel module was imported before the env var was set.
+    for kernel in (triton_rmsnorm._rmsnorm_kernel, triton_attention._attention_kernel,
+                   triton_attention._combine_kernel, triton_accept._accept_kernel):
+        assert isinstance(kernel, InterpretedFunction)
+
+
+def test_registered_as_lazy_builtins():
+    assert kernels.implementation("rmsnorm", "builtin:triton") is triton_rmsnorm.rmsnorm
+    assert kernels.implementation("attention", "builtin:triton") is triton_attention.attention
+    assert kernels.implementation("accept", "builtin:triton") is triton_accept.accept
+    recipe_kernels = parse({"kernels": TRITON_KERNELS}).kernels
+    assert {slot: recipe_kernels[slot] for slot in TRITON_KERNELS} == TRITON_KERNELS
+
+
+def test_benchmarks_refuse_to_run_without_a_gpu():
+    for module in (triton_rmsnorm, triton_attention, triton_accept):
+        with pytest.raises(RuntimeError, match="GPU"):
+            module.benchmark()
+
+
+# -- rmsnorm ------------------------------------------------------------------------------------------------------
+def test_rmsnorm_matches_torch():
+    triton_rmsnorm.check()
+
+
+def test_rmsnorm_strided_heads_and_odd_width():
+    """Per-head q/k norm input: a head view sliced out of a fused projection (rows do not merge), and a width that is
+    not a power of two."""
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(2, 3, 5 * 24, generator=g)
+    heads = fused[..., : 4 * 24].view(2, 3, 4, 24)  # like q out of qkv.split(...)
+    w = 1 + 0.1 * torch.randn(24, generator=g)
+    torch.testing.assert_close(triton_rmsnorm.rmsnorm(heads, w, 1e-6), rmsnorm_torch(heads, w, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+# -- attention ----------------------------------------------------------------------------------------------------
+def test_attention_matches_torch_unsplit_and_split():
+    """GQA (rep > 1) and MHA, decode and verify steps, ragged rows, caches not a multiple of the key block, more
+    queries than one query block, a sliding window; each unsplit and with the cache split in 2, 3 and 7."""
+    triton_attention.check(n_splits=(1, 2, 3, 7))
+
+
+def test_attention_ignores_stale_slots():
+    """Slots past each row's position hold huge stale keys and values (rejected drafts): masked, they change nothing."""
+    g = torch.Generator().manual_seed(2)
+    B, H, rep, T, S, D = 2, 2, 2, 3, 150, 32
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (rep * T, S, S))
+    lengths = torch.tensor([70, 20])
+    positions = lengths[:, None] - 1 + torch.arange(T)[None]
+    for b in range(B):
+        k[b, :, positions[b, -1] + 1:] = 1e4
+        v[b, :, positions[b, -1] + 1:] = -1e4
+    mask = triton_attention.engine_mask(positions, rep, S)
+    want = attention_math(q, k, v, mask)
+    assert want.abs().max() < 10
+    for splits in (1, 4):
+        torch.testing.assert_close(triton_attention.attention_with_splits(q, k, v, mask, splits), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_attention_picks_no_split_off_gpu():
+    assert triton_attention.choose_splits(1, 4096, torch.device("cpu")) == 1
+
+
+# -- accept -------------------------------------------------------------------------------------------------------
+def assert_accept_matches(drafts, valid, logits):
+    want, got = accept_torch(drafts, valid, logits), triton_accept.accept(drafts, valid, logits)
+    assert torch.equal(got[0], want[0]), (got[0].tolist(), want[0].tolist())
+    assert torch.equal(got[1], want[1]), (got[1].tolist(), want[1].tolist())
+    assert got[0].dtype == got[1].dtype == torch.int64
+    return got
+
+
+def test_accept_matches_torch():
+    """AR steps (k = 0), vocabularies over several blocks and not a multiple of one, tie-heavy logits."""
+    triton_accept.check()
+
+
+@pytest.mark.parametrize("vocab", (300, 5000))
+def test_accept_all_none_and_limited_by_valid(vocab):
+    g = torch.Generator().manual_seed(3)
+    k = 4
+    # row 0: every draft right and valid; row 1: the first draft wrong; row 2: all right but only 2 valid;
+    # row 3: wrong at position 2; row 4: all right, none valid
+    wrong_at = torch.tensor([k, 0, k, 2, k])
+    valid = torch.tensor([k, k, 2, k, 0])
+    drafts, valid, logits = triton_accept.make_case(5, k, vocab, g, n_valid=valid, wrong_at=wrong_at)
+    n_accepted, _ = assert_accept_matches(drafts, valid, logits)
+    assert n_accepted.tolist() == [4, 0, 2, 2, 0]
+
+
+def test_accept_ties_nan_and_all_minus_inf():
+    """Ties within a block, across blocks and in the same lane of two blocks go to the lowest index; the first NaN
+    wins over everything, +inf included; a row of -inf gives 0, as does a row of one repeated value."""
+    g = torch.Generator().manual_seed(4)
+    k, vocab = 4, 9000  # two blocks of the kernel's 8192 logits, the second one partial
+    block = triton_accept.MAX_BLOCK_V
+    assert block < vocab
+    logits = torch.randn(2, k + 1, vocab, generator=g)
+    logits[0, 0, [8300, 100]] = 50.0  # across blocks
+    logits[0, 1, [17 + block, 17]] = 60.0  # the same lane of both blocks
+    logits[0, 2, [3001, 3000]] = 70.0  # within a block
+    logits[0, 3, [block + 5, 9]] = float("nan")
+    logits[0, 3, 5] = float("inf")
+    logits[0, 4] = float("-inf")
+    logits[1, 0] = 7.0
+    logits[1, 1, vocab - 1] = float("inf")  # the last id of the partial block
+    drafts = torch.tensor([[100, 17, 3000, 9], [0, vocab - 1, 1, 2]])
+    _, tokens = assert_accept_matches(drafts, torch.tensor([k, k]), logits)
+    assert tokens[0].tolist() == [100, 17, 3000, 9, 0] and tokens[1, :2].tolist() == [0, vocab - 1]
+
+
+def test_accept_strided_drafts():
+    """The engine's drafts are a slice of its inputs [last, d_1..d_k]."""
+    g = torch.Generator().manual_seed(5)
+    drafts, valid, logits = triton_accept.make_case(3, 4, 700, g, ties=True)
+    inputs = torch.cat([torch.zeros(3, 1, dtype=torch.long), drafts], 1)
+    assert_accept_matches(inputs[:, 1:], valid, logits)
+
+
+# -- the engine end to end ----------------------------------------------------------------------------------------
+def test_engine_with_triton_kernels_decodes_the_same_tokens(tiny_model_dir):
+    """Qwen3 family (per-head q/k norm, GQA): AR and n-gram speculative decoding of a ragged batch, the Triton
+    kernels against the default ones, token for token; on CPU the recipe's compile flag must not compile."""
+    loaded = load(str(tiny_model_dir("qwen3", num_hidden_layers=2)), "fp32", "cpu")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * reps for n, reps in ((7, 3), (5, 1))]
+    for recipe in ({}, {"drafter": {"kind": "ngram"}, "k": 4}):
+        triton_engine = Engine(loaded, parse({**recipe, "compile": True, "kernels": TRITON_KERNELS}))
+        decoder = triton_engine.decoder
+        assert decoder.layer_fn is Block.forward and decoder._finish is _finish_step
+        assert decoder.ops.attention is triton_attention.attention and decoder.ops.accept is triton_accept.accept
+        want = Engine(loaded, parse(recipe)).generate(prompts, 8, ignore_eos=True)
+        got = triton_engine.generate(prompts, 8, ignore_eos=True)
+        assert [r.tokens for r in got] == [r.tokens for r in want], recipe
+        assert [r.accepted for r in got] == [r.accepted for r in want], recipe
