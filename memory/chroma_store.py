@@ -240,11 +240,14 @@ class ChromaMemory(Memory):
         return self._rank(rows, lambda squared_l2: similarity_from_distance(math.sqrt(max(squared_l2, 0.0))), k)
 
     def search(self, text: str, k: int = 10) -> list[Hit]:
-        """Outcomes whose mechanism description matches `text`: score = cosine x speedup_vs_ar (cosine > 0 only)."""
+        """Outcomes whose mechanism description matches `text`, best text match first (cosine > 0 only), failures
+        among them flagged: a search asks "what do we know about this mechanism", and the failure that matches
+        best is often the answer (Hit.score keeps the combined score)."""
         [vector] = text_embedding.encode([text])
         rows = self._query(self._mechanisms, vector, k, "text search")
         hits = self._rank(rows, lambda cosine_distance: max(0.0, 1.0 - cosine_distance), len(rows))
-        return [h for h in hits if h.similarity > 0][:k]  # a cosine <= 0 is no match at all
+        hits = sorted((h for h in hits if h.similarity > 0), key=lambda h: (-h.similarity, h.id))
+        return hits[:k]  # a cosine <= 0 is no match at all
 
     def _query(self, collection, vector: list[float], k: int, what: str) -> list[tuple[str, dict, float]]:
         if k <= 0:
