@@ -166,6 +166,68 @@ def add_check_parser(sub) -> None:
     c.set_defaults(func=cmd_check)
 
 
+def cmd_optimize(args) -> int:
+    from .graph.run import optimize
+
+    keys = ("target", "workload", "device", "dtype", "batch_size", "max_new_tokens", "limit", "budget_rounds",
+            "budget_minutes", "budget_gpu_minutes", "provider", "model", "base_url", "memory", "interactive",
+            "max_candidates", "salt")
+    return optimize({k: getattr(args, k) for k in keys} | {"out_dir": args.out})
+
+
+def cmd_resume(args) -> int:
+    from .graph.run import resume
+
+    return resume(args.dir)
+
+
+def cmd_history(args) -> int:
+    from .graph.run import history
+
+    return history(args.dir)
+
+
+def add_optimize_parsers(sub) -> None:
+    from .graph.state import DEFAULTS as D
+
+    o = sub.add_parser("optimize", help="the agent graph: profile, route, propose, gate, measure, keep the best",
+                       description="Optimize a deployment's speculative decoding with the agent graph: each round "
+                                   "profiles the best recipe, routes its gaps to agents, gates and measures their "
+                                   "candidates, and keeps the fastest recipe that passes the token-forcing gate. "
+                                   "Writes DIR/recipe.json, DIR/report.md, DIR/progress.png, DIR/candidates/; "
+                                   "checkpointed for `specpilot resume DIR` (docs/AGENTS.md).")
+    o.add_argument("--target", default=D["target"], help="alias, GGUF file, model directory or cached hub id")
+    o.add_argument("--workload", default=D["workload"], help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
+    o.add_argument("--provider", default=D["provider"], help="policy (deterministic, offline) or openai")
+    o.add_argument("--model", default=None, help="the openai provider's model")
+    o.add_argument("--base-url", default=None, help="an OpenAI-compatible endpoint (vLLM, Ollama, llama.cpp, ...)")
+    o.add_argument("--budget-rounds", type=int, default=D["budget_rounds"])
+    o.add_argument("--budget-minutes", type=float, default=D["budget_minutes"], help="wall minutes of work")
+    o.add_argument("--budget-gpu-minutes", type=float, default=D["budget_gpu_minutes"],
+                   help="minutes the measurements hold the device (on a CPU, the CPU)")
+    o.add_argument("--batch-size", type=int, default=D["batch_size"], help="the deployment's batch size")
+    o.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    o.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    o.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"])
+    o.add_argument("--limit", type=int, default=D["limit"], help="prompts of the workload (at least the batch size)")
+    o.add_argument("--max-candidates", type=int, default=D["max_candidates"], help="candidates per agent per round")
+    o.add_argument("--memory", default=None, help="memory store path, or http://HOST:PORT of a Chroma server "
+                                                  "(default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory)")
+    o.add_argument("--salt", default=None, help="the gate's prompt nonce for the run (default: a fresh one)")
+    o.add_argument("--interactive", action="store_true",
+                   help="stop at each decision: [a]pprove [e]dit [s]kip [r]edirect [q]stop")
+    o.add_argument("--out", default=None, help="run directory (default: runs/optimize-<timestamp>)")
+    o.set_defaults(func=cmd_optimize)
+    r = sub.add_parser("resume", help="continue a stopped or killed optimize run",
+                       description="Continue the optimize run in DIR from its last checkpoint; finished evaluations "
+                                   "are not redone.")
+    r.add_argument("dir")
+    r.set_defaults(func=cmd_resume)
+    h = sub.add_parser("history", help="print an optimize run's decisions from its checkpoints")
+    h.add_argument("dir")
+    h.set_defaults(func=cmd_history)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpilot", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -186,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_costmodel_parsers(sub)
     add_check_parser(sub)
+    add_optimize_parsers(sub)
     add_memory_parser(sub)
     return parser
 

@@ -1,0 +1,339 @@
+"""Evaluation and integration: the only way a candidate's claims become numbers, and numbers become the best recipe.
+
+evaluate, one candidate at a time (measurements hold the device lock, measure.py):
+  1. a kernel candidate's source goes through benchmark_kernel in the sandbox; a kernel that fails its slot's
+     contract goes no further;
+  2. the candidate's recipe goes through the token-forcing gate against the stock system (the run's salt);
+     a recipe that fails it is never timed: its speed would be the speed of wrong answers;
+  3. it is measured side by side with the current best (twice: the second copy measures the noise), ar and stock
+     in one `specpilot bench` process.
+  It wins when it beats the current best by MIN_GAIN and by more than that noise. Finished evaluations are cached in DIR/evaluations/ by
+  candidate id + recipe hash, so a node that runs again skips them.
+
+integrator: the winners' changes combined into one recipe (fastest first; a change to a field an earlier winner
+already changed is left out), which is gated and measured again next to the best single winner; the faster of the
+two becomes the best. `adopt` refuses anything whose gate did not pass: no provider, person or combination can make
+an ungated recipe the best.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..engine.recipe import BUILTIN, RecipeError, parse
+from .artifacts import (candidate_dir, evaluation_path, log_evaluation, read_json, recipe_key, round_dir,
+                        write_json)
+from .human import ask
+from .measure import bench, gate, kernel_check
+from .nodes import gate_batch, this_round
+from .progress import emit
+from .proposals import changes, leaves, plain, record
+from .state import MIN_GAIN, budget_spent, decision
+
+
+def best_system(best: dict) -> str:
+    """The best recipe's system name in a bench: a built-in is measured under its own name anyway."""
+    return best["path"] if best["path"] in BUILTIN else best["recipe"]["name"]
+
+
+REPLICA = "best-replica"
+
+
+def compare(settings: dict, recipe_path: str, name: str, best: dict, out_dir: Path,
+            others: tuple[str, ...] = ()) -> tuple[dict, float]:
+    """Side-by-side speed of one recipe against the current best, ar and stock (and `others`), one process.
+
+    The best is measured twice, the second time as a copy named `best-replica`: two measurements of one recipe
+    differ only by noise, and `noise` = |replica / best - 1| is the smallest difference this measurement can tell
+    apart from it."""
+    replica = write_json(Path(out_dir) / f"{REPLICA}.json", plain(best["recipe"]) | {"name": REPLICA})
+    files = [recipe_path, *others, str(replica)] + ([] if best["path"] in BUILTIN else [best["path"]])
+    b, sec = bench(settings, files, out_dir)
+    if not b["ok"] or name not in b["systems"]:
+        why = b["error"] or "; ".join(e["message"] for e in b["errors"] if e.get("system") in (name, None)) \
+            or "no measurement"
+        return {"ok": False, "error": why, "dir": b["dir"]}, sec
+    run, ref, rep = (b["systems"][name], b["systems"].get(best_system(best)), b["systems"].get(REPLICA))
+    noise = abs(rep["tokens_per_s"] / ref["tokens_per_s"] - 1) if ref and rep and ref["tokens_per_s"] else None
+    speed = {"ok": True, "error": None, "dir": b["dir"], "tokens_per_s": run["tokens_per_s"],
+             "speedup_vs_ar": run["speedup_vs_ar"], "speedup_vs_stock": run["speedup_vs_stock"],
+             "mean_accepted": run["mean_accepted"], "identical_to_ar": run["identical_to_ar"],
+             "p50_token_ms": run["p50_token_ms"], "best_tokens_per_s": ref["tokens_per_s"] if ref else None,
+             "speedup_vs_best": run["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None,
+             "noise": noise, "systems": b["systems"]}
+    return speed, sec
+
+
+def needed_gain(speed: dict) -> float:
+    """A win must beat the best by MIN_GAIN and by more than the noise its own measurement showed."""
+    return max(MIN_GAIN, speed.get("noise") or 0.0)
+
+
+def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kernel: dict | None) -> dict:
+    """Kernel check (if any), gate, side-by-side speed: the evaluation result of one candidate recipe."""
+    d = candidate_dir(Path(settings["out_dir"]), cid)
+    recipe = read_json(recipe_path)
+    res = {"id": cid, "kernel": None, "gate": None, "speed": None, "failure": None, "beats_best": False,
+           "device_s": 0.0}
+    if kernel:
+        emit(f"{cid}: kernel check ({kernel['slot']})")
+        kc, sec = kernel_check(settings, kernel["slot"], kernel["source"], d / "kernel_check.json")
+        res["device_s"] += sec
+        res["kernel"] = {k: kc.get(k) for k in ("passed", "failure", "reason", "timing_reason")}
+        res["kernel"]["speedup_vs_builtin"] = [t.get("speedup_vs_builtin") for t in kc.get("timing") or []]
+        if not kc["passed"]:
+            reason = (kc.get("reason") or "").splitlines()[0] if kc.get("reason") else ""
+            res["failure"] = f"kernel check: {kc.get('failure')}: {reason}"
+            return res
+    emit(f"{cid}: token-forcing gate")
+    g, sec = gate(settings, recipe_path, d / "gate", gate_batch(settings, recipe))
+    res["device_s"] += sec
+    res["gate"] = g
+    if not g["passed"]:
+        res["failure"] = f"gate: {g['reason']}"
+        return res
+    emit(f"{cid}: measuring against the best, ar and stock")
+    speed, sec = compare(settings, recipe_path, recipe["name"], best, d / "bench")
+    res["device_s"] += sec
+    res["speed"] = speed
+    if not speed["ok"]:
+        res["failure"] = f"bench: {speed['error']}"
+        return res
+    gain, need = speed["speedup_vs_best"], needed_gain(speed)
+    res["beats_best"] = gain is not None and gain >= 1 + need
+    if not res["beats_best"]:
+        res["failure"] = (f"not faster: {gain:.3f}x the current best {best['source']} (a win needs >= "
+                          f"{1 + need:.3f}x: {MIN_GAIN:.0%}, or the {speed['noise'] or 0:.1%} between two measurements "
+                          f"of the best in this bench)" if gain is not None else "no measurement of the current best")
+    return res
+
+
+def cached_evaluation(settings: dict, key: str, compute) -> tuple[dict, bool]:
+    """(result, was it cached): a finished evaluation is never done twice in a run."""
+    out = Path(settings["out_dir"])
+    path = evaluation_path(out, key)
+    if path.is_file():
+        try:
+            return read_json(path), True
+        except json.JSONDecodeError:
+            pass
+    log_evaluation(out, key, "start")
+    result = compute()
+    write_json(path, result | {"key": key})
+    log_evaluation(out, key, "done")
+    return result | {"key": key}, False
+
+
+def evaluate(state: dict) -> dict:
+    t0 = time.perf_counter()
+    s, n, best = state["settings"], state["round"], state["best"]
+    todo = this_round(state, "proposed", "approved")
+    results, records, trail, device_s = {}, {}, [], 0.0
+    for i, rec in enumerate(todo):
+        cid = rec["id"]
+        key = f"{cid}-{rec['recipe_key']}"
+        if not evaluation_path(Path(s["out_dir"]), key).is_file():
+            spent = budget_spent(state, time.perf_counter() - t0, device_s, count_rounds=False)
+            if spent:
+                records[cid] = {"status": "not_evaluated", "error": spent}
+                trail.append(decision(n, "evaluate", "graph", f"{cid} not evaluated", spent))
+                continue
+        emit(f"round {n}: evaluating {i + 1}/{len(todo)}: {cid} ({rec['agent']})")
+        res, _ = cached_evaluation(s, key, lambda: evaluate_recipe(s, rec["recipe_path"], cid, best,
+                                                                    rec["candidate"].get("kernel")))
+        # a cached result comes from a run that was killed before this node finished: its time was never counted
+        device_s += res["device_s"]
+        results[cid] = res | {"round": n}
+        records[cid] = {"status": "evaluated"}
+        verdict = "wins" if res["beats_best"] else "rejected"
+        trail.append(decision(n, "evaluate", _judge(res), f"{cid} {verdict}", res["failure"] or _speed_text(res["speed"])))
+    return {"evaluations": results, "candidates": records, "trail": trail, "device_s": device_s,
+            "elapsed_s": time.perf_counter() - t0}
+
+
+def _judge(res: dict) -> str:
+    """Which check decided: the kernel check, the gate, or the side-by-side measurement."""
+    if res.get("kernel") and not res["kernel"]["passed"]:
+        return "kernel_check"
+    if res.get("gate") and not res["gate"]["passed"]:
+        return "gate"
+    return "bench"
+
+
+def _speed_text(speed: dict | None) -> str:
+    if not speed or not speed.get("ok"):
+        return ""
+    return (f"{speed['speedup_vs_best']:.3f}x the best, {speed['speedup_vs_ar']:.2f}x ar, "
+            f"{speed['speedup_vs_stock']:.2f}x stock")
+
+
+# -- integration --------------------------------------------------------------------------------------------------
+
+def adopt(settings: dict, recipe: dict, source: str, round_: int, gate_result: dict, speed: dict) -> dict:
+    """The new best: written to DIR/recipes/best-r<round>.json under the name `best`. Only a recipe that passed
+    the token-forcing gate gets here; anything else is a bug in the caller, and raising stops the run before a
+    wrong recipe is written anywhere."""
+    if not (gate_result and gate_result.get("passed") is True):
+        raise RuntimeError(f"refusing to adopt {source}: it did not pass the token-forcing gate")
+    path = Path(settings["out_dir"]) / "recipes" / f"best-r{round_}.json"
+    measured = {"tokens_per_s": speed["tokens_per_s"], "speedup_vs_ar": speed["speedup_vs_ar"],
+                "speedup_vs_stock": speed["speedup_vs_stock"], "tau": speed["mean_accepted"],
+                "identical_to_ar": speed["identical_to_ar"], "p50_token_ms": speed["p50_token_ms"],
+                "bench": speed["dir"]}  # the same fields as the starting point's (nodes.measured_from)
+    body = plain(recipe) | {"name": "best"}
+    write_json(path, body)
+    return {"recipe": body, "path": str(path), "source": source, "round": round_, "gate": gate_result,
+            "measured": measured}
+
+
+def combine(best_recipe: dict, winners: list[dict], recipes: dict[str, dict]) -> tuple[dict | None, list[str]]:
+    """The best recipe with every winner's changes (fastest first); a change to a field an earlier winner already
+    changed is left out. (recipe, ids used), or (None, ...) when the result is not a valid recipe."""
+    merged, taken, used = leaves(plain(best_recipe)), set(), []
+    for w in winners:
+        diff = changes(best_recipe, recipes[w["id"]])
+        if taken & set(diff):
+            continue
+        for path, (_, new) in diff.items():
+            merged[path] = new
+        taken |= set(diff)
+        used.append(w["id"])
+    nested: dict = {}
+    for path, value in merged.items():
+        node = nested
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    try:
+        return asdict(parse(nested | {"name": "combo", "description": "+".join(used)})), used
+    except RecipeError:
+        return None, used
+
+
+def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
+    """(the proposed new best as {recipe, source, gate, speed} or None, evidence for the person and the report)."""
+    s, n, best = state["settings"], state["round"], state["best"]
+    cands = state["candidates"]
+    recipes = {w["id"]: read_json(cands[w["id"]]["recipe_path"]) for w in winners}
+    top = winners[0]
+    top_pick = {"recipe": recipes[top["id"]], "source": top["id"], "gate": top["gate"], "speed": top["speed"]}
+    evidence = {"best": f"{best['source']} ({best['measured']['speedup_vs_ar']:.2f}x ar)",
+                "winners": [f"{w['id']} ({cands[w['id']]['agent']}): {_speed_text(w['speed'])}" for w in winners],
+                "combination": None}
+    if len(winners) == 1:
+        return top_pick, evidence
+    combo, used = combine(best["recipe"], winners, recipes)
+    if combo is None or len(used) < 2:
+        evidence["combination"] = "none: the winners change the same fields, or together are not a valid recipe"
+        return top_pick, evidence
+    key = recipe_key(combo)
+    combo["name"] = f"combo-{key}"
+    out = Path(s["out_dir"])
+    path = write_json(round_dir(out, n) / f"combo-{key}.json", combo)
+    emit(f"round {n}: evaluating the combination of {', '.join(used)}")
+
+    def compute() -> dict:
+        d = round_dir(out, n) / f"combo-{key}"
+        g, sec = gate(s, str(path), d / "gate", gate_batch(s, combo))
+        res = {"gate": g, "speed": None, "device_s": sec, "used": used}
+        if g["passed"]:  # measured next to the best single winner, so the two are compared in one process
+            speed, sec2 = compare(s, str(path), combo["name"], best, d / "bench", (cands[top["id"]]["recipe_path"],))
+            res["speed"], res["device_s"] = speed, sec + sec2
+            top_run = (speed.get("systems") or {}).get(recipes[top["id"]]["name"])
+            res["top_tokens_per_s"] = top_run["tokens_per_s"] if top_run else None
+        return res
+
+    res, _ = cached_evaluation(s, f"combo-{key}", compute)
+    evidence["combination"] = (f"{'+'.join(used)}: gate {'passed' if res['gate']['passed'] else 'failed'}"
+                               + (f", {_speed_text(res['speed'])}" if res["speed"] and res["speed"]["ok"] else ""))
+    evidence["combination_device_s"] = res["device_s"]
+    speed = res["speed"]
+    if (res["gate"]["passed"] and speed and speed["ok"] and res.get("top_tokens_per_s")
+            and speed["tokens_per_s"] > res["top_tokens_per_s"] and speed["speedup_vs_best"] >= 1 + needed_gain(speed)):
+        return {"recipe": combo, "source": "+".join(used), "gate": res["gate"], "speed": speed}, evidence
+    return top_pick, evidence
+
+
+FIELD_OWNERS = {"drafter": "algorithm", "k": "algorithm", "verification": "algorithm", "kernels": "kernel_writer",
+                "weights": "kernel_writer"}  # the rest (graphs, compile, overlap, batch) is the scheduler's
+
+
+def _human_edit(state: dict, value) -> tuple[dict | None, dict, dict | None]:
+    """A person's recipe patch at integration, validated and evaluated like any candidate (the same gate):
+    (the pick or None, its candidate record, its evaluation or None)."""
+    s, n, best = state["settings"], state["round"], state["best"]
+    patch = value if isinstance(value, dict) else {}
+    owner = next((FIELD_OWNERS[k] for k in patch if k in FIELD_OWNERS), "scheduler")
+    rec = record({"agent": owner, "reason": "a person's edit at integration", "recipe_patch": value}, owner, "human",
+                 plain(best["recipe"]), Path(s["out_dir"]), n, 99, 0, "human")
+    if rec["status"] == "invalid":
+        return None, rec, None
+    res, _ = cached_evaluation(s, f"{rec['id']}-{rec['recipe_key']}",
+                               lambda: evaluate_recipe(s, rec["recipe_path"], rec["id"], best, None))
+    res = res | {"round": n}
+    rec["status"] = "evaluated"
+    if not res["beats_best"]:
+        return None, rec, res
+    return ({"recipe": read_json(rec["recipe_path"]), "source": f"human:{rec['id']}", "gate": res["gate"],
+             "speed": res["speed"]}, rec, res)
+
+
+def integrator(state: dict) -> dict:
+    t0 = time.perf_counter()
+    s, n, best = state["settings"], state["round"], state["best"]
+    evaluations = state.get("evaluations", {})
+    winners = sorted((evaluations[r["id"]] for r in this_round(state, "evaluated")
+                      if evaluations.get(r["id"], {}).get("beats_best")),
+                     key=lambda e: -e["speed"]["speedup_vs_best"])
+    trail, device_s = [], 0.0
+    if winners:
+        pick, evidence = _integrate(state, winners)
+        device_s += evidence.pop("combination_device_s", 0.0)
+        why = f"{pick['source']}: {_speed_text(pick['speed'])}" + (
+            f"; combination: {evidence['combination']}" if evidence["combination"] else "")
+    else:
+        pick, evidence = None, {"best": best["source"], "winners": [], "combination": None}
+        why = f"no candidate passed the gate and beat {best['source']} by {MIN_GAIN:.0%} and the noise"
+    evidence["proposal"] = why if pick else f"keep {best['source']} ({why})"
+    stop, update = None, {}
+    if s["interactive"]:
+        answer = ask("integration", n, evidence)
+        action, value = answer["action"], answer["value"]
+        if action == "skip":
+            pick = None
+            trail.append(decision(n, "integrator", "human", f"skip: keep {best['source']}"))
+        elif action == "stop":
+            pick, stop = None, "stopped by a person at integration"
+            trail.append(decision(n, "integrator", "human", f"stop: keep {best['source']}"))
+        elif action == "edit":
+            pick, rec, res = _human_edit(state, value)
+            update["candidates"], update["tried"] = {rec["id"]: rec}, [rec["id"]]
+            if res is not None:
+                device_s += res["device_s"]
+                update["evaluations"] = {rec["id"]: res}
+            note = rec["error"] if res is None else (res["failure"] or _speed_text(res["speed"]))
+            trail.append(decision(n, "integrator", "human", f"edit {rec['id']}: "
+                                  + ("adopted" if pick else "not adopted"), note))
+        elif action == "invalid":
+            pick = None
+            trail.append(decision(n, "integrator", "human", f"answer not understood: keep {best['source']}", value))
+        else:
+            trail.append(decision(n, "integrator", "human", "approve"))
+    update["trail"] = trail
+    if pick:
+        new = adopt(s, pick["recipe"], pick["source"], n, pick["gate"], pick["speed"])
+        update["best"] = new
+        trail.append(decision(n, "integrator", "graph", f"new best: {pick['source']}", why))
+    else:
+        trail.append(decision(n, "integrator", "graph", f"best stays {best['source']}", why))
+    current = update.get("best", best)
+    update["progression"] = [{"round": n, "source": current["source"],
+                              "speedup_vs_ar": current["measured"]["speedup_vs_ar"],
+                              "speedup_vs_stock": current["measured"]["speedup_vs_stock"],
+                              "tokens_per_s": current["measured"]["tokens_per_s"]}]
+    write_json(round_dir(Path(s["out_dir"]), n) / "integration.json", evidence | {"adopted": bool(pick)})
+    return update | {"device_s": device_s, "elapsed_s": time.perf_counter() - t0} | (
+        {"stop_reason": stop} if stop else {})

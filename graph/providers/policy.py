@@ -1,0 +1,645 @@
+"""The policy provider: deterministic, no LLM, the offline default.
+
+It proposes from a built-in mechanism catalog per agent and picks the parameters with the cost model
+(tools/costmodel.py) on the profile's own deployment: its calibrated ceilings, model shape, measured kernel counts and
+measured acceptance per draft position. Memory comes first: a change that passed the gate and sped things up on a
+similar deployment is proposed before the catalog; one that failed there is not proposed at all. Every candidate's
+reason carries the numbers that justified it. docs/PROVIDERS.md describes the catalog.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
+from ...kernels import DEFAULTS as KERNEL_DEFAULTS, IMPLEMENTATIONS
+from ...tools.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
+                                ModelShape, Prediction, expected_tokens, predict)
+from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
+from .base import Provider
+
+# The issue's stopping rule: a gap (or a predicted change) worth less than 2% end to end is not worth a round.
+MIN_GAIN = 0.02
+NGRAM_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+NGRAM_MAX_CHOICES = (2, 3, 4)
+# Layer-skip drafts with a quarter or a half of the target's layers, or just its first one.
+LAYERSKIP_FRACTIONS = (0.25, 0.5)
+# 12-bit weights: the lossless12 format reads 1.5 bytes a weight instead of bf16's 2 (docs/LOSSLESS12.md).
+LOSSLESS12_BYTES_PER_PARAM = 1.5
+
+# The recipe fields each agent may change (the prompts say the same; the OpenAI provider enforces it).
+AGENT_FIELDS = {
+    "algorithm": ("drafter", "k", "verification"),
+    "scheduler": ("cuda_graphs", "compile", "compile_mode", "overlap", "batch"),
+    "kernel_writer": ("kernels", "weights"),
+}
+
+
+def agent_name(gap_agent: str) -> str:
+    """The profiler writes `kernel-writer`; the graph's agents are Python names."""
+    return str(gap_agent).replace("-", "_")
+
+
+# ---------------------------------------------------------------------------------------------------------- recipes
+
+def apply_patch(recipe: dict, patch: dict) -> Recipe:
+    """The recipe with `patch` merged in, validated (RecipeError names the bad key)."""
+    return parse(merge_patch(recipe, patch))
+
+
+# The drafter fields each kind reads (docs/RECIPE.md); the others are ignored by the engine.
+DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram"), "layerskip": ("layers",),
+                  "model": ("model", "dtype")}
+
+
+def recipe_effect(recipe: Recipe, kernel: KernelSource | None = None) -> str:
+    """What an engine runs with this recipe: equal strings are the same change, whatever the patch looked like
+    (names, descriptions, drafter fields the drafter kind does not read and slots named at their default make no
+    difference)."""
+    body = asdict(recipe)
+    for key in ("name", "description", "measured"):
+        body.pop(key)
+    drafter = body["drafter"]
+    body["drafter"] = {"kind": drafter["kind"], **{f: drafter[f] for f in DRAFTER_FIELDS.get(drafter["kind"], ())}}
+    body["kernels"] = {**KERNEL_DEFAULTS, **body["kernels"]}  # a slot left out runs its default
+    return json.dumps({"recipe": body, "kernel": asdict(kernel) if kernel else None}, sort_keys=True)
+
+
+def checkable_patch(patch: dict, kernel: KernelSource | None) -> dict:
+    """The patch without the kernel slot a kernel candidate fills: the graph writes the source to a file and points
+    kernels.<slot> at it, so whatever path the patch names there cannot be checked here."""
+    if kernel is None or not isinstance(patch.get("kernels"), dict):
+        return patch
+    return {**patch, "kernels": {s: v for s, v in patch["kernels"].items() if s != kernel.slot}}
+
+
+def patch_error(recipe: dict, patch: dict, agent: str | None = None, kernel: KernelSource | None = None) -> str | None:
+    """Why `patch` is not a valid change of `recipe` (by `agent`), or None when it is one."""
+    if agent is not None:
+        outside = sorted(set(patch) - set(AGENT_FIELDS[agent]))
+        if outside:
+            return (f"the {agent} agent may change only {', '.join(AGENT_FIELDS[agent])}; "
+                    f"this patch changes {', '.join(outside)}")
+    try:
+        after = apply_patch(recipe, checkable_patch(patch, kernel))
+    except RecipeError as e:
+        return str(e)
+    if kernel is None and recipe_effect(after) == recipe_effect(parse(recipe)):
+        return "the patch changes nothing in the current recipe"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------- memory
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """One past outcome as the policy reads it."""
+    candidate: dict             # Candidate.to_dict() of the outcome
+    passed: bool                # gate passed, no failure recorded, and faster
+    failed: bool                # a failure was recorded (compile error, kernel check, gate, slower)
+    why: str                    # "passed on <deployment> with 1.40x over stock" / "failed on <deployment>: gate"
+    score: float
+
+
+def describe_deployment(dep: dict) -> str:
+    """A short name for a memory outcome's deployment, from whichever of its keys it has."""
+    what = dep.get("architecture") or dep.get("target") or "a deployment"
+    parts = [str(what)]
+    if dep.get("dtype"):
+        parts.append(str(dep["dtype"]))
+    where = dep.get("device_name") or dep.get("device")
+    if where:
+        parts.append(f"on {where}")
+    if dep.get("batch_size") is not None:
+        parts.append(f"B={dep['batch_size']}")
+    return " ".join(parts)
+
+
+def memory_speedup(results: dict) -> tuple[float, str] | None:
+    """The speedup an outcome measured and what it is over: over the recipe it changed when recorded, else over
+    stock, else over ar."""
+    for key, over in (("speedup", "the recipe it changed"), ("speedup_vs_stock", "stock"), ("speedup_vs_ar", "ar")):
+        value = results.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), over
+    return None
+
+
+def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
+    """Hits (memory.base.Hit as dicts: outcome, score, flags), best first, as verdicts."""
+    out = []
+    for hit in sorted(hits or [], key=lambda h: -float(h.get("score", 0.0))):  # stable: ties keep memory's order
+        outcome = hit.get("outcome") or {}
+        cand = outcome.get("candidate") or {}
+        if not isinstance(cand, dict) or not (cand.get("recipe_patch") or cand.get("kernel")):
+            continue
+        where = describe_deployment(outcome.get("deployment") or {})
+        gate, failure = outcome.get("gate") or {}, outcome.get("failure")
+        speed = memory_speedup(outcome.get("results") or {})
+        flags = [str(f) for f in hit.get("flags") or []]
+        note = f" (flags: {', '.join(flags)})" if flags else ""
+        if failure or gate.get("passed") is False:
+            why = f"failed on {where}: {failure or gate.get('reason') or 'the gate rejected it'}"
+            out.append(MemoryVerdict(cand, False, True, why + note, float(hit.get("score", 0.0))))
+        elif gate.get("passed") is True and speed and speed[0] > 1.0:
+            why = f"passed on {where} with {speed[0]:.2f}x over {speed[1]}"
+            out.append(MemoryVerdict(cand, True, False, why + note, float(hit.get("score", 0.0))))
+    return out
+
+
+def memory_agents(hits: list[dict]) -> list[str]:
+    """Agents whose changes passed and sped things up on similar deployments, best hit first."""
+    agents = []
+    for v in read_memory(hits):
+        agent = agent_name(v.candidate.get("agent", ""))
+        if v.passed and agent in AGENTS and agent not in agents:
+            agents.append(agent)
+    return agents
+
+
+# ------------------------------------------------------------------------------------------------------- cost model
+
+def _shape(data: dict | None) -> ModelShape | None:
+    if not data:
+        return None
+    fields = ModelShape.__dataclass_fields__
+    return ModelShape(**{k: v for k, v in data.items() if k in fields})
+
+
+def _ceilings(data: dict | None) -> DeviceCeilings | None:
+    fields = DeviceCeilings.__dataclass_fields__
+    if not isinstance(data, dict) or any(k not in data for k in fields if k != "gemm_node_s"):
+        return None
+    return DeviceCeilings(**{k: v for k, v in data.items() if k in fields})
+
+
+def _normal_dtype(name: str | None) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
+        str(name or "").lower(), str(name or "").lower())
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def positions(values) -> str:
+    return ", ".join(f"{a:.2f}" for a in values) or "none"
+
+
+@dataclass(frozen=True)
+class CostView:
+    """The profiled deployment in cost-model terms, with its measured acceptance."""
+    dev: DeviceCeilings
+    dep: Deployment
+    per_position: tuple[float, ...]   # measured acceptance a_1..a_k of the profiled drafter
+    tau: float
+    device: str
+    dtype: str
+    batch: int                        # the deployment's batch (the profile's when the deployment gives none)
+
+    @classmethod
+    def from_context(cls, deployment: dict, profile: dict) -> "CostView | None":
+        """None when the profile has no cost-model deployment (nothing can be predicted then)."""
+        pred = (profile or {}).get("prediction") or {}
+        dep = pred.get("deployment")
+        dev = _ceilings((deployment or {}).get("ceilings")) or _ceilings((profile or {}).get("ceilings"))
+        if not dep or dev is None:
+            return None
+        fields = Deployment.__dataclass_fields__
+        dep = Deployment(**{k: v for k, v in dep.items() if k in fields} |
+                         {"model": _shape(dep["model"]), "drafter_model": _shape(dep.get("drafter_model"))})
+        meta, acc = profile.get("meta") or {}, profile.get("acceptance") or {}
+        device = str((deployment or {}).get("device") or meta.get("device") or "cpu")
+        dtype = _normal_dtype((deployment or {}).get("dtype") or meta.get("dtype"))
+        batch = int((deployment or {}).get("batch_size") or meta.get("batch_size") or dep.batch)
+        return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def acceptance(self, k: int) -> list[float]:
+        """Measured acceptance for positions 1..k; positions beyond the measured ones are taken at the worst measured
+        position (conservative: no unmeasured position is assumed to accept better than any measured one)."""
+        measured = list(self.per_position)
+        if len(measured) >= k:
+            return measured[:k]
+        return measured + [min(measured) if measured else 0.0] * (k - len(measured))
+
+    def current(self) -> Prediction:
+        return predict(self.dep, self.dev, list(self.per_position))
+
+    def predict(self, dep: Deployment, acceptance) -> Prediction:
+        return predict(dep, self.dev, acceptance)
+
+    def per_token_acceptance(self) -> float:
+        """The single per-token rate that gives the measured tau at the measured k."""
+        return break_even_rate(self.dep.k, self.tau) if self.dep.k else 0.0
+
+
+def break_even_rate(k: int, tokens: float) -> float | None:
+    """The per-token acceptance a at which k drafts give `tokens` tokens a step; None when even a = 1 cannot."""
+    if tokens <= 1.0:
+        return 0.0
+    if tokens > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(k, mid) < tokens else (lo, mid)
+    return hi
+
+
+def _scaled_kernels(measured: int | None, estimate_now: int, estimate_new: int) -> int | None:
+    """A measured kernel count carried over to another configuration in proportion to the structural estimates:
+    the profiler counted the real ops (on CPU every aten op, several times the compiled estimate), the structure says
+    how they scale."""
+    if not measured:
+        return None
+    return max(1, round(measured * estimate_new / max(estimate_now, 1)))
+
+
+def _ngram_kernels(orders: int) -> int:
+    return KERNELS_PER_NGRAM_ORDER * orders + KERNELS_NGRAM_FIXED
+
+
+def _phases(p: Prediction) -> str:
+    return (f"step {ms(p.step_s)} (draft {ms(p.draft.time_s)}, verify {ms(p.verify.time_s)}, "
+            f"bookkeeping {ms(p.bookkeeping.time_s)})")
+
+
+# -------------------------------------------------------------------------------------------------------- algorithm
+
+@dataclass(frozen=True)
+class Option:
+    """A catalog entry before it becomes a candidate: its patch, why, and the number it is ranked by."""
+    patch: dict
+    reason: str
+    rank: tuple           # smaller first
+
+
+def _ngram_dep(view: CostView, k: int, max_ngram: int, min_ngram: int) -> Deployment:
+    base = view.dep
+    orders = max_ngram - min_ngram + 1
+    draft_kernels = None
+    if base.drafter_kind == "ngram":
+        draft_kernels = _scaled_kernels(base.kernels_per_draft_forward, _ngram_kernels(base.ngram_orders),
+                                        _ngram_kernels(orders))
+    return replace(base, k=k, drafter_kind="ngram", drafter_model=None, drafter_layers=0, ngram_orders=orders,
+                   kernels_per_draft_forward=draft_kernels)
+
+
+def _layerskip_dep(view: CostView, k: int, layers: int) -> Deployment:
+    base, shape = view.dep, view.dep.model
+    per_forward = _scaled_kernels(base.kernels_per_target_forward, shape.estimate_kernels(),
+                                  shape.estimate_kernels(layers))
+    return replace(base, k=k, drafter_kind="layerskip", drafter_model=None, drafter_layers=layers,
+                   kernels_per_draft_forward=per_forward)
+
+
+def _describe_current(recipe: Recipe) -> str:
+    d = recipe.drafter
+    if d.kind == "none":
+        return "AR (no drafter)"
+    if d.kind == "ngram":
+        return f"n-gram k={recipe.k}, max_ngram={d.max_ngram}"
+    if d.kind == "layerskip":
+        return f"layer-skip k={recipe.k}, {d.layers} layers"
+    return f"draft model {d.model} k={recipe.k}"
+
+
+def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
+    """Drafter and k ranked by the cost model's tokens/s: from the measured acceptance where the profiled drafter's
+    acceptance applies, else by the acceptance each option needs to break even with the current recipe."""
+    cur = view.current()
+    cur_tps, dep = cur.tokens_per_s, view.dep
+    now = _describe_current(recipe)
+    measured_note = (f"the measured per-position acceptance {positions(view.per_position)} (tau {view.tau:.2f})")
+    options: list[Option] = []
+
+    if dep.drafter_kind != "none":
+        gain = cur.ar_tokens_per_s / cur_tps - 1.0
+        if gain >= MIN_GAIN:
+            options.append(Option(
+                {"drafter": {"kind": "none"}, "k": 0},
+                f"turn speculation off (AR): the cost model predicts {cur.ar_tokens_per_s:.0f} tok/s against "
+                f"{cur_tps:.0f} tok/s with {now} (+{gain:.0%}); at {measured_note} the draft "
+                f"({ms(cur.draft.time_s)}) and the {dep.k + 1}-token verify ({ms(cur.verify.time_s)}) cost more than "
+                f"the {cur.tokens_per_step - 1:.2f} extra tokens a step bring (AR step {ms(cur.ar_step_s)})",
+                (1, -gain)))
+
+    min_ngram = recipe.drafter.min_ngram if recipe.drafter.kind == "ngram" else 1
+    stock = BUILTIN["stock"]
+    for k in NGRAM_K_CHOICES:
+        for max_ngram in NGRAM_MAX_CHOICES:
+            if min_ngram > max_ngram:
+                continue
+            same = recipe.drafter.kind == "ngram" and recipe.k == k and recipe.drafter.max_ngram == max_ngram
+            if same:
+                continue
+            patch = {"drafter": {"kind": "ngram", "max_ngram": max_ngram, "min_ngram": min_ngram}, "k": k}
+            ndep = _ngram_dep(view, k, max_ngram, min_ngram)
+            name = f"n-gram drafter k={k}, max_ngram={max_ngram}"
+            if dep.drafter_kind == "ngram":
+                acc = view.acceptance(k)
+                p = view.predict(ndep, acc)
+                gain = p.tokens_per_s / cur_tps - 1.0
+                if gain < MIN_GAIN:
+                    continue
+                extra = (f", positions {len(view.per_position) + 1}-{k} taken at the worst measured "
+                         f"{min(view.per_position, default=0.0):.2f}" if k > len(view.per_position) else "")
+                ngram_note = ("" if max_ngram == recipe.drafter.max_ngram else
+                              f"; acceptance as measured with max_ngram={recipe.drafter.max_ngram} (another "
+                              f"max_ngram changes it: the evaluation measures it)")
+                options.append(Option(patch, (
+                    f"{name}: the cost model predicts {p.tokens_per_s:.0f} tok/s against {cur_tps:.0f} tok/s with "
+                    f"{now} (+{gain:.0%}): {p.tokens_per_step:.2f} tokens a step from {measured_note}{extra}; "
+                    f"{_phases(p)}{ngram_note}"), (1, -gain, k, max_ngram)))
+            else:
+                p = view.predict(ndep, 0.0)
+                need = cur_tps * p.step_s / p.batch
+                rate = break_even_rate(k, need)
+                if rate is None or rate >= 1.0:
+                    continue
+                first = k == stock.k and max_ngram == stock.drafter.max_ngram and min_ngram == stock.drafter.min_ngram
+                options.append(Option(patch, (
+                    f"{name}{' (the built-in stock configuration)' if first else ''}: no n-gram acceptance measured "
+                    f"yet (the profile ran {now}); the cost model's {_phases(p)} against {ms(cur.step_s)} now, so "
+                    f"it beats the current {cur_tps:.0f} tok/s once drafts are accepted at a per-token rate above "
+                    f"{rate:.2f} (tau above {need:.2f})"), (2, 0 if first else 1, rate, k, max_ngram)))
+
+    options += _layerskip_options(recipe, view, cur, now)
+    return sorted(options, key=lambda o: o.rank)
+
+
+def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str) -> list[Option]:
+    """Layer-skip only where the profile shows it can pay: with the profiled layer-skip drafter's measured acceptance,
+    or, for another drafter, when it breaks even at a per-token acceptance no higher than the current drafter's."""
+    layers = view.dep.model.layers
+    choices = sorted({max(1, int(layers * f)) for f in LAYERSKIP_FRACTIONS} | {1})
+    choices = [n for n in choices if n < layers]
+    current_rate = view.per_token_acceptance()
+    out = []
+    for n in choices:
+        for k in NGRAM_K_CHOICES:
+            if recipe.drafter.kind == "layerskip" and recipe.drafter.layers == n and recipe.k == k:
+                continue
+            patch = {"drafter": {"kind": "layerskip", "layers": n}, "k": k}
+            ldep = _layerskip_dep(view, k, n)
+            name = f"layer-skip drafter ({n} of {layers} layers) k={k}"
+            if view.dep.drafter_kind == "layerskip" and view.dep.drafter_layers == n:
+                p = view.predict(ldep, view.acceptance(k))
+                gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+                if gain >= MIN_GAIN:
+                    out.append(Option(patch, (
+                        f"{name}: the cost model predicts {p.tokens_per_s:.0f} tok/s against "
+                        f"{cur.tokens_per_s:.0f} now (+{gain:.0%}) from the measured per-position acceptance "
+                        f"{positions(view.per_position)}; {_phases(p)}"), (1, -gain, k, n)))
+                continue
+            if view.dep.drafter_kind == "none":
+                continue  # nothing measured says how often any drafter's tokens are accepted here
+            p = view.predict(ldep, 0.0)
+            need = cur.tokens_per_s * p.step_s / p.batch
+            rate = break_even_rate(k, need)
+            if rate is None or rate > current_rate:
+                continue
+            out.append(Option(patch, (
+                f"{name}: the cost model's {_phases(p)} breaks even with the current {cur.tokens_per_s:.0f} tok/s at "
+                f"a per-token acceptance of {rate:.2f}, no higher than the {current_rate:.2f} the current {now} "
+                f"measured (tau {view.tau:.2f})"), (3, rate, k, n)))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------- scheduler
+
+def _gaps_of(gaps: list[dict], *components: str) -> list[dict]:
+    return [g for g in gaps or [] if g.get("component") in components]
+
+
+def _gap_text(g: dict) -> str:
+    return f"{g['component']} {ms(g.get('measured_s', 0.0))} (gain {g.get('gain', 0.0):.1%}: {g.get('reason', '')})"
+
+
+def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+    """CUDA graphs, compile (and its autotuning mode), overlap: CUDA-only switches, proposed only on CUDA; the batch
+    size limit wherever the deployment's batch is split."""
+    out: list[Option] = []
+    dep = view.dep
+    launch_gaps = [g for g in _gaps_of(gaps, "verify", "bookkeeping") if agent_name(g.get("agent", "")) == "scheduler"]
+    launch_gain = max((g.get("gain", 0.0) for g in launch_gaps), default=0.0)
+    if view.cuda and not recipe.cuda_graphs:
+        eager, graphed = view.predict(replace(dep, cuda_graphs=False), list(view.per_position)), \
+            view.predict(replace(dep, cuda_graphs=True), list(view.per_position))
+        gain = graphed.tokens_per_s / eager.tokens_per_s - 1.0
+        kernels = eager.draft.kernels + eager.verify.kernels + eager.bookkeeping.kernels
+        if gain >= MIN_GAIN:
+            out.append(Option({"cuda_graphs": True}, (
+                f"CUDA graphs: the cost model's step drops from {ms(eager.step_s)} eager to {ms(graphed.step_s)} "
+                f"replayed (+{gain:.0%} tok/s): {kernels} kernels a step at {view.dev.launch_s * 1e6:.1f} us "
+                f"launched against {view.dev.graph_node_s * 1e6:.1f} us as graph nodes (calibrated)"), (-gain,)))
+    if view.cuda and not recipe.compile and launch_gain >= MIN_GAIN:
+        out.append(Option({"compile": True}, (
+            "torch.compile fuses each layer's elementwise kernels: the step is launch-bound, "
+            + "; ".join(_gap_text(g) for g in launch_gaps)), (-launch_gain,)))
+    if view.cuda and recipe.compile_mode == "default":
+        # GEMMs below their memory or compute floor (the kernel-writer's gaps): what autotuned templates address
+        gemm_gaps = [g for g in gaps or [] if agent_name(g.get("agent", "")) == "kernel_writer"
+                     and (str(g.get("component", "")).startswith("kernel aten::") or g.get("component") == "verify")]
+        gain = max((g.get("gain", 0.0) for g in gemm_gaps), default=0.0)
+        if gain >= MIN_GAIN:
+            out.append(Option({"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}, (
+                "autotuned GEMM templates (compile_mode max-autotune-no-cudagraphs) for the step's small GEMMs: "
+                + "; ".join(_gap_text(g) for g in gemm_gaps[:3])), (-gain,)))
+    if view.cuda and not recipe.overlap:
+        idle = _gaps_of(gaps, "idle", "host_sync")
+        gain = max((g.get("gain", 0.0) for g in idle), default=0.0)
+        if gain >= MIN_GAIN:
+            out.append(Option({"overlap": True}, (
+                "overlap: the host reads step i's tokens while the device runs step i+1, hiding "
+                + "; ".join(_gap_text(g) for g in idle)), (-gain,)))
+    if recipe.batch.max_batch_size < view.batch:
+        n, b = recipe.batch.max_batch_size, view.batch
+        split = view.predict(replace(dep, batch=n), list(view.per_position))
+        whole = view.predict(replace(dep, batch=b), list(view.per_position))
+        gain = whole.tokens_per_s / split.tokens_per_s - 1.0
+        if gain >= MIN_GAIN:
+            out.append(Option({"batch": {"max_batch_size": b}}, (
+                f"batch.max_batch_size {n} splits the deployment's {b} requests into {math.ceil(b / n)} sequential "
+                f"batches: the cost model predicts {whole.tokens_per_s:.0f} tok/s decoding all {b} together against "
+                f"{split.tokens_per_s:.0f} tok/s at {n} (+{gain:.0%})"), (-gain,)))
+    return sorted(out, key=lambda o: o.rank)
+
+
+# ---------------------------------------------------------------------------------------------------- kernel writer
+
+def needs_triton(slot: str, impl: str) -> bool:
+    """Built-ins registered as "module:function" are the lazily imported Triton kernels (kernels/__init__.py): they
+    run on CUDA (or under the interpreter, far too slow for a model; lossless12's CPU fallback decodes every call)."""
+    return isinstance(IMPLEMENTATIONS[slot][impl], str)
+
+
+def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+    """Alternative built-ins per slot: where the cost model distinguishes them (attention math vs fused, 12-bit
+    weights) ranked by its predicted gain; the others by the measured gap they address."""
+    out: list[Option] = []
+    dep, acc = view.dep, list(view.per_position)
+    cur = view.current()
+    verify = _gaps_of(gaps, "verify")
+    book = _gaps_of(gaps, "bookkeeping")
+    shape = dep.model
+    for slot in ("attention", "linear", "rmsnorm", "accept"):
+        now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
+        for impl in IMPLEMENTATIONS[slot]:
+            if impl == now or (needs_triton(slot, impl) and not view.cuda):
+                continue
+            patch: dict = {"kernels": {slot: impl}}
+            if slot == "attention":
+                fused = impl != "builtin:math"
+                p = view.predict(replace(dep, attention="sdpa" if fused else "math"), acc)
+                gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+                if gain < MIN_GAIN:
+                    continue
+                how = "one fused kernel per layer" if fused else "scores, softmax, weighted sum (3 kernels)"
+                model = " (modelled like sdpa)" if impl == "builtin:triton" else ""
+                out.append(Option(patch, (
+                    f"attention {impl}: {how}{model}; the cost model's {_phases(p)} against {ms(cur.step_s)} with "
+                    f"{now} (+{gain:.0%} tok/s)"), (0, -gain)))
+            elif slot == "linear":
+                if impl == "builtin:lossless12":
+                    if view.dtype != "bf16":
+                        continue  # the 12-bit format re-encodes bf16 weights only
+                    patch = {"kernels": {slot: impl}, "weights": {"format": "lossless12"}}
+                    p = view.predict(replace(dep, bytes_per_param=LOSSLESS12_BYTES_PER_PARAM), acc)
+                    gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+                    if gain < MIN_GAIN:
+                        continue
+                    out.append(Option(patch, (
+                        f"12-bit lossless weights (linear {impl}, weights.format lossless12): "
+                        f"{LOSSLESS12_BYTES_PER_PARAM} instead of {dep.bytes_per_param:g} bytes a weight; the cost "
+                        f"model's memory floor {ms(cur.memory_floor_s)} -> {ms(p.memory_floor_s)}, {_phases(p)} "
+                        f"against {ms(cur.step_s)} (+{gain:.0%} tok/s)"), (0, -gain)))
+                elif recipe.weights.format == "native":
+                    continue  # builtin:torch is what a native-weight recipe already reads its weights with
+                else:
+                    patch = {"kernels": {slot: impl}, "weights": {"format": "native"}}
+                    p = view.predict(replace(dep, bytes_per_param=2.0), acc)
+                    gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+                    if gain < MIN_GAIN:
+                        continue
+                    out.append(Option(patch, (
+                        f"native bf16 weights (linear {impl}): the cost model's {_phases(p)} against "
+                        f"{ms(cur.step_s)} with 12-bit weights (+{gain:.0%} tok/s)"), (0, -gain)))
+            elif impl == "builtin:torch":
+                continue  # back to torch from a fused kernel is no speed mechanism
+            elif slot == "rmsnorm":
+                gain = max((g.get("gain", 0.0) for g in verify), default=0.0)
+                if gain < MIN_GAIN:
+                    continue
+                norms = 2 * shape.layers + 1 + (2 * shape.layers if shape.qk_norm else 0)
+                out.append(Option(patch, (
+                    f"rmsnorm {impl}: one kernel per RMSNorm instead of torch's chain of elementwise ops, {norms} "
+                    f"norms a forward; " + "; ".join(_gap_text(g) for g in verify)), (1, -gain)))
+            elif slot == "accept":
+                gain = max((g.get("gain", 0.0) for g in book), default=0.0)
+                if gain < MIN_GAIN or not dep.k:
+                    continue
+                out.append(Option(patch, (
+                    f"accept {impl}: argmax over the {dep.k + 1}x{shape.vocab} verify logits, prefix match and "
+                    f"count in one kernel; " + "; ".join(_gap_text(g) for g in book)), (1, -gain)))
+    return sorted(out, key=lambda o: o.rank)
+
+
+# --------------------------------------------------------------------------------------------------------- provider
+
+class PolicyProvider(Provider):
+    """Deterministic decisions from the profile, the cost model and memory; no LLM."""
+
+    name = "policy"
+
+    def route(self, gaps: list[dict], memory_hits: list[dict], deployment: dict) -> RouteDecision:
+        best: dict[str, float] = {}
+        why: dict[str, list[str]] = {}
+        for g in gaps or []:
+            agent, gain = agent_name(g.get("agent", "")), float(g.get("gain", 0.0))
+            if agent in AGENTS and gain >= MIN_GAIN:
+                best[agent] = max(best.get(agent, 0.0), gain)
+                why.setdefault(agent, []).append(f"{g.get('component')} {gain:.1%}")
+        if not best:
+            top = max(gaps or [], key=lambda g: g.get("gain", 0.0), default=None)
+            largest = f"largest: {top.get('component')} {top.get('gain', 0.0):.1%}" if top else "no gaps"
+            return RouteDecision([], f"no gap promises >= {MIN_GAIN:.0%} ({largest}): stop")
+        agents = sorted(best, key=lambda a: (-best[a], AGENTS.index(a)))
+        parts = [f"{a} ({', '.join(why[a])})" for a in agents]
+        if "algorithm" not in agents and not _gaps_of(gaps, "draft", "acceptance"):
+            # Without a drafter the profile has no draft or acceptance gap: the gaps cannot price speculation before
+            # any acceptance is measured, so the algorithm agent is sent to try it whenever the graph goes on.
+            agents.append("algorithm")
+            parts.append("algorithm (no drafter: no draft or acceptance gap prices speculation yet)")
+        for a in memory_agents(memory_hits):
+            if a not in agents:
+                agents.append(a)
+                parts.append(f"{a} (memory: a change that passed and sped up a similar deployment)")
+        return RouteDecision(agents, "gaps >= 2%: " + "; ".join(parts))
+
+    def propose(self, ctx: AgentContext) -> list[Candidate]:
+        recipe = parse(ctx.recipe)
+        # One verdict per change (compared by what the engine would run, not by how the patch is written): the
+        # best-scored hit, i.e. the closest deployment, decides.
+        verdicts: dict[str, MemoryVerdict] = {}
+        for v in read_memory(ctx.memory_hits):
+            key = self._effect(ctx.recipe, v.candidate.get("recipe_patch") or {}, _kernel(v.candidate))
+            verdicts.setdefault(key or str(v.candidate.get("id")), v)
+        failed = {key for key, v in verdicts.items() if v.failed}
+        failed_ids = {v.candidate.get("id") for v in verdicts.values() if v.failed} - {None}
+
+        picked: list[Candidate] = []
+        effects: set[str] = set()
+
+        def admit(cand: Candidate) -> None:
+            if len(picked) >= ctx.max_candidates or cand.id in ctx.tried or cand.id in failed_ids:
+                return
+            if patch_error(ctx.recipe, cand.recipe_patch, kernel=cand.kernel):
+                return  # not a valid change of the current recipe, or already part of it
+            effect = self._effect(ctx.recipe, cand.recipe_patch, cand.kernel)
+            if effect in effects or effect in failed:
+                return
+            effects.add(effect)
+            picked.append(cand)
+
+        for v in verdicts.values():  # memory first, best hit first
+            if v.passed and agent_name(v.candidate.get("agent", "")) == ctx.agent:
+                original = str(v.candidate.get("reason") or "").strip()
+                reason = f"memory: {v.why}" + (f"; originally: {original}" if original else "")
+                admit(Candidate(ctx.agent, reason, dict(v.candidate.get("recipe_patch") or {}), _kernel(v.candidate),
+                                "memory"))
+
+        view = CostView.from_context(ctx.deployment, ctx.profile)
+        if view is not None:
+            for option in self.catalog(ctx.agent, recipe, view, ctx.gaps or (ctx.profile or {}).get("gaps") or []):
+                admit(Candidate(ctx.agent, option.reason, option.patch, None, self.name))
+        return picked
+
+    @staticmethod
+    def catalog(agent: str, recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+        if agent == "algorithm":
+            return algorithm_options(recipe, view)
+        if agent == "scheduler":
+            return scheduler_options(recipe, view, gaps)
+        if agent == "kernel_writer":
+            return kernel_writer_options(recipe, view, gaps)
+        raise ValueError(f"unknown agent {agent!r} (agents: {', '.join(AGENTS)})")
+
+    @staticmethod
+    def _effect(recipe: dict, patch: dict, kernel: KernelSource | None) -> str | None:
+        try:
+            return recipe_effect(apply_patch(recipe, checkable_patch(patch, kernel)), kernel)
+        except RecipeError:
+            return None
+
+
+def _kernel(candidate: dict) -> KernelSource | None:
+    k = candidate.get("kernel")
+    if isinstance(k, dict) and isinstance(k.get("slot"), str) and isinstance(k.get("source"), str):
+        return KernelSource(k["slot"], k["source"])
+    return None

