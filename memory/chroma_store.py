@@ -246,7 +246,8 @@ class ChromaMemory(Memory):
         [vector] = text_embedding.encode([text])
         rows = self._query(self._mechanisms, vector, k, "text search")
         hits = self._rank(rows, lambda cosine_distance: max(0.0, 1.0 - cosine_distance), len(rows))
-        hits = sorted((h for h in hits if h.similarity > 0), key=lambda h: (-h.similarity, h.id))
+        # equal texts (the same mechanism on several deployments) rank by their combined score
+        hits = sorted((h for h in hits if h.similarity > 0), key=lambda h: (-round(h.similarity, 6), -h.score, h.id))
         return hits[:k]  # a cosine <= 0 is no match at all
 
     def _query(self, collection, vector: list[float], k: int, what: str) -> list[tuple[str, dict, float]]:
