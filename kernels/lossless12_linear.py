@@ -50,6 +50,17 @@ def _decode_pair(h, c, table_ptr):
 
 
 @triton.jit
+def _escape_chunk(e0, end, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK: tl.constexpr):
+    """EXC_BLOCK escapes from e0 of the CSR list (masked past `end`): rows (-1 when masked), columns, exact values."""
+    e = e0 + tl.arange(0, EXC_BLOCK)
+    e_ok = e < end
+    r = tl.load(exc_row_ptr + e, mask=e_ok, other=-1)
+    col = tl.load(exc_col_ptr + e, mask=e_ok, other=0)
+    val = tl.load(exc_val_ptr + e, mask=e_ok, other=0.0)
+    return e_ok, r, col, val
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, hi_ptr, lo_ptr, table_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_ptr, b_ptr, out_ptr,
                  N, K2, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K2: tl.constexpr, EXC_BLOCK: tl.constexpr):
@@ -78,11 +89,7 @@ def _gemv_kernel(x_ptr, hi_ptr, lo_ptr, table_ptr, exc_row_ptr, exc_col_ptr, exc
     start = tl.load(row_ptr_ptr + n0)
     end = tl.load(row_ptr_ptr + tl.minimum(n0 + BLOCK_N, N))
     for e0 in range(start, end, EXC_BLOCK):
-        e = e0 + tl.arange(0, EXC_BLOCK)
-        e_ok = e < end
-        r = tl.load(exc_row_ptr + e, mask=e_ok, other=-1)
-        col = tl.load(exc_col_ptr + e, mask=e_ok, other=0)
-        val = tl.load(exc_val_ptr + e, mask=e_ok, other=0.0)
+        e_ok, r, col, val = _escape_chunk(e0, end, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK)
         if X_PAIRS:
             xp = tl.load(x_ptr + col // 2, mask=e_ok, other=0)
             xv = tl.where(col % 2 == 0, xp << 16, xp & -65536).to(tl.float32, bitcast=True)
@@ -122,11 +129,7 @@ def _gemm_kernel(x_ptr, hi_ptr, lo_ptr, table_ptr, exc_row_ptr, exc_col_ptr, exc
     start = tl.load(row_ptr_ptr + n0)
     end = tl.load(row_ptr_ptr + tl.minimum(n0 + BLOCK_N, N))
     for e0 in range(start, end, EXC_BLOCK):
-        e = e0 + tl.arange(0, EXC_BLOCK)
-        e_ok = e < end
-        r = tl.load(exc_row_ptr + e, mask=e_ok, other=-1)
-        col = tl.load(exc_col_ptr + e, mask=e_ok, other=0)
-        val = tl.load(exc_val_ptr + e, mask=e_ok, other=0.0)
+        e_ok, r, col, val = _escape_chunk(e0, end, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK)
         xv = tl.load(x_ptr + m[:, None] * stride_xm + col[None, :], mask=m_ok[:, None] & e_ok[None, :], other=0.0)
         contrib = xv.to(tl.float32) * val[None, :]                                  # [BLOCK_M, EXC_BLOCK]
         one_hot = (r[:, None] == rows[None, :]).to(tl.float32)                      # [EXC_BLOCK, BLOCK_N]

@@ -13,6 +13,7 @@ import os
 # each kernel is decorated, so it is set here, before anything can import triton (torch compiles nothing on CPU).
 if not os.path.exists("/dev/nvidia0"):  # a GPU machine runs the kernels for real
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,3 +153,14 @@ def smollm2_draft(tmp_path_factory):
     from specpilot.engine.loader import load
 
     return load(str(tiny_smol_vocab_dir(tmp_path_factory, "smollm2-draft", 7, 32, 1, tied=True)), "fp32", "cpu")
+
+
+def stop_server(server: subprocess.Popen, log) -> None:
+    """Stop a server a test started (terminate, then kill after 20 s) and close its log file."""
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    log.close()

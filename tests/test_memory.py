@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import stop_server
+
 from specpilot.cli import main
 from specpilot.graph.candidates import Candidate, KernelSource
 from specpilot.memory import open_memory
@@ -312,13 +314,7 @@ def test_chroma_server(tmp_path, realistic):
         with open_memory(url=url) as again:  # a second client sees what the first wrote
             assert again.count() == 3
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        stop_server(server, log)
     with pytest.raises(MemoryStoreError, match=f"127.0.0.1:{port}"):
         ChromaMemory(url=f"http://127.0.0.1:{port}")  # stopped: a clear error naming the server
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, stop_server
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import load_recipe, parse
 from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_patch
@@ -546,9 +546,4 @@ def test_llama_cpp_server_round(profiles, tmp_path, monkeypatch):
         assert [s["step"] for s in provider.trail] == ["route", "propose:algorithm"]
         assert all(s["source"] in ("llm", "repaired", "policy-fallback") for s in provider.trail)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        stop_server(server, log)
