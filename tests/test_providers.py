@@ -547,3 +547,14 @@ def test_llama_cpp_server_round(profiles, tmp_path, monkeypatch):
         assert all(s["source"] in ("llm", "repaired", "policy-fallback") for s in provider.trail)
     finally:
         stop_server(server, log)
+
+
+def test_a_short_api_key_is_scrubbed_too(profiles, monkeypatch):
+    """A key of a few characters is still a secret: only the `none` placeholder for key-less servers is left alone."""
+    monkeypatch.setenv("SPECPILOT_API_KEY", "k3y")
+    ctx = context(profiles["stock"], "algorithm")
+    with FakeServer([lambda h: error(401, f"bad key {h.headers['Authorization']}")]) as server:
+        provider = llm(server)
+        provider.propose(ctx)
+    trail = json.dumps(provider.trail)
+    assert "k3y" not in trail and "***" in trail

@@ -44,8 +44,11 @@ SYSTEM = ("You are the {role} of SpecPilot, a system that speeds up speculative 
           "output token. Reply with one JSON object that matches the requested schema, and nothing else.")
 
 
+NO_KEY = "none"  # what local servers (llama.cpp, vLLM, Ollama) get when the environment holds no key
+
+
 def api_key_from_env() -> str:
-    return os.environ.get("SPECPILOT_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+    return os.environ.get("SPECPILOT_API_KEY") or os.environ.get("OPENAI_API_KEY") or NO_KEY
 
 
 # ---------------------------------------------------------------------------------------------------------- schemas
@@ -304,8 +307,9 @@ class OpenAIProvider(Provider):
         """`text` without the API key, wherever a server or an exception may have echoed it."""
         key = self._client.api_key
         text = str(text)
-        # a key of a few characters (a local server's placeholder) is no secret, and replacing it would garble text
-        return text.replace(key, "***") if key and len(key) >= 8 else text
+        # every key from the environment is a secret, however short; only our own placeholder is not (replacing the
+        # word "none" would garble the text)
+        return text.replace(key, "***") if key and key != NO_KEY else text
 
     # ---- transport: request modes and retries
 
