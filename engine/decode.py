@@ -79,10 +79,6 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     out[:, 1:].copy_(tokens)
 
 
-def _target_forward(model: Transformer, inputs, positions, cache: KVCache, ops: Kernels) -> torch.Tensor:
-    return model(inputs, positions, cache, ops=ops)
-
-
 def _finish_step(history, lengths, active, out, drafts, valid, logits, accept) -> torch.Tensor:
     n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
@@ -94,8 +90,7 @@ class Decoder:
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
-                 kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
-                 compile_scope: str = "layer"):
+                 kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default"):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -111,10 +106,6 @@ class Decoder:
         # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         compile = compile and model.device.type == "cuda"
         self.layer_fn = compiled(Block.forward, compile_mode) if compile else Block.forward
-        # Scope "step" compiles the target's whole forward (every layer unrolled, embedding, masks, LM head) as one
-        # graph: inductor can then fuse across layer boundaries and the per-step mask and rotary work, at the price
-        # of a compile per step shape that takes tens of seconds instead of a few.
-        self._forward = compiled(_target_forward, compile_mode) if compile and compile_scope == "step" else None
         self._finish = compiled(_finish_step) if compile else _finish_step
         if drafter is not None:
             drafter.prepare(self.ops, self.layer_fn, compile)
@@ -143,10 +134,7 @@ class Decoder:
         else:
             inputs = last
         positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
-        if self._forward is not None:
-            logits = self._forward(self.model, inputs, positions, self._cache, self.ops)
-        else:
-            logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
+        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
         self._mark("verify")
         valid = prop.valid if k else torch.zeros_like(st.lengths)
         if sampling.greedy:

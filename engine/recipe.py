@@ -21,7 +21,6 @@ DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-COMPILE_SCOPES = ("layer", "step")
 
 
 class RecipeError(SpecPilotError):
@@ -61,7 +60,6 @@ class Recipe:
     cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
     compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
     compile_mode: str = "default"  # torch.compile mode; "max-autotune-no-cudagraphs" autotunes the small GEMMs
-    compile_scope: str = "layer"  # "layer": one compiled graph shared by all layers; "step": the whole forward
     overlap: bool = False  # the host reads step i's tokens while the device runs step i+1
     batch: BatchSpec = field(default_factory=BatchSpec)
     measured: dict = field(default_factory=dict)  # results attached by tools (speedup, gate report); not read
@@ -147,8 +145,6 @@ def _check(r: Recipe) -> Recipe:
                               "(builtin:lossless12 or a candidate file)")
     if r.compile_mode not in COMPILE_MODES:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
-    if r.compile_scope not in COMPILE_SCOPES:
-        bad("compile_scope", f"{r.compile_scope!r} is not one of {', '.join(COMPILE_SCOPES)}")
     if r.batch.max_batch_size < 1:
         bad("batch.max_batch_size", "must be >= 1")
     return r

@@ -21,6 +21,7 @@ from ..engine.engine import Engine
 from ..engine.recipe import load_recipe, parse
 from ..engine.workloads import load_workload
 
+_AUTOTUNE = "max-autotune-no-cudagraphs"
 SYSTEMS = {
     "ar": "ar",
     "ar-eager": {"name": "ar-eager", "cuda_graphs": False, "compile": False},
@@ -31,9 +32,11 @@ SYSTEMS = {
     "selfdraft-fp16-k4": {"name": "selfdraft-fp16-k4", "drafter": {"kind": "model", "model": "smollm2-135m",
                                                                   "dtype": "fp16"}, "k": 4},
     "ar-overlap": {"name": "ar-overlap", "overlap": True},
-    "ar-step": {"name": "ar-step", "compile_scope": "step"},
-    "ngram-k4-step": {"name": "ngram-k4-step", "drafter": {"kind": "ngram"}, "k": 4, "compile_scope": "step"},
-    "ngram-k8-step": {"name": "ngram-k8-step", "drafter": {"kind": "ngram"}, "k": 8, "compile_scope": "step"},
+    "ar-autotune": {"name": "ar-autotune", "compile_mode": _AUTOTUNE},
+    "ar-autotune-overlap": {"name": "ar-autotune-overlap", "compile_mode": _AUTOTUNE, "overlap": True},
+    "ngram-k4-autotune": {"name": "ngram-k4-autotune", "drafter": {"kind": "ngram"}, "k": 4, "compile_mode": _AUTOTUNE},
+    "ngram-k8-autotune-overlap": {"name": "ngram-k8-autotune-overlap", "drafter": {"kind": "ngram"}, "k": 8,
+                                  "compile_mode": _AUTOTUNE, "overlap": True},
     "ngram-k4-overlap": {"name": "ngram-k4-overlap", "drafter": {"kind": "ngram"}, "k": 4, "overlap": True},
     "ar-triton": {"name": "ar-triton", "kernels": {"rmsnorm": "builtin:triton", "attention": "builtin:triton"}},
     "ngram-k4-triton": {"name": "ngram-k4-triton", "drafter": {"kind": "ngram"}, "k": 4,

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue #2: what a step costs under each compile scope/mode (residual carried across layers); issue #4: the
 # cost-model validation table after the calibration rework (fresh machine: ceilings measured first).
+# Ran at commit 056afea; its ar-step variants (compile_scope "step", the whole forward as one graph) were removed
+# after this call measured them slower (528 kernels a step against 393).
 set -uo pipefail
 T=/tmp/smollm2/model.gguf
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
