@@ -71,12 +71,21 @@ def _provider_notes(provider: Provider, start: int, step: str) -> list[dict]:
 
 
 def who_decided(provider: Provider, notes: list[dict]) -> tuple[str, str]:
-    """(who, why) for the trail: the provider, or its fallback when it said it fell back."""
+    """(who, why) for the trail: the provider, or its fallback when it said it fell back. Memory's notes are not
+    part of it: each is a trail entry of its own (memory_notes)."""
     name = provider_name(provider)
     fallback = [n for n in notes if n.get("source") == "policy-fallback"]
     if fallback:
         return f"fallback:policy (for {name})", fallback[-1].get("why", "")
-    return name, "; ".join(f"{n.get('source')}: {n.get('why')}" for n in notes if n.get("source") != "llm")
+    return name, "; ".join(f"{n.get('source')}: {n.get('why')}" for n in notes
+                           if n.get("source") not in ("llm", "memory"))
+
+
+def memory_notes(notes: list[dict]) -> list[dict]:
+    """What memory kept the provider from proposing: {candidate, recipe_patch, why} per change (the policy's
+    notes with source "memory"; why is the failed outcome's verdict, e.g. "failed on <deployment>: gate: ...")."""
+    return [{"candidate": n.get("candidate"), "recipe_patch": n.get("recipe_patch"), "why": n.get("why", "")}
+            for n in notes if n.get("source") == "memory"]
 
 
 def route(ctx: RunContext, gaps: list[dict], hits: list[dict], deployment: dict) -> tuple[RouteDecision, str, str]:
@@ -86,8 +95,10 @@ def route(ctx: RunContext, gaps: list[dict], hits: list[dict], deployment: dict)
     return decision, who, note
 
 
-def propose(ctx: RunContext, agent_ctx: AgentContext) -> tuple[list[Candidate], str, str]:
+def propose(ctx: RunContext, agent_ctx: AgentContext) -> tuple[list[Candidate], str, str, list[dict]]:
+    """(candidates, who decided, their note, memory_notes: the changes memory kept out)."""
     start = len(getattr(ctx.provider, "trail", None) or [])
     found = ctx.provider.propose(agent_ctx)
-    who, note = who_decided(ctx.provider, _provider_notes(ctx.provider, start, f"propose:{agent_ctx.agent}"))
-    return list(found or []), who, note
+    notes = _provider_notes(ctx.provider, start, f"propose:{agent_ctx.agent}")
+    who, note = who_decided(ctx.provider, notes)
+    return list(found or []), who, note, memory_notes(notes)

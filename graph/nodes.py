@@ -252,17 +252,21 @@ def agent_node(agent: str):
 
         def ask_provider() -> dict:
             try:
-                found, who, note = propose(ctx, agent_ctx)
+                found, who, note, kept_out = propose(ctx, agent_ctx)
             except Exception as e:  # a provider that raises proposes nothing this time; the round goes on
                 return {"who": provider_name(ctx.provider), "note": f"the provider failed: {type(e).__name__}: {e}",
                         "candidates": []}
             return {"who": who, "note": note, "candidates": [c.to_dict() if hasattr(c, "to_dict") else c
-                                                             for c in found]}
+                                                             for c in found], "memory_skipped": kept_out}
 
         emit(f"round {n}: {agent} proposing")
         proposal = cached_json(round_dir(out, n) / f"proposals-{agent}-{p}.json", ask_provider)
         who = proposal["who"]
         trail = [decision(n, agent, who, f"proposed {len(proposal['candidates'])} candidate(s)", proposal["note"])]
+        # what memory kept out (it failed on a similar deployment): one entry each, for history and the report
+        for skipped in proposal.get("memory_skipped", []):
+            trail.append(decision(n, agent, "memory", f"{skipped['candidate']} not proposed: "
+                                  f"{json.dumps(skipped['recipe_patch'], sort_keys=True)}", skipped["why"]))
         records, ids = {}, []
         tried = set(agent_ctx.tried)
         for i, raw in enumerate(proposal["candidates"]):

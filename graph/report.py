@@ -59,6 +59,18 @@ def _candidate_rows(state: dict, n: int) -> list[str]:
     return rows if len(rows) > 2 else ["(no candidates)"]
 
 
+def _memory_lines(state: dict, n: int) -> list[str]:
+    """How memory steered round n: the changes proposed first because they worked on a similar deployment, those not
+    proposed because they failed on one, and a lookup that failed."""
+    recs = sorted((r for r in state.get("candidates", {}).values() if r["round"] == n and r.get("origin") == "memory"),
+                  key=lambda r: (r["pass"], r["agent"], r["order"]))
+    lines = [f"- tried first: {r['id']} ({r['agent']}), because it {r.get('reason', '').removeprefix('memory: ')}"
+             for r in recs]
+    lines += [f"- {t['node']}: {t['decision']} — {t['why']}" for t in state.get("trail", [])
+              if t["round"] == n and t["who"] == "memory"]
+    return lines
+
+
 def _round_section(state: dict, n: int) -> list[str]:
     out = Path(state["settings"]["out_dir"])
     lines = [f"## Round {n}", ""]
@@ -79,6 +91,9 @@ def _round_section(state: dict, n: int) -> list[str]:
         r = read_json(route)
         lines += [f"Router ({r['who']}): {', '.join(r['agents']) or 'no agent'} — {r['reason']}"
                   + (f" ({r['note']})" if r.get("note") else ""), ""]
+    memory = _memory_lines(state, n)
+    if memory:
+        lines += ["Memory (outcomes on similar deployments):", ""] + memory + [""]
     people = [t for t in state.get("trail", []) if t["round"] == n and t["who"] == "human"]
     lines += ["Candidates:", ""] + _candidate_rows(state, n) + [""]
     integ = round_dir(out, n) / "integration.json"

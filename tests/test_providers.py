@@ -171,6 +171,11 @@ def test_memory_hits_come_first_and_failures_are_skipped(profiles, tmp_path):
     assert cands[0].reason.startswith("memory: passed on llama") and "1.40x over stock" in cands[0].reason
     assert plain[0].id not in {c.id for c in cands} and plain[1].id not in {c.id for c in cands}
     assert cands[1].id == plain[2].id
+    # each change memory kept out is noted for the trail and the report, with the failure that kept it out
+    notes = [n for n in policy.trail if n["step"] == "propose:algorithm" and n["source"] == "memory"]
+    assert [n["candidate"] for n in notes] == [plain[0].id, plain[1].id]
+    where = f"llama fp32 on {prof['meta']['device_name']} B=1"
+    assert notes[0]["why"].startswith(f"failed on {where}: gate: token 17 differs")
     # the memory-only agents are routed too, after the gap agents
     route = policy.route(prof["gaps"], hits, ctx.deployment)
     assert "algorithm" in route.agents

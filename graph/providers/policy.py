@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, replace
 
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
@@ -113,6 +114,8 @@ def describe_deployment(dep: dict) -> str:
         parts.append(f"on {where}")
     if dep.get("batch_size") is not None:
         parts.append(f"B={dep['batch_size']}")
+    if dep.get("workload"):  # a similar deployment often differs only here: say which workload it was measured on
+        parts.append(f"{dep['workload']} workload")
     return " ".join(parts)
 
 
@@ -137,7 +140,8 @@ def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
         where = describe_deployment(outcome.get("deployment") or {})
         gate, failure = outcome.get("gate") or {}, outcome.get("failure")
         speed = memory_speedup(outcome.get("results") or {})
-        flags = [str(f) for f in hit.get("flags") or []]
+        # the store's "failed" / "failure: ..." flags repeat what `why` says; "re-verify" and the like do not
+        flags = [str(f) for f in hit.get("flags") or [] if f != "failed" and not str(f).startswith("failure: ")]
         note = f" (flags: {', '.join(flags)})" if flags else ""
         if failure or gate.get("passed") is False:
             why = f"failed on {where}: {failure or gate.get('reason') or 'the gate rejected it'}"
@@ -557,6 +561,12 @@ class PolicyProvider(Provider):
 
     name = "policy"
 
+    def __init__(self):
+        # Notes on its decisions for the graph to show (graph/context.py reads them per step, as the OpenAI provider's):
+        # here, each change that memory kept it from proposing, and why.
+        self.trail: list[dict] = []
+        self._lock = threading.Lock()
+
     def route(self, gaps: list[dict], memory_hits: list[dict], deployment: dict) -> RouteDecision:
         best: dict[str, float] = {}
         why: dict[str, list[str]] = {}
@@ -590,22 +600,31 @@ class PolicyProvider(Provider):
         for v in read_memory(ctx.memory_hits):
             key = self._effect(ctx.recipe, v.candidate.get("recipe_patch") or {}, _kernel(v.candidate))
             verdicts.setdefault(key or str(v.candidate.get("id")), v)
-        failed = {key for key, v in verdicts.items() if v.failed}
-        failed_ids = {v.candidate.get("id") for v in verdicts.values() if v.failed} - {None}
+        failed = {key: v for key, v in verdicts.items() if v.failed}
+        failed_ids = {v.candidate.get("id"): v for v in verdicts.values() if v.failed and v.candidate.get("id")}
 
         picked: list[Candidate] = []
         effects: set[str] = set()
 
         def admit(cand: Candidate) -> None:
-            if len(picked) >= ctx.max_candidates or cand.id in ctx.tried or cand.id in failed_ids:
+            full = len(picked) >= ctx.max_candidates
+            if (full and not failed) or cand.id in ctx.tried:
                 return
             if patch_error(ctx.recipe, cand.recipe_patch, kernel=cand.kernel):
                 return  # not a valid change of the current recipe, or already part of it
             effect = self._effect(ctx.recipe, cand.recipe_patch, cand.kernel)
-            if effect in effects or effect in failed:
+            if effect in effects:
                 return
+            # Memory's veto is looked at before the candidate limit, so that every change it keeps out is named in
+            # the trail (and the report), whether or not the limit would have left room for it.
+            veto = failed_ids.get(cand.id) or failed.get(effect)
             effects.add(effect)
-            picked.append(cand)
+            if veto is not None:
+                self._note(f"propose:{ctx.agent}", "memory", veto.why, candidate=cand.id,
+                           recipe_patch=cand.recipe_patch)
+                return
+            if not full:
+                picked.append(cand)
 
         for v in verdicts.values():  # memory first, best hit first
             if v.passed and agent_name(v.candidate.get("agent", "")) == ctx.agent:
@@ -619,6 +638,10 @@ class PolicyProvider(Provider):
             for option in self.catalog(ctx.agent, recipe, view, ctx.gaps or (ctx.profile or {}).get("gaps") or []):
                 admit(Candidate(ctx.agent, option.reason, option.patch, None, self.name))
         return picked
+
+    def _note(self, step: str, source: str, why: str, **extra) -> None:
+        with self._lock:
+            self.trail.append({"step": step, "source": source, "why": why, **extra})
 
     @staticmethod
     def catalog(agent: str, recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
