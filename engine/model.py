@@ -70,17 +70,17 @@ def rope_inv_freq(hf) -> tuple[torch.Tensor, float]:
 
 
 class KVCache:
-    """Preallocated keys and values, [layers, batch, kv_heads, max_len, head_dim] each."""
+    """Preallocated keys and values, [layers, batch, kv_heads, max_len, head_dim] each, as the two halves of one
+    tensor `kv` [2, layers, ...] so that a layer writes its new keys and values with one scatter, not two."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((2, n_layers, batch, n_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
 
 def compiled(fn, mode: str = "default"):
@@ -119,7 +119,7 @@ class Block(nn.Module):
         self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, rows, positions, mask, ops: Kernels):
+    def forward(self, x, delta, cos, sin, kv_cache, rows, positions, mask, ops: Kernels):
         cfg, linear = self.cfg, ops.linear
         B, T, _ = x.shape
         x = x + delta
@@ -132,13 +132,13 @@ class Block(nn.Module):
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.rms_eps), ops.rmsnorm(k, self.k_norm, cfg.rms_eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache[rows, :, positions] = k  # [B,T] index pairs -> [B,T,kv_heads,head_dim] slots
-        v_cache[rows, :, positions] = v
+        # kv_cache [2, B, kv_heads, S, head_dim]: the [B,T] index pairs select [B,T,2,kv_heads,head_dim] slots
+        kv_cache[:, rows, :, positions] = torch.stack((k, v), 2)
         # Grouped-query attention without copying K/V: the `rep` query heads that share a kv head are stacked along
         # the query axis, so each kv head is read once by one SDPA call on any backend.
         rep = cfg.n_heads // cfg.n_kv_heads
         q = q.view(B, T, cfg.n_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4).reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
-        o = ops.attention(q, k_cache, v_cache, mask[self.window])
+        o = ops.attention(q, kv_cache[0], kv_cache[1], mask[self.window])
         o = o.view(B, cfg.n_kv_heads, rep, T, cfg.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads * cfg.head_dim)
         x = x + linear(o, self.wo, self.bo)
         h = linear(ops.rmsnorm(x, self.mlp_norm, cfg.rms_eps), self.w13, None)
@@ -204,7 +204,7 @@ class Transformer(nn.Module):
         delta = F.embedding(tokens, self.embed)
         x = torch.zeros_like(delta)
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
-            x, delta = layer_fn(layer, x, delta, cos, sin, cache.k[i], cache.v[i], rows, positions, masks, ops)
+            x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops)
         x = x + delta
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))

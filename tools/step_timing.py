@@ -57,7 +57,7 @@ def measure(engine: Engine, name: str, B: int, max_new_tokens: int) -> None:
         for e in kernels:
             count, us = by_name.get(e.name, (0, 0.0))
             by_name[e.name] = (count + 1, us + e.device_time)
-        for kname, (count, us) in sorted(by_name.items(), key=lambda x: -x[1][1])[:6]:
+        for kname, (count, us) in sorted(by_name.items(), key=lambda x: -x[1][1])[:16]:
             print(f"     {us / 1e3:7.3f} ms {count:4d}x {kname[:80]}", flush=True)
 
 
