@@ -211,8 +211,10 @@ def add_optimize_parsers(sub) -> None:
     o.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"])
     o.add_argument("--limit", type=int, default=D["limit"], help="prompts of the workload (at least the batch size)")
     o.add_argument("--max-candidates", type=int, default=D["max_candidates"], help="candidates per agent per round")
-    o.add_argument("--memory", default=None, help="memory store path, or http://HOST:PORT of a Chroma server "
-                                                  "(default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory)")
+    o.add_argument("--memory", default=None,
+                   help="memory: a Chroma store directory, FILE.jsonl (a plain JSON-lines file: no chromadb needed), "
+                        "or http://HOST:PORT of a Chroma server (default: $SPECPILOT_MEMORY or "
+                        "~/.local/share/specpilot/memory)")
     o.add_argument("--salt", default=None, help="the gate's prompt nonce for the run (default: a fresh one)")
     o.add_argument("--interactive", action="store_true",
                    help="stop at each decision: [a]pprove [e]dit [s]kip [r]edirect [q]stop")

@@ -41,7 +41,8 @@ def release(out_dir) -> None:
 
 
 def open_run_memory(spec: str | None) -> Memory:
-    """--memory PATH, or a Chroma server when it is an http(s) URL; None: the default local store."""
+    """--memory PATH (a Chroma store directory, or a JSON-lines file when it ends in .jsonl), or a Chroma server
+    when it is an http(s) URL; None: the default local store. chromadb is imported only for a Chroma store."""
     if spec and str(spec).startswith(("http://", "https://")):
         return open_memory(url=spec)
     return open_memory(path=spec)

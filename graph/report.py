@@ -1,6 +1,7 @@
 """The run's outputs: DIR/recipe.json (the best recipe, its measurements and gate report in `measured`),
 DIR/report.md (every round: gaps, who chose which agents and why, candidates with reasons, tool results, gate
-outcomes, the speedup progression) and DIR/progress.png."""
+outcomes, the speedup progression, device and wall minutes) and DIR/progress.png (when matplotlib is installed;
+without it the report says so and keeps the table)."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,9 @@ def final_recipe(state: dict) -> dict:
                                           "exact_matches", "ties", "report")},
             "bench": m.get("bench"), "source": best["source"], "round": best["round"],
             "rounds": state.get("round", 0), "stop_reason": state.get("stop_reason"), "run": str(s["out_dir"]),
+            # the run's cost: minutes its measurements held the device (the GPU-minutes budget), and of work
+            "device_minutes": round(state.get("device_s", 0.0) / 60, 3),
+            "wall_minutes": round(state.get("elapsed_s", 0.0) / 60, 3),
         }}
 
 
@@ -125,9 +129,13 @@ def why_not_faster(state: dict) -> str | None:
     return head + ("\n\nWhat was tried:\n\n" + "\n".join(reasons) if reasons else " No candidate was evaluated.")
 
 
-def write_plot(state: dict, path: Path) -> None:
-    import matplotlib
-
+def write_plot(state: dict, path: Path) -> str | None:
+    """DIR/progress.png; without matplotlib (a GPU image may lack it) no plot, and the reason is returned."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        path.unlink(missing_ok=True)  # a plot from an earlier report of this run would no longer be current
+        return f"no plot: matplotlib is not installed ({e})"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -154,6 +162,7 @@ def write_plot(state: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None
 
 
 def write_outputs(state: dict) -> None:
@@ -174,8 +183,9 @@ def write_outputs(state: dict) -> None:
         why = why_not_faster(state)
         if why:
             lines += [why, ""]
-        write_plot(state, out / "progress.png")
-        lines += ["![speedup progression](progress.png)", "", "| round | best | x ar | x stock | tok/s |",
+        no_plot = write_plot(state, out / "progress.png")
+        lines += [f"({no_plot}; the table below has the same figures)" if no_plot
+                  else "![speedup progression](progress.png)", "", "| round | best | x ar | x stock | tok/s |",
                   "|---:|---|---:|---:|---:|"]
         for p in state.get("progression", []):
             lines.append(f"| {p['round']} | {p['source']} | {_fmt(p['speedup_vs_ar'])} | "

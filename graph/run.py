@@ -145,7 +145,8 @@ def _finish(values: dict, out: Path) -> int:
     m = best["measured"]
     print(f"specpilot optimize: best {best['source']}: {m['speedup_vs_ar']:.2f}x ar, {m['speedup_vs_stock']:.2f}x "
           f"stock ({m['tokens_per_s']:.1f} tok/s), gate passed; stopped: {values.get('stop_reason')}")
-    print(f"wrote {out / 'recipe.json'}, {out / 'report.md'}, {out / 'progress.png'}")
+    written = [out / name for name in ("recipe.json", "report.md", "progress.png") if (out / name).is_file()]
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
 
 

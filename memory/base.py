@@ -2,15 +2,32 @@
 
 `Outcome` is one evaluated candidate: what it changed, on which deployment, what it measured, whether it passed the
 token-forcing gate (and why not), and the library versions it was measured with. Implementations: `JsonlMemory`
-(a local file, for runs without Chroma) and the Chroma store (memory/chroma_store.py).
+(memory/jsonl_store.py: a local JSON-lines file, no Chroma and no text model) and the Chroma store
+(memory/chroma_store.py).
 """
 from __future__ import annotations
 
-import json
-import threading
+import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+
+from ..engine.errors import SpecPilotError
+
+
+class MemoryStoreError(SpecPilotError):
+    """The store cannot be opened or used; the message names its path or URL and what to do."""
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a store to <path>.aside-<time>[-n] and return the new name: a bad store is kept, never deleted."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}.aside-{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.aside-{stamp}-{n}"), n + 1
+    os.rename(path, aside)
+    return aside
 
 
 @dataclass
@@ -58,6 +75,12 @@ class Hit:
 
 
 class Memory(ABC):
+    """What the graph uses (record, similar) and what `specpilot memory` uses besides (search, get, count, records,
+    flags, export_jsonl, import_jsonl, close; a store is a context manager). `location` names the store."""
+
+    location: str = ""
+    moved_aside: Path | None = None  # where fresh=True put the previous store
+
     @abstractmethod
     def record(self, outcome: Outcome) -> str:
         """Store one outcome; returns its id. Safe to call from parallel agents."""
@@ -70,34 +93,36 @@ class Memory(ABC):
         """Past outcomes whose mechanism descriptions match `text` (implementations with text search override)."""
         return []
 
+    def records(self) -> list[tuple[str, Outcome]]:
+        """Every (id, outcome), oldest first."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its records")
 
-class JsonlMemory(Memory):
-    """One JSON line per outcome in a local file; similarity = same target architecture, device and batch size."""
+    def get(self, rid: str) -> Outcome:
+        for found, outcome in self.records():
+            if found == rid:
+                return outcome
+        raise KeyError(f"no record {rid!r} in memory {self.location}")
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+    def count(self) -> int:
+        return len(self.records())
 
-    def record(self, outcome: Outcome) -> str:
-        line = json.dumps(outcome.to_dict(), sort_keys=True, default=str)
-        with self._lock, open(self.path, "a") as f:
-            f.write(line + "\n")
-        return outcome.candidate.get("id", "")
+    def flags(self, outcome: Outcome) -> list[str]:
+        return []
 
-    def outcomes(self) -> list[Outcome]:
-        if not self.path.exists():
-            return []
-        out = []
-        for n, line in enumerate(self.path.read_text().splitlines(), 1):
-            try:
-                out.append(Outcome(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as e:
-                raise ValueError(f"memory file {self.path}, line {n}: not an outcome record ({e})") from e
-        return out
+    def close(self) -> None:
+        pass
 
-    def similar(self, deployment: dict, k: int = 10) -> list[Hit]:
-        keys = ("architecture", "device_name", "batch_size")
-        hits = [Hit(o, sum(o.deployment.get(key) == deployment.get(key) for key in keys) / len(keys))
-                for o in self.outcomes()]
-        return sorted(hits, key=lambda h: -h.score)[:k]
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def __getattr__(name: str):
+    # JsonlMemory lives in jsonl_store.py (it needs records.py, which imports this module); kept importable from here
+    if name == "JsonlMemory":
+        from .jsonl_store import JsonlMemory
+
+        return JsonlMemory
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ..engine.errors import SpecPilotError
 from . import text_embedding
-from .base import Hit, Memory, Outcome
+from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside  # noqa: F401 (re-exported)
 from .records import (EMBEDDING_VERSION, combined_score, current_versions, deployment_vector, failure_reason,
                       feature_names, mechanism_text, outcome_json, record_id, similarity_from_distance,
                       version_differences, worked)
@@ -40,25 +39,11 @@ LOCAL_ATTEMPTS = 4          # an embedded store only on "database is locked" (an
 PAGE = 1000                 # records read per request when listing
 
 
-class MemoryStoreError(SpecPilotError):
-    """The store cannot be opened or used; the message names its path or URL and what to do."""
-
-
 def default_path() -> Path:
     if os.environ.get("SPECPILOT_MEMORY"):
         return Path(os.environ["SPECPILOT_MEMORY"]).expanduser()
     data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(data) / "specpilot" / "memory"
-
-
-def move_aside(path: Path) -> Path:
-    """Rename a store to <path>.aside-<time>[-n] and return the new name: a bad store is kept, never deleted."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, n = path.with_name(f"{path.name}.aside-{stamp}"), 1
-    while aside.exists():
-        aside, n = path.with_name(f"{path.name}.aside-{stamp}-{n}"), n + 1
-    os.rename(path, aside)
-    return aside
 
 
 # One lock per store (path or URL), shared by every ChromaMemory on it in this process: Chroma shares one client

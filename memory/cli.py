@@ -1,7 +1,8 @@
 """`specpilot memory list | search TEXT | show ID | export FILE | import FILE`: look into and move the memory.
 
-Every subcommand takes --memory PATH (default $SPECPILOT_MEMORY, else ~/.local/share/specpilot/memory) or
---memory-url http://HOST:PORT, and --memory-fresh (move a corrupted local store aside and start an empty one).
+Every subcommand takes --memory PATH (default $SPECPILOT_MEMORY, else ~/.local/share/specpilot/memory; a PATH ending
+in .jsonl is a plain JSON-lines file, no Chroma) or --memory-url http://HOST:PORT, and --memory-fresh (move a
+corrupted local store aside and start an empty one).
 `add_memory_args` gives other commands (optimize) the same three flags.
 """
 from __future__ import annotations
@@ -13,10 +14,12 @@ import sys
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default=None, metavar="PATH",
-                   help="memory store directory (default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory)")
+                   help="memory store directory, or FILE.jsonl for a plain JSON-lines memory without Chroma "
+                        "(default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory)")
     p.add_argument("--memory-url", default=None, metavar="URL", help="a Chroma server instead: http://HOST:PORT")
     p.add_argument("--memory-fresh", action="store_true",
-                   help="move the existing local store aside (kept, never deleted) and start an empty one")
+                   help="move the existing local store (directory or .jsonl file) aside (kept, never deleted) "
+                        "and start an empty one")
 
 
 def open_from_args(args):

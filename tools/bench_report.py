@@ -48,7 +48,8 @@ def summary_text(results: dict) -> str:
     return "\n\n".join(parts) or "no runs measured"
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, no_plots: str | None = None) -> str:
+    """The report; `no_plots` says why there are no plots (none: they are listed)."""
     h = results["header"]
     commit = h.get("git_commit") or "unknown"
     if h.get("git_dirty"):
@@ -77,7 +78,8 @@ def markdown(results: dict) -> str:
         lines.append(f"- {where or 'bench'}: {e['message']}")
     if not results["errors"]:
         lines.append("none")
-    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
+    lines += ["", f"Plots: none ({no_plots})" if no_plots else "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS),
+              ""]
     return "\n".join(lines)
 
 
@@ -147,8 +149,12 @@ def plot_latency_cdf(plt, results: dict, path: Path) -> None:
 
 
 def write_report(out: Path, results: dict) -> None:
-    import matplotlib
-
+    """report.md and the plots; without matplotlib (a GPU image may lack it) report.md alone, saying so."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        (out / "report.md").write_text(markdown(results, f"matplotlib is not installed: {e}"))
+        return
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -163,4 +169,4 @@ if __name__ == "__main__":
         sys.exit("usage: python -m specpilot.tools.bench_report DIR (a bench output directory with results.json)")
     directory = Path(sys.argv[1])
     write_report(directory, json.loads((directory / "results.json").read_text()))
-    print(f"wrote {directory / 'report.md'} and {', '.join(PLOTS)}")
+    print(f"wrote {directory / 'report.md'}" + (f" and {', '.join(PLOTS)}" if (directory / PLOTS[0]).is_file() else ""))
