@@ -1,6 +1,7 @@
-"""The fused 12-bit linear kernel (kernels/lossless12_linear.py) under the Triton interpreter, its torch decode, and
-the engine with `weights.format = "lossless12"`: same tokens as native bf16, and a pass through the token-forcing
-gate on SmolLM2-135M (CPU)."""
+"""The fused 12-bit linear kernel (kernels/lossless12_linear.py) under the Triton interpreter, its layout and arithmetic
+decode (kernels/lossless12_format.py: `to_linear_planes`, `decode_linear_weight`), and the engine with
+`weights.format = "lossless12"`: same tokens as native bf16, and a pass through the token-forcing gate on
+SmolLM2-135M (CPU)."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.recipe import RecipeError, load_recipe, parse
 from specpilot.kernels import lossless12_linear as L  # TRITON_INTERPRET=1 was set by conftest on a CPU machine
-from specpilot.kernels.lossless12_format import decode_linear_weight, to_linear_planes
+from specpilot.kernels.lossless12_format import decode, decode_linear_weight, encode, linear_bits, to_linear_planes
 
 from test_lossless12 import SPECIAL_BITS, _bf16
 
@@ -83,6 +84,125 @@ def test_torch_decode_is_bit_exact_with_nans():
     assert torch.equal(got.view(torch.int16), w.view(torch.int16))
 
 
+def _bits_to_bf16(b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def test_arithmetic_decode_is_exact_for_every_window():
+    """What the kernel computes for a weight, (sign << 31 | c << 23 | mantissa << 16) as fp32 times 2^(base-1)
+    (times the rest of the scale above base 128), is the bf16 value with exponent base + c - 1, for every window
+    base 1..240, every code, sign and mantissa; c = 0 gives a signed zero."""
+    base = torch.arange(1, 241).view(-1, 1, 1, 1)
+    c = torch.arange(16).view(1, -1, 1, 1)
+    s = torch.tensor([0, 1]).view(1, 1, -1, 1)
+    m = torch.arange(128).view(1, 1, 1, -1)
+    f = ((s << 31) | (c << 23) | (m << 16)).to(torch.int32)
+    f = torch.where(c == 0, (s << 31).to(torch.int32), f).expand(240, 16, 2, 128)     # zeros: mantissa 0
+    scale_w = (2.0 ** torch.clamp(base - 1, max=127)).float()
+    scale_out = (2.0 ** (base - 1 - torch.clamp(base - 1, max=127))).float()
+    got = f.view(torch.float32) * scale_w * scale_out
+    e = torch.where(c == 0, 0, base + c - 1)
+    want = torch.where(c == 0, s << 15, (s << 15) | (e << 7) | m).expand(240, 16, 2, 128)
+    assert torch.equal(got.to(torch.bfloat16).view(torch.int16), _bits_to_bf16(want.to(torch.int32)).view(torch.int16))
+    assert torch.equal((got.view(torch.int32) & 0xFFFF), torch.zeros_like(f))           # exactly bf16 values
+
+
+@pytest.mark.parametrize("shape", [(5, 13107), (13107, 5), (3, 21845), (1, 65535)])
+def test_linear_layout_round_trips_every_bit_pattern(shape):
+    """Every bf16 bit pattern but one, laid out for the kernel in several shapes (K a multiple of 8 or not: zero
+    padding) and decoded with exactly the kernel's shifts, masks and scale: bit-exact, NaN payloads included."""
+    w = _bf16(torch.randperm(65536, generator=torch.Generator().manual_seed(0))[:65535]).reshape(shape)
+    p = to_linear_planes(w)
+    assert p.q.dtype == torch.int32 and p.q.shape == (shape[0], 3 * -(-shape[1] // 8)) and not p.reencoded
+    assert torch.equal(decode_linear_weight(p).view(torch.int16), w.view(torch.int16))
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 100, 2.0 ** -124, 0.02, 3.0])
+def test_linear_layout_extreme_windows(scale):
+    """Windows at both ends (base > 128 uses scale_out, base 1 sits next to the subnormals), with ±0, subnormals,
+    ±inf and NaNs mixed in: the layout and the fused kernel agree with the weights."""
+    g = torch.Generator().manual_seed(int(abs(torch.log2(torch.tensor(scale)))))
+    w = (torch.randn(24, 50, generator=g) * scale).to(torch.bfloat16)
+    flat = w.view(-1)
+    flat[: len(SPECIAL_BITS)] = _bf16(SPECIAL_BITS)
+    flat[200:230] = 0.0
+    p = to_linear_planes(w)
+    assert torch.equal(decode_linear_weight(p).view(torch.int16), w.view(torch.int16))
+    if scale > 2.0 ** 64:
+        assert p.base > 128 and p.scale_out > 1.0
+    finite = w.clone()
+    finite.view(-1)[: len(SPECIAL_BITS)] = 0.0                        # the kernel check: finite weights only
+    pf = to_linear_planes(finite)
+    x = torch.rand(3, 50, generator=g) + 0.5
+    for xm in (x[:1], x):
+        ref = _reference(xm, finite)
+        torch.testing.assert_close(L.linear_fused(xm, pf).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_layout_words_hold_each_weight_at_fp32_positions():
+    """linear_bits (the kernel's decode) gives sign << 31 | (code + 1) << 23 | mantissa << 16 for each of the 8 slots
+    of a group, slot t of group j being column t * K8 + j; escapes and zeros have c = 0."""
+    w = _weight(6, 40, seed=12, escapes_every=7)
+    w.view(-1)[3] = -0.0
+    p = to_linear_planes(w)
+    packed = encode(w)
+    k8 = p.k8
+    assert k8 == 5 and p.base == packed.window_base
+    f = linear_bits(p)                                                # [N, 8, K8]
+    bits = w.view(torch.int16).to(torch.int32) & 0xFFFF
+    exp = (bits >> 7) & 0xFF
+    in_window = (exp >= p.base) & (exp <= p.base + 14)
+    c = torch.where(in_window, exp - p.base + 1, 0)
+    keep_sign = in_window | ((bits & 0x7FFF) == 0)
+    s = torch.where(keep_sign, bits >> 15, 0)
+    m = torch.where(in_window, bits & 0x7F, 0)
+    want = ((s << 31) | (c << 23) | (m << 16)).to(torch.int32)        # [N, K]
+    cols = (torch.arange(8).view(8, 1) * k8 + torch.arange(k8).view(1, k8))
+    assert torch.equal(f, want[:, cols])
+    assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16))
+
+
+def test_top15_packed_is_reencoded_explicitly():
+    """A Packed12 whose table is not a window cannot use the arithmetic decode: to_linear_planes decodes and
+    re-encodes it with the window (and says so); a window Packed12 is used as it is."""
+    w = _weight(20, 48, seed=13)
+    w.view(-1)[::3] = 2.0 ** 30                                       # frequent outlier exponent: a gap in the top 15
+    top = encode(w, "top15")
+    assert top.window_base is None
+    p = to_linear_planes(top)
+    assert p.reencoded and torch.equal(decode_linear_weight(p).view(torch.int16), w.view(torch.int16))
+    q = to_linear_planes(encode(w))
+    assert not q.reencoded and torch.equal(q.q, p.q)
+
+
+# (M, N, K, config): every mask combination (N and K multiples of the tile or not, K not a multiple of 8), the
+# register prefetch on and off, split-K with an uneven last chunk, both GEMM operand orders, one block of rows and
+# several.
+CONFIGS = [
+    (1, 32, 512, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=1, PREFETCH=1, num_warps=4)),
+    (1, 37, 512, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=3, PREFETCH=1, num_warps=4)),
+    (1, 32, 300, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=1, PREFETCH=1, num_warps=4)),
+    (1, 37, 300, dict(BLOCK_N=16, BLOCK_K8=16, SPLIT_K=2, PREFETCH=0, num_warps=4)),
+    (1, 24, 1000, dict(BLOCK_N=4, BLOCK_K8=32, SPLIT_K=4, PREFETCH=0, num_warps=2)),
+    (3, 64, 512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K8=16, SPLIT_K=1, SWAP=0, PREFETCH=1, num_warps=4)),
+    (5, 40, 300, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K8=16, SPLIT_K=3, SWAP=1, PREFETCH=1, num_warps=4)),
+    (20, 48, 256, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K8=16, SPLIT_K=2, SWAP=1, PREFETCH=0, num_warps=4)),
+    (33, 32, 136, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K8=16, SPLIT_K=1, SWAP=0, PREFETCH=0, num_warps=4)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", CONFIGS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_configs_match_torch(m, n, k, cfg, bias):
+    w = _weight(n, k, seed=m + n + k, escapes_every=13)
+    p = to_linear_planes(w)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = L.linear_fused(x, p, b, config=cfg)
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-4, atol=1e-5)
+
+
 def test_fused_on_real_smollm2_weight(smollm2):
     """One real SmolLM2 matrix (layer 0's down projection, 576 x 1536, in bf16) through the GEMV and a 5-row GEMM."""
     loaded, _ = smollm2
@@ -94,9 +214,38 @@ def test_fused_on_real_smollm2_weight(smollm2):
         torch.testing.assert_close(L.linear_fused(x, p).double(), _reference(x, w), rtol=1e-4, atol=1e-4)
 
 
-def test_config_covers_gpu():
-    """The GEMV launch splits small matrices finely enough to occupy many SMs and keeps big ones at wide tiles."""
-    assert L.gemv_config(576, 576)["BLOCK_N"] <= 2 and L.gemv_config(128256, 4096)["BLOCK_N"] == 16
+def _layout_ok(cfg: dict) -> bool:
+    """The GEMV layout limits of kernels/lossless12_linear.py: x slices stay in registers (no shared-memory
+    conversion in the loop) and every thread loads at least one 16-byte vector of each word plane."""
+    w = cfg["num_warps"]
+    return cfg["BLOCK_K8"] <= 16 * w and cfg["BLOCK_N"] * cfg["BLOCK_K8"] >= 128 * w
+
+
+def test_configs_cover_gpu_and_respect_the_layout():
+    """The GEMV heuristic keeps >= ~4 programs an SM where the rows allow it and splits K for few long rows; every
+    GEMV configuration (heuristic or sweep) respects the layout limits; the GEMM covers all of M <= 64 with one
+    block of rows and splits K when N / BLOCK_N programs are few."""
+    for n, k in L.LLAMA3_8B_SHAPES + ((576, 576), (1536, 576), (576, 1536), (49152, 576), (64, 4096), (40, 64)):
+        cfg = L.gemv_config(n, k)
+        assert _layout_ok(cfg), (n, k, cfg)
+        programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+        assert programs >= min(2 * L.N_SM, -(-n // cfg["BLOCK_N"])), (n, k, cfg)
+        for m in (2, 4, 16, 33, 64):
+            g = L.gemm_config(m, n, k)
+            assert g["BLOCK_M"] >= m and g["BLOCK_K8"] >= 16
+    assert L.gemv_config(128256, 4096)["SPLIT_K"] == 1 and L.gemv_config(128256, 4096)["BLOCK_N"] == 16
+    assert L.gemv_config(64, 4096)["SPLIT_K"] > 1 and L.gemm_config(16, 4096, 14336)["SPLIT_K"] > 1
+    assert all(_layout_ok(c) for c in L.GEMV_SWEEP)
+    assert all(_layout_ok(c) for c in L._sweep_configs(1, 4096, 14336))
+    assert {c["SPLIT_K"] for c in L._sweep_configs(1, 4096, 14336)} >= {1, 2, 4}
+    assert {c["SPLIT_K"] for c in L._sweep_configs(1, 128256, 4096)} == {1}
+    assert {c["BLOCK_M"] for c in L._sweep_configs(4, 4096, 4096)} == {16}
+    assert {c["BLOCK_M"] for c in L._sweep_configs(64, 4096, 4096)} == {64}
+
+
+def test_benchmark_refuses_the_cpu():
+    with pytest.raises(RuntimeError, match="CUDA GPU only"):
+        L.benchmark(shapes=((64, 64),), ms=(1,), sweep=False)
 
 
 def _lossless12_recipe(base: str = "stock"):

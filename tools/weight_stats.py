@@ -3,9 +3,12 @@
     python -m specpilot.tools.weight_stats --target smollm2-135m [--per-tensor] [--no-random]
 
 Prints, per tensor kind (layers.N.wqkv -> wqkv) and overall: element count, distinct exponents (max over tensors),
-fraction covered by the 15/16 most frequent exponents of each tensor, escape rate (code 15), bits/weight including
-the exponent table, the exception list (int64 index + int16 bits) and the per-row exception offsets; and whether
-every tensor round-trips bit-exactly. Then the same for seeded Llama-like random tensors (normal, std 0.02, bf16).
+fraction covered by the 15/16 most frequent exponents of each tensor, the fraction of exact zeros (free: code 15),
+the escape rate of the format's contiguous exponent window ("esc win", what the fused kernel decodes) and of a
+top-15 table for comparison ("esc top15"), the window's base (min..max over tensors), bits/weight of the window
+encoding including the exponent table, the exception list (int64 index + int16 bits) and the per-row exception
+offsets; and whether every tensor round-trips bit-exactly (both encodings). Then the same for seeded Llama-like
+random tensors (normal, std 0.02, bf16).
 """
 from __future__ import annotations
 
@@ -19,17 +22,22 @@ import torch
 from ..kernels.lossless12_format import exponent_histogram, tensor_stats
 
 RANDOM_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (1024, 4096))
-HEADER = f"{'tensor':<24}{'count':>6}{'weights':>12}{'distinct':>9}{'top15':>10}{'top16':>10}" \
-         f"{'escapes':>9}{'esc rate':>10}{'bits/w':>8}{'exact':>6}"
+HEADER = f"{'tensor':<24}{'count':>6}{'weights':>12}{'distinct':>9}{'top15':>10}{'top16':>10}{'zeros':>10}" \
+         f"{'escapes':>9}{'esc win':>10}{'esc top15':>10}{'base':>8}{'bits/w':>8}{'exact':>6}"
 
 
 def _row(label: str, rows: list[dict]) -> str:
     n = sum(r["numel"] for r in rows)
     cov = lambda k: sum(r[k] * r["numel"] for r in rows) / n
     esc = sum(r["escapes"] for r in rows)
+    esc15 = sum(r["escapes_top15"] for r in rows)
+    zeros = sum(r["zeros"] for r in rows)
     bits = 8.0 * sum(r["nbytes"] for r in rows) / n
+    lo, hi = min(r["base"] for r in rows), max(r["base"] for r in rows)
+    base = f"{lo}" if lo == hi else f"{lo}-{hi}"
     return (f"{label:<24}{len(rows):>6}{n:>12}{max(r['distinct'] for r in rows):>9}{cov('top15'):>10.6f}"
-            f"{cov('top16'):>10.6f}{esc:>9}{esc / n:>10.2e}{bits:>8.3f}{str(all(r['exact'] for r in rows)):>6}")
+            f"{cov('top16'):>10.6f}{zeros / n:>10.2e}{esc:>9}{esc / n:>10.2e}{esc15 / n:>10.2e}{base:>8}{bits:>8.3f}"
+            f"{str(all(r['exact'] for r in rows)):>6}")
 
 
 def model_tensors(target: str):
@@ -67,7 +75,7 @@ def report(tensors, title: str, per_tensor: bool) -> list[dict]:
             print(_row(kind[:24], rs))
     print(_row("ALL", rows))
     worst = max(rows, key=lambda r: r["escape_rate"])
-    print(f"worst escape rate: {worst['name']} {worst['escape_rate']:.2e}; "
+    print(f"worst window escape rate: {worst['name']} {worst['escape_rate']:.2e}; "
           f"max bits/w: {max(r['bits_per_weight'] for r in rows):.3f}")
     frac = hist.double() / hist.sum()
     top = frac.sort(descending=True)
