@@ -18,7 +18,8 @@ SLOTS = ("linear", "rmsnorm", "attention", "accept")
 
 # slot -> {name: callable or "module:function" relative to this package}
 IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {
-    "linear": {"builtin:torch": builtin.linear_torch, "builtin:lossless12": ".lossless12_linear:linear"},
+    "linear": {"builtin:torch": builtin.linear_torch, "builtin:triton": ".triton_linear:linear",
+               "builtin:lossless12": ".lossless12_linear:linear"},
     "rmsnorm": {"builtin:torch": builtin.rmsnorm_torch, "builtin:triton": ".triton_rmsnorm:rmsnorm"},
     "attention": {"builtin:sdpa": builtin.attention_sdpa, "builtin:math": builtin.attention_math,
                   "builtin:triton": ".triton_attention:attention"},

@@ -23,7 +23,7 @@ from specpilot.engine.engine import Engine  # noqa: E402
 from specpilot.engine.loader import load  # noqa: E402
 from specpilot.engine.model import Block  # noqa: E402
 from specpilot.engine.recipe import parse  # noqa: E402
-from specpilot.kernels import triton_accept, triton_attention, triton_rmsnorm  # noqa: E402
+from specpilot.kernels import triton_accept, triton_attention, triton_linear, triton_rmsnorm  # noqa: E402
 from specpilot.kernels.builtin import accept_torch, attention_math, rmsnorm_torch  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars the way numpy deprecates: noise, not our code.
@@ -35,7 +35,7 @@ TRITON_KERNELS = {"rmsnorm": "builtin:triton", "attention": "builtin:triton", "a
 def test_kernels_run_in_the_interpreter():
     # Compiled kernels cannot run without a GPU: this fails if a kernel module was imported before the env var was set.
     for kernel in (triton_rmsnorm._rmsnorm_kernel, triton_attention._attention_kernel,
-                   triton_attention._combine_kernel, triton_accept._accept_kernel):
+                   triton_attention._combine_kernel, triton_accept._accept_kernel, triton_linear._gemv_kernel):
         assert isinstance(kernel, InterpretedFunction)
 
 
@@ -43,14 +43,31 @@ def test_registered_as_lazy_builtins():
     assert kernels.implementation("rmsnorm", "builtin:triton") is triton_rmsnorm.rmsnorm
     assert kernels.implementation("attention", "builtin:triton") is triton_attention.attention
     assert kernels.implementation("accept", "builtin:triton") is triton_accept.accept
+    assert kernels.implementation("linear", "builtin:triton") is triton_linear.linear
     recipe_kernels = parse({"kernels": TRITON_KERNELS}).kernels
     assert {slot: recipe_kernels[slot] for slot in TRITON_KERNELS} == TRITON_KERNELS
 
 
 def test_benchmarks_refuse_to_run_without_a_gpu():
-    for module in (triton_rmsnorm, triton_attention, triton_accept):
+    for module in (triton_rmsnorm, triton_attention, triton_accept, triton_linear):
         with pytest.raises(RuntimeError, match="GPU"):
             module.benchmark()
+
+
+# -- linear (GEMV) ------------------------------------------------------------------------------------------------
+def test_gemv_matches_torch_on_every_tile_shape():
+    # check() covers K below, at and above one 1024-wide tile, N not a multiple of BLOCK_N, with and without bias.
+    assert triton_linear.check() < 1e-5
+    for n, k in triton_linear.SMOLLM2_SHAPES:
+        cfg = triton_linear.gemv_config(n, k)
+        assert cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 4096 and cfg["BLOCK_K"] >= min(k, 1024)
+
+
+def test_gemv_rejects_more_than_one_row_and_linear_falls_back_off_gpu():
+    w, x = torch.randn(8, 16), torch.randn(2, 16)
+    with pytest.raises(ValueError, match="one row"):
+        triton_linear.gemv(x, w)
+    torch.testing.assert_close(triton_linear.linear(x, w), torch.nn.functional.linear(x, w))
 
 
 # -- rmsnorm ------------------------------------------------------------------------------------------------------

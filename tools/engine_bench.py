@@ -33,6 +33,7 @@ SYSTEMS = {
                                                                   "dtype": "fp16"}, "k": 4},
     "ar-overlap": {"name": "ar-overlap", "overlap": True},
     "ar-autotune": {"name": "ar-autotune", "compile_mode": _AUTOTUNE},
+    "ar-triton-linear": {"name": "ar-triton-linear", "kernels": {"linear": "builtin:triton"}},
     "ar-autotune-overlap": {"name": "ar-autotune-overlap", "compile_mode": _AUTOTUNE, "overlap": True},
     "ngram-k4-autotune": {"name": "ngram-k4-autotune", "drafter": {"kind": "ngram"}, "k": 4, "compile_mode": _AUTOTUNE},
     "ngram-k8-autotune-overlap": {"name": "ngram-k8-autotune-overlap", "drafter": {"kind": "ngram"}, "k": 8,

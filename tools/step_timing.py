@@ -26,6 +26,7 @@ VARIANTS = {  # recipe fields over the defaults; each a lever on the AR or n-gra
     "ar-triton": {"kernels": {"rmsnorm": "builtin:triton", "attention": "builtin:triton"}},
     "ar-overlap": {"overlap": True},
     "ar-autotune": {"compile_mode": "max-autotune-no-cudagraphs"},
+    "ar-triton-linear": {"kernels": {"linear": "builtin:triton"}},
     "ar-lossless12": _L12,
     "ngram-k4": _NGRAM,
     "ngram-k4-overlap": {**_NGRAM, "overlap": True},
