@@ -77,9 +77,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, config
     return out.view(*x.shape[:-1], n)
 
 
+# Above this many weights cuBLAS streams well and wins: on the H200 SmolLM2's 49152 x 576 LM head took 15.8 µs with
+# cuBLAS and 24.6 µs here, while the layers' GEMVs (0.3-1.8 M weights) were 1.13-1.76x faster here
+# (docs/BENCHMARKS.md, third lease).
+GEMV_MAX_WEIGHTS = 4 << 20
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The `linear` slot: this GEMV for one row on a GPU, F.linear otherwise."""
-    if x.device.type == "cuda" and x.numel() == x.shape[-1]:
+    """The `linear` slot: this GEMV for one row and a small weight on a GPU, F.linear otherwise."""
+    if x.device.type == "cuda" and x.numel() == x.shape[-1] and w.numel() <= GEMV_MAX_WEIGHTS:
         return gemv(x, w, b)
     return F.linear(x, w, b)
 
