@@ -10,8 +10,8 @@ fi
 extras=test
 if [ "${1:-}" = "--tests" ]; then
   # The test command also installs llama-cpp-python's server (a real OpenAI-compatible endpoint for the provider
-  # tests). It has no wheel on PyPI; building only the library (no llava, examples, tools or tests) takes about 6
-  # minutes on 2 cores instead of 12-14.
+  # tests). It has no wheel on PyPI; building only the library (no llava, examples, tools or tests) takes about 2
+  # minutes on 2 idle cores (6 under load) instead of 12-14.
   extras=test,llama-server
   export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF}"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
