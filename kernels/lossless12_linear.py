@@ -326,18 +326,20 @@ REDUCE_BLOCK = 1024
 
 
 def gemv_config(n: int, k: int) -> dict:
-    """Launch parameters for M = 1: 64 groups (512 weights) of a row a step with 4 warps, rows per program as many
-    as keep >= ~4 programs an SM (more rows read each x slice for more weights), then split K when the rows alone
-    give fewer than ~2 programs an SM (N = 4096 with long rows)."""
+    """Launch parameters for M = 1, from the H200 sweep of 2026-11-29 (docs/BENCHMARKS.md, third lease): 64 groups
+    (512 weights) of a row a step with 4 warps and 16 rows a program were in the fastest configuration of all four
+    Llama-3-8B shapes, without the register prefetch on the three where it was timed both ways. Rows shrink only
+    when they leave fewer programs than SMs (small models); K is split while the programs stay under ~4 an SM and
+    each split keeps at least 4 tiles (4096 x 14336 was fastest with 4 splits, 4096 x 4096 with 2 at this tile)."""
     k8 = -(-k // 8)
     num_warps, block_k8 = (4, 64) if k8 > 32 else (2, 32)
     block_n = 16
-    while block_n * block_k8 > 128 * num_warps and triton.cdiv(n, block_n) < 4 * N_SM:
+    while block_n * block_k8 > 128 * num_warps and triton.cdiv(n, block_n) < N_SM:
         block_n //= 2
     split, tiles = 1, triton.cdiv(k8, block_k8)
-    while triton.cdiv(n, block_n) * split < 2 * N_SM and tiles >= 4 * split:
+    while triton.cdiv(n, block_n) * split < 4 * N_SM and tiles >= 8 * split:
         split *= 2
-    return dict(BLOCK_N=block_n, BLOCK_K8=block_k8, SPLIT_K=split, PREFETCH=1, num_warps=num_warps)
+    return dict(BLOCK_N=block_n, BLOCK_K8=block_k8, SPLIT_K=split, PREFETCH=0, num_warps=num_warps)
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
