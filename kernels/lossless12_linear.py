@@ -43,7 +43,6 @@ of variants on Llama-3-8B shapes (CUDA graphs of R calls between events: device 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import torch
@@ -53,6 +52,7 @@ import triton.language as tl
 
 from .lossless12_format import (HALF_MASK, T67_MASKS, T67_SIGN_MASK, Packed12Linear, _s32, decode_linear_weight,
                                 to_linear_planes)
+from .timing import require_gpu_compiled
 
 HALF = tl.constexpr(_s32(HALF_MASK))                     # sign 31, code 23..26, mantissa 16..22
 T67_C = tl.constexpr(T67_MASKS[0][1])                    # codes of weights 6, 7 (from W0 >> 4)
@@ -97,6 +97,18 @@ def _load_words(p, K8, row_ok, j_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr)
         w1 = tl.load(p + K8, mask=ok, other=0)
         w2 = tl.load(p + 2 * K8, mask=ok, other=0)
     return w0, w1, w2
+
+
+@triton.jit
+def _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """The words of the tile after the one at j0 (register prefetch: in flight while the current tile is decoded).
+    With EVEN_K the last iteration re-reads its own tile (cached) instead of masking every load."""
+    if EVEN_K:
+        jn = tl.minimum(j0 + BLOCK_K8, k_hi - BLOCK_K8) + jj
+    else:
+        jn = j0 + BLOCK_K8 + jj
+    return _load_words(q_row + jn[None, :], K8, row_ok, jn < k_hi, EVEN_N, EVEN_K)
 
 
 @triton.jit
@@ -172,16 +184,11 @@ def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
         j = j0 + jj
         j_ok = j < k_hi
         if PREFETCH:  # the next tile's words are in flight while this one is decoded
-            if EVEN_K:  # the last iteration re-reads its own tile (cached) instead of masking every load
-                jn = tl.minimum(j0 + BLOCK_K8, k_hi - BLOCK_K8) + jj
-            else:
-                jn = j + BLOCK_K8
-            n0w, n1w, n2w = _load_words(q_row + jn[None, :], K8, row_ok, jn < k_hi, EVEN_N, EVEN_K)
-            acc = _gemv_tile(acc, w0, w1, w2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16, EVEN_K)
-            w0, w1, w2 = n0w, n1w, n2w
+            c0, c1, c2 = w0, w1, w2
+            w0, w1, w2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K)
         else:
-            w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K)
-            acc = _gemv_tile(acc, w0, w1, w2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16, EVEN_K)
+            c0, c1, c2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K)
+        acc = _gemv_tile(acc, c0, c1, c2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16, EVEN_K)
     y = tl.sum(acc, axis=1) * scale_out
     exc_hi = tl.where(pid_k == 0, exc_hi, exc_lo)           # split 0 adds the escapes
     for e0 in range(exc_lo, exc_hi, EXC_BLOCK):
@@ -262,16 +269,11 @@ def _gemm_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
         j = j0 + jj
         j_ok = j < k_hi
         if PREFETCH:
-            if EVEN_K:
-                jn = tl.minimum(j0 + BLOCK_K8, k_hi - BLOCK_K8) + jj
-            else:
-                jn = j + BLOCK_K8
-            n0w, n1w, n2w = _load_words(q_row + jn[None, :], K8, row_ok, jn < k_hi, EVEN_N, EVEN_K)
-            acc = _gemm_tile(acc, w0, w1, w2, x_row, m_ok, j, j_ok, K8, K, scale_w, SWAP, DOT_PREC, EVEN_K)
-            w0, w1, w2 = n0w, n1w, n2w
+            c0, c1, c2 = w0, w1, w2
+            w0, w1, w2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K)
         else:
-            w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K)
-            acc = _gemm_tile(acc, w0, w1, w2, x_row, m_ok, j, j_ok, K8, K, scale_w, SWAP, DOT_PREC, EVEN_K)
+            c0, c1, c2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K)
+        acc = _gemm_tile(acc, c0, c1, c2, x_row, m_ok, j, j_ok, K8, K, scale_w, SWAP, DOT_PREC, EVEN_K)
     acc = acc * scale_out
     exc_hi = tl.where(pid_k == 0, exc_hi, exc_lo)
     for e0 in range(exc_lo, exc_hi, EXC_BLOCK):
@@ -534,8 +536,7 @@ def benchmark(shapes=LLAMA3_8B_SHAPES, ms=(1, 4, 16, 64), sweep=True, budget_s: 
     (written and read) for ours; the bf16 weight, x and the output for torch. With `out` the JSON is rewritten
     after every row, so a run cut short still leaves its rows. Refuses to time on the CPU or under the
     interpreter."""
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("benchmark() times on a CUDA GPU only, never on the CPU or under the interpreter")
+    require_gpu_compiled(_gemv_kernel)
     t_start = time.time()
     copy_bps = copy_bandwidth()
     print(f"device copy bandwidth {copy_bps / 1e12:.2f} TB/s", flush=True)

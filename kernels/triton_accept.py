@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .timing import require_gpu_compiled
+
 # Logits per loop iteration, and warps per program. The V loop is bound by memory latency, so what counts is the
 # bytes in flight per iteration: with benchmark()'s shapes on an H200 at V = 151936, 8192 logits on 8 warps took
 # about half the time of 2048 on 4 warps, and 16384 on 16 warps was no better overall.
@@ -137,14 +139,6 @@ def check(cases=CHECK_CASES, dtype=torch.float32, device: str = "cpu") -> None:
                                                              f"{o.tolist()} != {w.tolist()}")
 
 
-def _require_gpu_compiled(kernel) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not torch.cuda.is_available() or isinstance(kernel, InterpretedFunction):
-        raise RuntimeError("benchmark() times compiled kernels on a CUDA GPU; this process has no GPU or runs "
-                           "Triton's interpreter (TRITON_INTERPRET=1)")
-
-
 # Vocabulary sizes of the brief's range: SmolLM2 (49152), Llama 3 (128256), Qwen2 / Qwen3 (151936).
 BENCH_VOCABS = (49152, 128256, 151936)
 
@@ -156,7 +150,7 @@ def benchmark(batches=(1, 8, 32), ks=(0, 4, 8), vocabs=BENCH_VOCABS, dtype=torch
 
     from .builtin import accept_torch
 
-    _require_gpu_compiled(_accept_kernel)
+    require_gpu_compiled(_accept_kernel)
     check(dtype=dtype, device="cuda")
     g = torch.Generator().manual_seed(0)
     results = []

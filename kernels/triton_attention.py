@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .timing import require_gpu_compiled
+
 # Keys per loop iteration. 64 keys x 128 dims of bf16 is a 16 KB tile of K and one of V: large enough for tensor-core
 # products and long memory transactions, small enough that skipping is fine-grained.
 BLOCK_N = 64
@@ -265,14 +267,6 @@ def check(cases=CHECK_CASES, dtype=torch.float32, device: str = "cpu", n_splits=
                                                      f"splits={splits} {dtype}: {m}")
 
 
-def _require_gpu_compiled(kernel) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not torch.cuda.is_available() or isinstance(kernel, InterpretedFunction):
-        raise RuntimeError("benchmark() times compiled kernels on a CUDA GPU; this process has no GPU or runs "
-                           "Triton's interpreter (TRITON_INTERPRET=1)")
-
-
 # (name, kv heads, rep, head dim) of two deployments: SmolLM2-135M (9 heads over 3 kv heads) and Llama-3.1-8B
 # (32 heads over 8 kv heads).
 BENCH_MODELS = (("smollm2-135m", 3, 3, 64), ("llama-3.1-8b", 8, 4, 128))
@@ -291,7 +285,7 @@ def benchmark(batches=(1, 8, 32), steps=(1, 9), n_keys: int = 4096, filled=(0.25
 
     from .builtin import attention_math
 
-    _require_gpu_compiled(_attention_kernel)
+    require_gpu_compiled(_attention_kernel)
     check(dtype=dtype, device="cuda")
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
 

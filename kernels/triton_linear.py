@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .timing import require_gpu_compiled
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -117,11 +119,9 @@ SMOLLM2_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)
 def benchmark(shapes=SMOLLM2_SHAPES, dtype=torch.bfloat16) -> list[dict]:
     """Microseconds per call of `gemv` and of F.linear (cuBLAS) at M = 1, each captured in a CUDA graph of calls on
     weight copies cycled beyond the 50 MB L2 (triton.testing.do_bench_cudagraph); GPU only, never the interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
     from triton.testing import do_bench_cudagraph
 
-    if not torch.cuda.is_available() or isinstance(_gemv_kernel, InterpretedFunction):
-        raise RuntimeError("benchmark() times compiled kernels on a CUDA GPU, never on the CPU or the interpreter")
+    require_gpu_compiled(_gemv_kernel)
     check(dtype=dtype, device="cuda")
     rows = []
     for n, k in shapes:

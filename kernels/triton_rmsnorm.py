@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .timing import require_gpu_compiled
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, x_row_stride, y_row_stride, d, EPS: tl.constexpr,
@@ -80,14 +82,6 @@ def check(shapes=((1, 1, 64), (3, 5, 96), (2, 4, 3, 16)), dtype=torch.float32, d
         torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"rmsnorm {shape} {dtype}: {m}")
 
 
-def _require_gpu_compiled(kernel) -> None:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not torch.cuda.is_available() or isinstance(kernel, InterpretedFunction):
-        raise RuntimeError("benchmark() times compiled kernels on a CUDA GPU; this process has no GPU or runs "
-                           "Triton's interpreter (TRITON_INTERPRET=1)")
-
-
 def benchmark(rows=(1, 8, 64, 512), d: int = 576, dtype=torch.bfloat16, eps: float = 1e-5) -> list[dict]:
     """Milliseconds per call of this kernel and of builtin.rmsnorm_torch on `rows` x d inputs (d defaults to
     SmolLM2-135M's hidden size), each captured in a CUDA graph and timed by triton.testing.do_bench_cudagraph with
@@ -96,7 +90,7 @@ def benchmark(rows=(1, 8, 64, 512), d: int = 576, dtype=torch.bfloat16, eps: flo
 
     from .builtin import rmsnorm_torch
 
-    _require_gpu_compiled(_rmsnorm_kernel)
+    require_gpu_compiled(_rmsnorm_kernel)
     check(dtype=dtype, device="cuda")
     results = []
     for n in rows:

@@ -93,9 +93,9 @@ class Memory(ABC):
         """Past outcomes whose mechanism descriptions match `text` (implementations with text search override)."""
         return []
 
+    @abstractmethod
     def records(self) -> list[tuple[str, Outcome]]:
         """Every (id, outcome), oldest first."""
-        raise NotImplementedError(f"{type(self).__name__} cannot list its records")
 
     def get(self, rid: str) -> Outcome:
         for found, outcome in self.records():
@@ -106,8 +106,27 @@ class Memory(ABC):
     def count(self) -> int:
         return len(self.records())
 
+    @property
+    def versions(self) -> dict:
+        """The library versions records are compared with for "re-verify": what a store was given, else this
+        process's own (measured once)."""
+        if getattr(self, "_versions", None) is None:
+            from .records import current_versions  # records.py imports this module
+
+            self._versions = current_versions()
+        return self._versions
+
     def flags(self, outcome: Outcome) -> list[str]:
-        return []
+        """"failed" with "failure: why"; "re-verify" with "measured with: torch X (now Y), …"."""
+        from .records import failure_reason, version_differences, worked
+
+        out = []
+        if not worked(outcome):
+            out += ["failed", f"failure: {failure_reason(outcome)}"]
+        diffs = version_differences(outcome.versions, self.versions)
+        if diffs:
+            out += ["re-verify", "measured with: " + ", ".join(diffs)]
+        return out
 
     def close(self) -> None:
         pass

@@ -25,9 +25,8 @@ from urllib.parse import urlparse
 
 from . import text_embedding
 from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside  # noqa: F401 (re-exported)
-from .records import (EMBEDDING_VERSION, combined_score, current_versions, deployment_vector, failure_reason,
-                      feature_names, mechanism_text, outcome_json, record_id, similarity_from_distance,
-                      version_differences, worked)
+from .records import (EMBEDDING_VERSION, combined_score, deployment_vector, feature_names, mechanism_text,
+                      outcome_json, record_id, similarity_from_distance, worked)
 
 DEPLOYMENTS = "specpilot-deployments"
 MECHANISMS = "specpilot-mechanisms"
@@ -193,12 +192,6 @@ class ChromaMemory(Memory):
                     raise MemoryStoreError(f"memory {self.location}: {what} failed: {type(e).__name__}: {e}") from e
                 raise
 
-    @property
-    def versions(self) -> dict:
-        if self._versions is None:
-            self._versions = current_versions()
-        return self._versions
-
     # -- writing --------------------------------------------------------------------------------------------------
 
     def record(self, outcome: Outcome) -> str:
@@ -249,16 +242,6 @@ class ChromaMemory(Memory):
             sim = similarity(distance)
             hits.append(Hit(outcome, combined_score(sim, outcome), self.flags(outcome), rid, sim))
         return sorted(hits, key=lambda h: (-h.score, h.id))[:k]
-
-    def flags(self, outcome: Outcome) -> list[str]:
-        """"failed" with "failure: why"; "re-verify" with "measured with: torch X (now Y), …"."""
-        out = []
-        if not worked(outcome):
-            out += ["failed", f"failure: {failure_reason(outcome)}"]
-        diffs = version_differences(outcome.versions, self.versions)
-        if diffs:
-            out += ["re-verify", "measured with: " + ", ".join(diffs)]
-        return out
 
     def _outcome(self, rid: str, meta: dict | None) -> Outcome:
         try:

@@ -31,8 +31,8 @@ from collections import Counter
 from pathlib import Path
 
 from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside
-from .records import (combined_score, current_versions, deployment_vector, failure_reason, mechanism_text,
-                      outcome_json, record_id, similarity_from_distance, version_differences, worked)
+from .records import (combined_score, deployment_vector, mechanism_text, outcome_json, record_id,
+                      similarity_from_distance)
 
 FALLBACK_KEYS = ("architecture", "device_name", "batch_size")
 _WORD = re.compile(r"[a-z0-9]+")
@@ -145,30 +145,8 @@ class JsonlMemory(Memory):
         """Every outcome, in the order written."""
         return [o for _, o in self._read()]
 
-    def get(self, rid: str) -> Outcome:
-        for found, outcome in self._read():
-            if found == rid:
-                return outcome
-        raise KeyError(f"no record {rid!r} in memory {self.location}")
-
     def count(self) -> int:
         return len(self._read())
-
-    @property
-    def versions(self) -> dict:
-        if self._versions is None:
-            self._versions = current_versions()
-        return self._versions
-
-    def flags(self, outcome: Outcome) -> list[str]:
-        """"failed" with "failure: why"; "re-verify" with "measured with: torch X (now Y), …" (as ChromaMemory)."""
-        out = []
-        if not worked(outcome):
-            out += ["failed", f"failure: {failure_reason(outcome)}"]
-        diffs = version_differences(outcome.versions, self.versions)
-        if diffs:
-            out += ["re-verify", "measured with: " + ", ".join(diffs)]
-        return out
 
     def _hit(self, rid: str, outcome: Outcome, similarity: float) -> Hit:
         return Hit(outcome, combined_score(similarity, outcome), self.flags(outcome), rid, similarity)
