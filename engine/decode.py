@@ -90,7 +90,8 @@ class Decoder:
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
-                 kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default"):
+                 kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
+                 layer: str = "modular"):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -106,6 +107,10 @@ class Decoder:
         # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         compile = compile and model.device.type == "cuda"
         self.layer_fn = compiled(Block.forward, compile_mode) if compile else Block.forward
+        if layer == "fused":  # steps of few tokens in five Triton kernels a layer; others stay modular
+            from ..kernels.triton_fused_layer import layer_function
+
+            self.layer_fn = layer_function(self.layer_fn)
         self._finish = compiled(_finish_step) if compile else _finish_step
         if drafter is not None:
             drafter.prepare(self.ops, self.layer_fn, compile)

@@ -194,21 +194,29 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
         cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
-        key_pos = torch.arange(cache.max_len, device=tokens.device)
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,S]
-        rep = self.cfg.n_heads // self.cfg.n_kv_heads
+        needs_masks = getattr(layer_fn, "needs_masks", None)  # a fused layer masks from positions itself
         masks = {}
-        for window in set(self.cfg.sliding_windows):
-            m = visible if window is None else visible & (key_pos[None, None, :] > positions[:, :, None] - window)
-            masks[window] = m[:, None, None].expand(B, 1, rep, T, cache.max_len).reshape(B, 1, rep * T, cache.max_len)
+        if needs_masks is None or needs_masks(self.layers[0], B * T, tokens.device):
+            key_pos = torch.arange(cache.max_len, device=tokens.device)
+            visible = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,S]
+            rep = self.cfg.n_heads // self.cfg.n_kv_heads
+            for window in set(self.cfg.sliding_windows):
+                m = visible if window is None else visible & (key_pos[None, None, :] > positions[:, :, None] - window)
+                m = m[:, None, None].expand(B, 1, rep, T, cache.max_len)
+                masks[window] = m.reshape(B, 1, rep * T, cache.max_len)
         delta = F.embedding(tokens, self.embed)
         x = torch.zeros_like(delta)
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops)
-        x = x + delta
-        if logits_at is not None:
-            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return ops.linear(ops.rmsnorm(x, self.norm, self.cfg.rms_eps), self.lm_head, None)
+        final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel
+        h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps) if final_norm and logits_at is None \
+            else None
+        if h is None:
+            x = x + delta
+            if logits_at is not None:
+                x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+            h = ops.rmsnorm(x, self.norm, self.cfg.rms_eps)
+        return ops.linear(h, self.lm_head, None)
 
 
 def from_hf_state_dict(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:

@@ -21,6 +21,7 @@ DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+LAYER_KINDS = ("modular", "fused")
 
 
 class RecipeError(SpecPilotError):
@@ -57,6 +58,7 @@ class Recipe:
     verification: str = "chain"
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     kernels: dict[str, str] = field(default_factory=lambda: dict(KERNEL_DEFAULTS))  # slot -> implementation
+    layer: str = "modular"  # modular: each layer from the kernel slots; fused: five Triton kernels a layer per step
     cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
     compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
     compile_mode: str = "default"  # torch.compile mode; "max-autotune-no-cudagraphs" autotunes the small GEMMs
@@ -143,6 +145,11 @@ def _check(r: Recipe) -> Recipe:
     if r.weights.format == "lossless12" and r.kernels.get("linear", KERNEL_DEFAULTS["linear"]) == "builtin:torch":
         bad("kernels.linear", "weights.format 'lossless12' needs a linear kernel that reads 12-bit weights "
                               "(builtin:lossless12 or a candidate file)")
+    if r.layer not in LAYER_KINDS:
+        bad("layer", f"{r.layer!r} is not one of {', '.join(LAYER_KINDS)}")
+    if r.layer == "fused" and r.weights.format != "native":
+        bad("layer", "the fused layer reads native weights; it cannot run weights.format "
+                     f"{r.weights.format!r}")
     if r.compile_mode not in COMPILE_MODES:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:

@@ -258,7 +258,7 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
 
 
 FIELD_OWNERS = {"drafter": "algorithm", "k": "algorithm", "verification": "algorithm", "kernels": "kernel_writer",
-                "weights": "kernel_writer"}  # the rest (graphs, compile, overlap, batch) is the scheduler's
+                "weights": "kernel_writer", "layer": "kernel_writer"}  # the rest (graphs, compile, overlap, batch) is the scheduler's
 
 
 def _human_edit(state: dict, value) -> tuple[dict | None, dict, dict | None]:

@@ -26,6 +26,9 @@ IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {
     "accept": {"builtin:torch": builtin.accept_torch, "builtin:triton": ".triton_accept:accept"},
 }
 DEFAULTS = dict(builtin.DEFAULTS)
+# The fused layer (recipe `layer: fused`, triton_fused_layer.py) runs steps of at most this many tokens (B * T);
+# larger steps are tensor-core GEMM work and run the modular layer. Here so that it is known without importing Triton.
+FUSED_LAYER_MAX_TOKENS = 16
 
 
 class Kernels(NamedTuple):

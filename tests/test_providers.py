@@ -189,7 +189,11 @@ def test_kernel_writer_skips_triton_on_cpu(profiles):
     assert not [x for x in chosen(cpu) if needs_triton(*x)]
     assert [x for x in chosen(cuda) if needs_triton(*x)]  # the verify gap (launch-bound) makes the fused norm pay
     for c in cpu + cuda:
-        assert all(i in IMPLEMENTATIONS[s] for s, i in c.recipe_patch["kernels"].items())
+        assert all(i in IMPLEMENTATIONS[s] for s, i in c.recipe_patch.get("kernels", {}).items())
+    # the fused layer (Triton too) on CUDA only, first: the launch-bound verify gap is what it removes
+    layers = lambda cands: [c.recipe_patch["layer"] for c in cands if "layer" in c.recipe_patch]
+    assert layers(cpu) == [] and layers(cuda) == ["fused"]
+    assert cuda[0].recipe_patch == {"layer": "fused"} and "five Triton kernels" in cuda[0].reason
 
 
 def test_kernel_writer_proposes_lossless12_where_weights_dominate(profiles):

@@ -23,7 +23,8 @@ from specpilot.engine.engine import Engine  # noqa: E402
 from specpilot.engine.loader import load  # noqa: E402
 from specpilot.engine.model import Block  # noqa: E402
 from specpilot.engine.recipe import parse  # noqa: E402
-from specpilot.kernels import triton_accept, triton_attention, triton_linear, triton_rmsnorm  # noqa: E402
+from specpilot.kernels import (triton_accept, triton_attention, triton_fused_layer, triton_linear,  # noqa: E402
+                               triton_rmsnorm)
 from specpilot.kernels.builtin import accept_torch, attention_math, rmsnorm_torch  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars the way numpy deprecates: noise, not our code.
@@ -35,7 +36,8 @@ TRITON_KERNELS = {"rmsnorm": "builtin:triton", "attention": "builtin:triton", "a
 def test_kernels_run_in_the_interpreter():
     # Compiled kernels cannot run without a GPU: this fails if a kernel module was imported before the env var was set.
     for kernel in (triton_rmsnorm._rmsnorm_kernel, triton_attention._attention_kernel,
-                   triton_attention._combine_kernel, triton_accept._accept_kernel, triton_linear._gemv_kernel):
+                   triton_attention._combine_kernel, triton_accept._accept_kernel, triton_linear._gemv_kernel,
+                   triton_fused_layer._norm_pair_gemv, triton_fused_layer._decode_attention, triton_fused_layer._gemv):
         assert isinstance(kernel, InterpretedFunction)
 
 
@@ -52,6 +54,8 @@ def test_benchmarks_refuse_to_run_without_a_gpu():
     for module in (triton_rmsnorm, triton_attention, triton_accept, triton_linear):
         with pytest.raises(RuntimeError, match="GPU"):
             module.benchmark()
+    with pytest.raises(RuntimeError, match="GPU"):
+        triton_fused_layer.benchmark(model=None, modular=Block.forward)
 
 
 # -- linear (GEMV) ------------------------------------------------------------------------------------------------
@@ -187,3 +191,43 @@ def test_engine_with_triton_kernels_decodes_the_same_tokens(tiny_model_dir):
         got = triton_engine.generate(prompts, 8, ignore_eos=True)
         assert [r.tokens for r in got] == [r.tokens for r in want], recipe
         assert [r.accepted for r in got] == [r.accepted for r in want], recipe
+
+
+# -- the fused layer ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "llama3rope", "mistral", "qwen2", "qwen3"])
+def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
+    """Every layer of each tiny family (GQA; q/k/v biases; llama3 rope scaling; a sliding window shorter than the
+    positions; Qwen3's per-head q/k norm), at one token, one row of five (a verification step) and a ragged batch of
+    three rows of two: outputs and cache writes equal the modular layer's to fp32 rounding."""
+    loaded = load(str(tiny_model_dir(family)), "fp32", "cpu")
+    assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
+
+
+def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
+    block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
+    cpu = torch.device("cpu")
+    assert triton_fused_layer.supports(block, 16, cpu) is None
+    assert "17 tokens" in triton_fused_layer.supports(block, 17, cpu)
+
+
+def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
+    """Llama family: AR, and n-gram speculation at k = 4 over a ragged batch of three (15 tokens a step: fused) and at
+    k = 8 (27 tokens: the modular fallback), token for token and acceptance for acceptance with the modular layer."""
+    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * reps for n, reps in ((6, 3), (4, 1), (9, 2))]
+    calls = []
+    real = triton_fused_layer.fused_layer
+    for recipe, rows in (({}, prompts[:1]), ({"drafter": {"kind": "ngram"}, "k": 4}, prompts),
+                         ({"drafter": {"kind": "ngram"}, "k": 8}, prompts)):
+        fused = Engine(loaded, parse({**recipe, "layer": "fused"}))
+        want = Engine(loaded, parse(recipe)).generate(rows, 6, ignore_eos=True)
+        calls.clear()
+        triton_fused_layer.fused_layer = lambda *a: calls.append(1) or real(*a)
+        try:
+            got = fused.generate(rows, 6, ignore_eos=True)
+        finally:
+            triton_fused_layer.fused_layer = real
+        assert [r.tokens for r in got] == [r.tokens for r in want], recipe
+        assert [r.accepted for r in got] == [r.accepted for r in want], recipe
+        assert bool(calls) == (recipe.get("k", 0) < 8), recipe  # fused steps ran, or the modular fallback did

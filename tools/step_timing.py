@@ -1,6 +1,6 @@
 """GPU time of one captured decoding step, against the whole loop, per attention kernel and batch size.
 
-    python -m specpilot.tools.step_timing --target T [--batch-sizes 1,8] [--variants ar,ar-sdpa,...]
+    python -m specpilot.tools.step_timing --target T [--batch-sizes 1,8] [--variants ar,ar-sdpa,...] [--layer-bench]
 
 For each (batch size, variant) it decodes N tokens twice (the first run compiles and
 captures), then replays the step's CUDA graph 40 times between CUDA events (`replay` = device time of one step),
@@ -33,6 +33,8 @@ VARIANTS = {  # recipe fields over the defaults; each a lever on the AR or n-gra
     "ngram-k4-triton": {**_NGRAM, "kernels": {"rmsnorm": "builtin:triton", "attention": "builtin:triton",
                                               "accept": "builtin:triton"}},
     "ngram-k4-lossless12": {**_NGRAM, **_L12},
+    "ar-fused": {"layer": "fused"},
+    "ngram-k4-fused": {**_NGRAM, "layer": "fused"},
 }
 PROMPT = "Write a Python function that checks whether a number is prime, with tests."
 
@@ -68,8 +70,34 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--variants", default="ar,ar-sdpa,ngram-k4", help=f"any of {', '.join(VARIANTS)}")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--layer-bench", action="store_true",
+                    help="first: the fused layer against the compiled modular one (bf16 check, µs per layer)")
+    ap.add_argument("--layer-check", action="store_true", help="first: only the fused layer's fp32 and bf16 checks")
     args = ap.parse_args(argv)
     target = loader.load(args.target, "bf16", "cuda")
+    if args.layer_bench or args.layer_check:
+        from ..engine.model import Block, compiled
+        from ..kernels import triton_fused_layer
+
+        with torch.inference_mode():
+            for model in (loader.load(args.target, "fp32", "cuda").model, target.model):
+                try:
+                    err = triton_fused_layer.check(model, Block.forward)
+                    print(f"fused layer check, {model.dtype}: largest error {err:.2e}", flush=True)
+                except AssertionError as e:
+                    print(f"fused layer check, {model.dtype}: FAILED {e}", flush=True)
+            if args.layer_check:
+                settings = []
+            else:
+                settings = [dict(keys_per_split=k, block_s=b, num_warps=w)
+                            for k, b, w in ((64, 64, 4), (32, 32, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
+                                            (256, 128, 8), (256, 256, 8))]
+            for filled in (100, 300) if settings else ():
+                for row in triton_fused_layer.benchmark(target.model, compiled(Block.forward), filled=filled,
+                                                        attention=settings):
+                    print(f"fused layer T={row['tokens']} at {filled}: {row['fused_us']:.2f} us/layer, modular "
+                          f"{row['modular_us']:.2f} us/layer, {row['speedup']:.2f}x  attention {row['attention']}",
+                          flush=True)
     for B in map(int, args.batch_sizes.split(",")):
         for name in args.variants.split(","):
             try:

@@ -14,7 +14,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
-from ...kernels import DEFAULTS as KERNEL_DEFAULTS, IMPLEMENTATIONS
+from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
 from ...tools.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
 from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
@@ -33,7 +33,7 @@ LOSSLESS12_BYTES_PER_PARAM = 1.5
 AGENT_FIELDS = {
     "algorithm": ("drafter", "k", "verification"),
     "scheduler": ("cuda_graphs", "compile", "compile_mode", "overlap", "batch"),
-    "kernel_writer": ("kernels", "weights"),
+    "kernel_writer": ("kernels", "weights", "layer"),
 }
 
 
@@ -492,6 +492,15 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> l
     verify = _gaps_of(gaps, "verify")
     book = _gaps_of(gaps, "bookkeeping")
     shape = dep.model
+    tokens = view.batch * (dep.k + 1)
+    if view.cuda and recipe.layer == "modular" and recipe.weights.format == "native" \
+            and tokens <= FUSED_LAYER_MAX_TOKENS:
+        gain = max((g.get("gain", 0.0) for g in verify), default=0.0)
+        if gain >= MIN_GAIN:
+            out.append(Option({"layer": "fused"}, (
+                f"layer fused: each layer of the {tokens}-token step in five Triton kernels (norms, RoPE, cache "
+                f"write, attention merge and SwiGLU folded into the GEMVs) instead of ~13; "
+                + "; ".join(_gap_text(g) for g in verify)), (0, -gain)))
     for slot in ("attention", "linear", "rmsnorm", "accept"):
         now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
         for impl in IMPLEMENTATIONS[slot]:

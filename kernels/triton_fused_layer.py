@@ -1,0 +1,627 @@
+"""A whole decoder layer in five Triton kernels, for steps of a few tokens (AR decoding and short verification).
+
+Why. A decoding step of a small model is not limited by bytes but by kernel count: SmolLM2-135M's bf16 weights take
+63 µs to read on the H200, yet its step with cuBLAS GEMVs and torch.compile-fused pointwise ops is ~393 kernels and
+~1.03 ms, 2.6 µs a kernel (docs/BENCHMARKS.md, third lease). Each kernel pays a launch gap and a DRAM round trip
+before its first multiply, so the lever is fewer, wider kernels. The modular layer runs about 13 kernels; this one
+runs five, each a GEMV (or attention) with the small ops around it folded into its prologue or epilogue:
+
+1. `_norm_pair_gemv` (ROPE_KV): h = RMSNorm(x + delta); q, k, v = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
+   written into the KV cache at each token's position; q to a small buffer. Program 0 also writes r = x + delta,
+   the residual stream, for step 4.
+2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
+   slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
+   split of a (token, head) to finish, told by an atomic counter, merges all splits into the attention output (the
+   flash-decoding reduction, without a kernel of its own).
+3. `_gemv`: o = attn @ Wo^T (+ bias).
+4. `_norm_pair_gemv` (SILU): h = RMSNorm(r + o); gate, up = h @ W13^T; act = silu(gate) * up. Program 0 writes r + o.
+5. `_gemv`: delta = act @ W2^T, added to the residual by the next layer's step 1.
+
+How the fusions work.
+* RMSNorm in a GEMV prologue: every program needs all of h's row for its dot products anyway, and a row is a few KB,
+  so each program recomputes the row's norm itself (from L2) instead of waiting for a norm kernel.
+* Paired rows: RoPE mixes output d with output d + D/2 of the same head, and SwiGLU mixes gate row j with up row j.
+  So a "pair" program computes two sets of output rows, A and B, with their own accumulators, and combines them
+  in registers: for q/k/v, A = rows d, B = rows d + D/2 of a head (v pairs too, and is not rotated); for the MLP,
+  A = gate rows, B = up rows. The weights are read in their own layout; nothing is permuted.
+* One token (AR): the dot products run on the FMA units, a few output rows a program and all of K in one tile where
+  it fits, weight tiles loaded before the activations so that their DRAM round trip overlaps the norm. More tokens
+  (verification, small batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
+
+Numerics follow the modular layer (`engine.model.Block` with the torch slots) op by op: the residual add, the norm's
+fp32 statistics, the norm output and the linear outputs are rounded to the model dtype where it rounds them; scores
+are rounded where `q @ k^T` rounds them; the softmax is fp32. Products accumulate in fp32 in another order than
+cuBLAS, so bf16 results can differ in the last bit (the token-forcing gate tells such ties from divergences); in fp32
+they agree to ~1e-6 (`check`). Under Triton's interpreter (CPU, fp32) this file runs the same kernels, which is how CI
+tests it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
+from .timing import require_gpu_compiled
+
+# Values of a program's weight tile (per row set) on the one-token path: 32 a thread with 4 warps.
+TILE_VALUES = 4096
+# Attention: cache slots per split, slots per loop iteration and warps per program, for one-token steps and for more
+# tokens (benchmark(attention=...) sweeps them); at most MAX_SPLITS splits (longer splits then). On the H200 with
+# SmolLM2 (docs/BENCHMARKS.md, fourth lease) 32-slot splits were fastest for one token at position 300 (17.7 µs a
+# layer against 19.0 with 64) and 64-slot splits for five tokens (30.6 µs against 31.2).
+ATTENTION = dict(keys_per_split=32, block_s=32, num_warps=4)
+ATTENTION_MULTI = dict(keys_per_split=64, block_s=64, num_warps=4)
+MAX_SPLITS = 32
+# Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
+MIN_PROGRAMS = 256
+# The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
+# pair kernels hold two weight tiles and the normed activations, so half of that).
+DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
+
+# Programmatic dependent launch (Hopper and later): each kernel lets the next one start as soon as all its programs
+# run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE tables, positions)
+# before it waits for its predecessor (gdc_wait), so those loads and the launch overlap the previous kernel's tail.
+# SPECPILOT_PDL=0 turns it off (for A/B timing).
+PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
+
+# Modes (constexpr globals, which @triton.jit functions may read)
+ROPE_KV, SILU = tl.constexpr(0), tl.constexpr(1)
+
+
+@triton.jit
+def _rounded(x, like_ptr):
+    """x (fp32) rounded to the element type of `like_ptr` and back: where the modular layer stores a tensor."""
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _pick(v, tokens, m):
+    """Element m of a [BLOCK_M] vector, as a scalar."""
+    return tl.sum(tl.where(tokens == m, v, 0.0), axis=0)
+
+
+@triton.jit
+def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
+    """h = norm_w * round(round(x + delta) * inv_rms), rounded: the modular layer's add and RMSNorm, [tokens, cols]."""
+    ok = token_ok[:, None] & col_ok[None, :]
+    offs = tokens[:, None] * K + cols[None, :]
+    r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                 + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
+    return _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
+
+
+@triton.jit
+def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
+                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, kv_ptr,
+                    M, K, n_pairs, eps, T, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
+                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    tokens = tl.arange(0, BLOCK_M)
+    token_ok = tokens < M
+    pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    pair_ok = pairs < n_pairs
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if MODE == ROPE_KV:  # pair j = (head j // HALF, dim j % HALF): rows d and d + HALF of that head
+        head = pairs // HALF
+        rows_a = head * HEAD_DIM + pairs % HALF
+        rows_b = rows_a + HALF
+    else:  # SILU: gate row j and up row n_pairs + j
+        rows_a = pairs
+        rows_b = pairs + n_pairs
+    cols = tl.arange(0, BLOCK_K)
+    out_ok = token_ok[:, None] & pair_ok[None, :]
+
+    # Everything the program reads besides x is loaded first, so that all the round trips to memory overlap: with
+    # all of K in one tile (SINGLE) the weight tiles and the norm weight; the bias; RoPE's tables, the positions and
+    # the q/k norm weights for the epilogue.
+    if SINGLE:
+        w_ok = pair_ok[:, None] & (cols < K)[None, :]
+        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
+        wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
+        nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+        bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    if MODE == ROPE_KV:
+        dims = pairs % HALF
+        trig = tokens[:, None] * HEAD_DIM + dims[None, :]
+        cos_a = tl.load(cos_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+        pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+        if QK_NORM:  # one head per program (BLOCK_P == HALF); q_norm then k_norm, stacked in qk_norm_ptr
+            hq = tl.max(head, axis=0)
+            which = tl.where(hq < n_heads, 0, HEAD_DIM)
+            na = tl.load(qk_norm_ptr + which + dims, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+            nb = tl.load(qk_norm_ptr + which + dims + HALF, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    if PDL:  # from here on: what the previous kernel wrote (x, delta) and what it may still read (our outputs)
+        tl.extra.cuda.gdc_wait()
+
+    # Pass 1: r = x + delta, rounded as the modular layer's add, stored by program 0; each token's mean square.
+    sq = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ok = token_ok[:, None] & (k0 + cols < K)[None, :]
+        offs = tokens[:, None] * K + k0 + cols[None, :]
+        r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                     + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
+        tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok & (pid == 0))
+        sq += tl.sum(r * r, axis=1)
+    inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+
+    # Pass 2: both row sets' dot products with h, tile by tile of K.
+    if DOT:
+        ya_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
+        yb_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
+    else:
+        ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
+        yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col_ok = k0 + cols < K
+        if not SINGLE:
+            w_ok = pair_ok[:, None] & col_ok[None, :]
+            wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+            wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+        if not SINGLE:
+            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+        h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+        if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
+            h = h.to(wa.dtype)
+            ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
+            yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
+        else:  # one token: [rows, K] * [K] on the FMA units
+            ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
+            yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
+    if DOT:
+        ya = tl.trans(ya_t)
+        yb = tl.trans(yb_t)
+    if HAS_BIAS:
+        ya += bias_a
+        yb += bias_b
+    ya = _rounded(ya, x_ptr)  # the linear's output dtype
+    yb = _rounded(yb, x_ptr)
+
+    if MODE == SILU:
+        act = ya / (1.0 + tl.exp(-ya)) * yb
+        tl.store(out_ptr + tokens[:, None] * n_pairs + pairs[None, :], act.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        rotated = head < n_heads + n_kv_heads  # q and k heads; v is stored as computed
+        if QK_NORM:  # RMSNorm over the head's D values, per token
+            ms = (tl.sum(ya * ya, axis=1) + tl.sum(yb * yb, axis=1)) / HEAD_DIM
+            inv = (1.0 / tl.sqrt(ms + eps))[:, None]
+            normed_a = _rounded(na * _rounded(ya * inv, x_ptr), x_ptr)
+            normed_b = _rounded(nb * _rounded(yb * inv, x_ptr), x_ptr)
+            ya = tl.where(hq < n_heads + n_kv_heads, normed_a, ya)
+            yb = tl.where(hq < n_heads + n_kv_heads, normed_b, yb)
+        # RoPE, rotate-half form: (a, b) -> (a cos - b sin, b cos + a sin); the tables repeat over the two halves.
+        rot = rotated[None, :]
+        out_a = tl.where(rot, ya * cos_a - yb * sin_a, ya)
+        out_b = tl.where(rot, yb * cos_b + ya * sin_b, yb)
+        # q heads go to out [M, n_heads, D]; k and v heads into the cache at (row, kv head, position).
+        is_q = (head < n_heads)[None, :]
+        q_at = out_ptr + tokens[:, None] * (n_heads * HEAD_DIM) + (head * HEAD_DIM + dims)[None, :]
+        tl.store(q_at, out_a.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
+        tl.store(q_at + HALF, out_b.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
+        kv_head = head - n_heads
+        is_v = kv_head >= n_kv_heads
+        kv_head = tl.where(is_v, kv_head - n_kv_heads, kv_head)
+        cache_at = (kv_ptr + (tokens // T * stride_b + pos * stride_s)[:, None]
+                    + (is_v.to(tl.int32) * stride_kv + kv_head * stride_h + dims)[None, :])
+        tl.store(cache_at, out_a.to(kv_ptr.dtype.element_ty), mask=out_ok & ~is_q)
+        tl.store(cache_at + HALF, out_b.to(kv_ptr.dtype.element_ty), mask=out_ok & ~is_q)
+
+
+@triton.jit
+def _decode_attention(q_ptr, kv_ptr, positions_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
+                      T, n_heads, rep, window, scale, keys_per_split,
+                      stride_kv, stride_b, stride_h, stride_s,
+                      HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
+    same K/V tiles, from L2 after the first. Splits past the token's position do nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    mh, split = tl.program_id(0), tl.program_id(1)
+    m, head = mh // n_heads, mh % n_heads
+    dims = tl.arange(0, HEAD_DIM)
+    pos = tl.load(positions_ptr + m)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
+    first = split * keys_per_split
+    last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
+    if first < last:
+        k_base = kv_ptr + (m // T) * stride_b + (head // rep) * stride_h
+        run_max = float("-inf")
+        run_sum = 0.0
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        for s0 in range(first, last, BLOCK_S):
+            slots = s0 + tl.arange(0, BLOCK_S)
+            seen = (slots < last) & (slots > pos - window)
+            at = slots[:, None] * stride_s + dims[None, :]
+            k = tl.load(k_base + at, mask=seen[:, None], other=0.0).to(tl.float32)
+            v = tl.load(k_base + stride_kv + at, mask=seen[:, None], other=0.0).to(tl.float32)
+            scores = _rounded(tl.sum(k * q[None, :], axis=1), q_ptr) * scale  # rounded where q @ k^T rounds
+            scores = tl.where(seen, scores, float("-inf"))
+            new_max = tl.maximum(run_max, tl.max(scores, axis=0))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
+            p = tl.exp(scores - shift)
+            rescale = tl.exp(run_max - shift)
+            run_sum = run_sum * rescale + tl.sum(p, axis=0)
+            acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
+            run_max = new_max
+        n_used = pos // keys_per_split + 1
+        if n_used == 1:  # the whole context in this one split: the output, no merge
+            tl.store(out_ptr + mh * HEAD_DIM + dims, (acc / run_sum).to(out_ptr.dtype.element_ty))
+        else:
+            # This split's partial: partial [M * n_heads, N_SPLITS, D] and stats [M * n_heads, N_SPLITS, 2], fp32.
+            tl.store(partial_ptr + (mh * N_SPLITS + split) * HEAD_DIM + dims, acc)
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max)
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum)
+            # The last of the token's splits to arrive merges them all. The barrier orders every thread's stores
+            # before the counter's (acq_rel, device-wide) increment, whose acquire side makes the other splits'
+            # stores visible.
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + mh, 1) == n_used - 1:
+                splits = tl.arange(0, N_SPLITS)
+                used = splits < n_used
+                s_max = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2, mask=used, other=float("-inf"))
+                s_sum = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2 + 1, mask=used, other=0.0)
+                s_acc = tl.load(partial_ptr + (mh * N_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+                                mask=used[:, None], other=0.0)
+                top = tl.max(s_max, axis=0)
+                weight = tl.exp(s_max - tl.where(top == float("-inf"), 0.0, top))  # 0 where no slot was seen
+                out = tl.sum(s_acc * weight[:, None], axis=0) / tl.sum(s_sum * weight, axis=0)
+                tl.store(out_ptr + mh * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+                tl.atomic_xchg(count_ptr + mh, 0)  # ready for the next layer and step
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+          HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
+          PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out = x @ w^T (+ bias) for M tokens: the FMA units for one token, tensor cores (w_tile @ x^T) for more."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    tokens = tl.arange(0, BLOCK_M)
+    token_ok = tokens < M
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    if SINGLE:  # all of K in one tile: the weights before the wait
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if DOT:
+        y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        col_ok = k0 + cols < K
+        if not SINGLE:
+            w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+        x = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if DOT:
+            y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
+        else:
+            y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    if DOT:
+        y = tl.trans(y_t)
+    if HAS_BIAS:
+        y += bias
+    tl.store(out_ptr + tokens[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=token_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, K, eps, PDL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The model's final norm after the last layer: out = RMSNorm(x + delta), one program a token, in one kernel
+    where the modular tail runs the add and torch's RMSNorm as about eight."""
+    m = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_K)
+    col_ok = cols < K
+    nw = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    r = _rounded(tl.load(x_ptr + m * K + cols, mask=col_ok, other=0.0).to(tl.float32)
+                 + tl.load(delta_ptr + m * K + cols, mask=col_ok, other=0.0).to(tl.float32), x_ptr)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / K + eps)
+    h = _rounded(nw * _rounded(r * inv_rms, x_ptr), x_ptr)
+    tl.store(out_ptr + m * K + cols, h.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+# -- launch configuration ----------------------------------------------------------------------------------------
+def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False) -> dict:
+    """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens.
+
+    One token: all of K in one tile while the weight tile stays within TILE_VALUES (else tiles of 1024), as many rows
+    as fit, halved until there are `min_programs` programs (latency wants width on a GPU; the interpreter, which runs
+    programs one by one, wants few). More tokens: the tensor-core tile."""
+    if n_tokens > 1:
+        return dict(DOT=True, BLOCK_M=max(DOT_TOKENS, triton.next_power_of_2(n_tokens)), BLOCK_N=DOT_ROWS,
+                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
+    block_k = triton.next_power_of_2(k)
+    if block_k > TILE_VALUES:
+        block_k = 1024
+    block_n = max(1, min(16, TILE_VALUES // block_k))
+    while block_n > 1 and triton.cdiv(n_rows, block_n) < min_programs:
+        block_n //= 2
+    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def attention_setting(n_tokens: int) -> dict:
+    return ATTENTION if n_tokens == 1 else ATTENTION_MULTI
+
+
+def attention_splits(n_slots: int, n_tokens: int, device: torch.device) -> tuple[int, int]:
+    """(splits, slots a split) over the static cache: the setting's keys_per_split each, at most MAX_SPLITS (longer
+    splits then), a power of two. The interpreter gets 256 a split: fewer programs, still several splits to merge."""
+    per = attention_setting(n_tokens)["keys_per_split"] if device.type == "cuda" else 256
+    splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(n_slots, per)))
+    return splits, triton.cdiv(n_slots, splits)
+
+
+_PDL_DEVICES: dict = {}
+
+
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: on CUDA devices of compute capability 9.0 (Hopper) or later, unless turned off."""
+    if device.type != "cuda" or not PDL:
+        return False
+    if device not in _PDL_DEVICES:
+        _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_DEVICES[device]
+
+
+_COUNTERS: dict = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one per (token, head), that `_decode_attention` leaves zeroed: allocated once per device
+    (before CUDA-graph capture, since the decoder runs each step shape once first) and shared by all layers."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        _COUNTERS[device] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
+
+
+def supports(block, n_tokens: int, device: torch.device) -> str | None:
+    """Why this layer cannot run a step of `n_tokens` tokens, or None when it can."""
+    if n_tokens > MAX_TOKENS:
+        return f"{n_tokens} tokens in a step (at most {MAX_TOKENS})"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no GPU (and Triton's interpreter is off)"
+    if block.cfg.head_dim & (block.cfg.head_dim - 1):
+        return f"head_dim {block.cfg.head_dim} is not a power of two"
+    if block.cfg.qk_norm and n_tokens > 1 and block.cfg.head_dim < 2 * DOT_ROWS and device.type == "cuda":
+        return f"q/k norm over heads of {block.cfg.head_dim} (tensor cores need {2 * DOT_ROWS} a head)"
+    return None
+
+
+# -- the layer ---------------------------------------------------------------------------------------------------
+def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops):
+    """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
+    written to `kv_cache` [2, B, kv_heads, S, D]. `rows`, `masks` and `ops` are not needed: positions say it all."""
+    cfg = block.cfg
+    B, T, hidden = x.shape
+    M, D, H, Hkv, inter = B * T, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size
+    dev, dt = x.device, x.dtype
+    x, delta = x.reshape(M, hidden).contiguous(), delta.reshape(M, hidden).contiguous()
+    cos, sin = cos.reshape(M, D).contiguous(), sin.reshape(M, D).contiguous()
+    pos = positions.reshape(M).contiguous()
+    kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+    width = MIN_PROGRAMS if dev.type == "cuda" else 1
+    pdl = dict(PDL=_pdl(dev), launch_pdl=_pdl(dev))
+    precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
+
+    # 1. residual + norm + q/k/v + RoPE + cache write
+    resid = torch.empty_like(x)
+    q = torch.empty(M, H, D, dtype=dt, device=dev)
+    n_pairs = (H + 2 * Hkv) * D // 2
+    cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True)
+    if cfg.qk_norm:  # the per-head norm needs the whole head in one program
+        cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
+    qk_norm = torch.cat([block.q_norm, block.k_norm]) if cfg.qk_norm else block.attn_norm
+    _norm_pair_gemv[(triton.cdiv(n_pairs, cfg1["BLOCK_N"]),)](
+        x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
+        cos, sin, qk_norm, pos, kv_cache, M, hidden, n_pairs, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
+        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl)
+
+    # 2. attention, split over the cache, merged by each (token, head)'s last split
+    n_slots = kv_cache.shape[3]
+    splits, per_split = attention_splits(n_slots, M, dev)
+    setting = attention_setting(M)
+    partial = torch.empty(M * H, splits, D, dtype=torch.float32, device=dev)
+    stats = torch.empty(M * H, splits, 2, dtype=torch.float32, device=dev)
+    attn = torch.empty(M, H * D, dtype=dt, device=dev)
+    _decode_attention[(M * H, splits)](
+        q, kv_cache, pos, partial, stats, _split_counters(M * H, dev), attn, T, H, H // Hkv,
+        block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
+        BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
+        num_warps=setting["num_warps"], **pdl)
+
+    # 3. o projection
+    attn_delta = torch.empty_like(x)
+    cfg3 = gemv_blocks(hidden, H * D, M, width)
+    _gemv[(triton.cdiv(hidden, cfg3["BLOCK_N"]),)](
+        attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, M, hidden, H * D,
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3, num_warps=4,
+        **pdl)
+
+    # 4. residual + norm + gate/up + SwiGLU
+    x_out = torch.empty_like(x)
+    act = torch.empty(M, inter, dtype=dt, device=dev)
+    cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True)
+    _norm_pair_gemv[(triton.cdiv(inter, cfg4["BLOCK_N"]),)](
+        resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
+        cos, sin, block.mlp_norm, pos, kv_cache, M, hidden, inter, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
+        SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
+        num_warps=4, **pdl)
+
+    # 5. down projection: the layer's delta
+    delta_out = torch.empty_like(x)
+    cfg5 = gemv_blocks(hidden, inter, M, width)
+    _gemv[(triton.cdiv(hidden, cfg5["BLOCK_N"]),)](
+        act, block.w2, block.w2, delta_out, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
+        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, num_warps=4, **pdl)
+    return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
+
+
+def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x + delta) over the last dim, with the modular tail's numerics (engine.model.Transformer.forward)."""
+    hidden = x.shape[-1]
+    x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
+    out = torch.empty_like(x2)
+    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, hidden, eps, BLOCK_K=triton.next_power_of_2(hidden),
+                                  num_warps=4, PDL=_pdl(x.device), launch_pdl=_pdl(x.device))
+    return out.view(x.shape)
+
+
+def layer_function(fallback):
+    """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
+    batches, the CPU without the interpreter) run `fallback`, the modular layer."""
+    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops):
+        if supports(block, x.shape[0] * x.shape[1], x.device) is None:
+            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops)
+        return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops)
+
+    def last(block, x, delta, weight, eps):
+        """The final norm in one kernel for the steps this file runs; None for the others."""
+        if supports(block, x.shape[0] * x.shape[1], x.device) is None:
+            return final_norm(x, delta, weight, eps)
+        return None
+
+    layer.needs_masks = lambda block, n_tokens, device: supports(block, n_tokens, device) is not None
+    layer.final_norm = last
+    return layer
+
+
+# -- checking and timing -----------------------------------------------------------------------------------------
+# Both take the layer to compare with as an argument (the engine's modular `Block.forward`, plain or compiled), since
+# kernels never import the engine.
+def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0) -> float:
+    """Compare `fused_layer` with `reference` (Block.forward with the torch slots) on every layer of `model`, at steps
+    of (B, T) tokens at random, ragged positions over a randomly filled cache of 512 slots: outputs and cache writes.
+
+    fp32: the two must agree to 2e-5 (relative to the largest value). bf16/fp16: both round differently at every op,
+    and attention with large logits magnifies one rounding step (a score's last bit moves its weight by e^ulp), so
+    each is compared with the reference run in fp32 on the same inputs, and the fused layer's error must be at most
+    twice the modular layer's own (plus 1e-3). The final norm (`final_norm`) is checked the same way against the
+    modular tail's add and RMSNorm. Returns the largest error; raises AssertionError beyond the bound."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    cfg, dev, dt = model.cfg, model.device, model.dtype
+    worst = 0.0
+
+    def rel(a, b):
+        return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+    for B, T in batch_tokens:
+        n_slots = 512
+        model._ensure_rope(n_slots)
+        start = torch.randint(0, n_slots - T, (B,), generator=g)
+        positions = (start[:, None] + torch.arange(T)[None]).to(dev)
+        x = torch.randn(B, T, cfg.hidden_size, generator=g).to(dev, dt)
+        delta = torch.randn(B, T, cfg.hidden_size, generator=g).to(dev, dt)
+        cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+        masks = attention_masks(cfg, positions, n_slots)
+        for i, block in enumerate(model.layers):
+            cache = torch.randn(2, B, cfg.n_kv_heads, n_slots, cfg.head_dim, generator=g).to(dev, dt)
+            mine = cache.clone()
+            want = reference(block, x, delta, cos, sin, cache, rows, positions, masks, model.default_ops)
+            got = fused_layer(block, x, delta, cos, sin, mine, rows, positions, masks, model.default_ops)
+            if dt == torch.float32:
+                exact, bound = (*want, cache), None
+            else:
+                block32, cache32 = copy.deepcopy(block).float(), cache.float()  # cache: the inputs before the writes
+                exact = (*reference(block32, x.float(), delta.float(), cos.float(), sin.float(), cache32, rows,
+                                    positions, masks, model.default_ops), cache32)
+            for name, a, b, e in (("x", got[0], want[0], exact[0]), ("delta", got[1], want[1], exact[1]),
+                                  ("cache", mine, cache, exact[2])):
+                if dt == torch.float32:
+                    err, bound = rel(a, b), 2e-5
+                else:
+                    err, bound = rel(a, e), 2 * rel(b, e) + 1e-3
+                assert err <= bound, (f"fused layer {i} {name} at B={B}, T={T}: error {err:.2e} > {bound:.2e}"
+                                      f" ({'vs the modular layer' if dt == torch.float32 else 'vs fp32'})")
+                worst = max(worst, err)
+        # the final norm after the last layer, against the modular tail's add and RMSNorm
+        want = model.default_ops.rmsnorm(x + delta, model.norm, cfg.rms_eps)
+        err = rel(final_norm(x, delta, model.norm, cfg.rms_eps), want)
+        bound = 2e-5 if dt == torch.float32 else 2 ** -7  # one bf16 rounding step of the largest value
+        assert err <= bound, f"final norm at B={B}, T={T}: error {err:.2e} > {bound:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
+def attention_masks(cfg, positions, n_slots):
+    """The masks the modular layer attends with (True: may attend): slots up to each token's position, within the
+    layer's sliding window; {window: [B, 1, rep * T, n_slots]} with the `rep` heads of a kv head stacked."""
+    B, T = positions.shape
+    key = torch.arange(n_slots, device=positions.device)
+    visible = key[None, None, :] <= positions[:, :, None]
+    rep = cfg.n_heads // cfg.n_kv_heads
+    out = {}
+    for window in set(cfg.sliding_windows):
+        m = visible if window is None else visible & (key[None, None, :] > positions[:, :, None] - window)
+        out[window] = m[:, None, None].expand(B, 1, rep, T, n_slots).reshape(B, 1, rep * T, n_slots)
+    return out
+
+
+def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,)) -> list[dict]:
+    """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
+    of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), at B = 1 and T tokens at
+    position `filled` of an `n_slots` cache; for each of the `attention` settings (dicts over attention_setting(T);
+    None: as set). GPU only."""
+    from triton.testing import do_bench_cudagraph
+
+    require_gpu_compiled(_gemv)
+    cfg, dev, dt = model.cfg, model.device, model.dtype
+    cache = model.new_cache(1, n_slots)
+    out = []
+    for T in tokens:
+        positions = (filled + torch.arange(T, device=dev))[None]
+        x = torch.randn(1, T, cfg.hidden_size, device=dev, dtype=dt)
+        delta = torch.randn_like(x)
+        cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+        rows = torch.zeros(1, T, dtype=torch.long, device=dev)
+        masks = attention_masks(cfg, positions, n_slots)
+
+        def run(fn):
+            def layers():
+                a, d = x, delta
+                for i, block in enumerate(model.layers):
+                    a, d = fn(block, a, d, cos, sin, cache.kv[:, i], rows, positions, masks, model.default_ops)
+            return layers
+
+        run(modular)()  # compile before capture
+        modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
+        current = attention_setting(T)
+        saved = dict(current)
+        for setting in attention:
+            current.update(setting or {})
+            try:
+                run(fused_layer)()
+                fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+            finally:
+                current.clear()
+                current.update(saved)
+            out.append(dict(tokens=T, attention=setting or saved, fused_us=fused_us, modular_us=modular_us,
+                            speedup=modular_us / fused_us))
+    return out
