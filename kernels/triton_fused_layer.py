@@ -27,6 +27,10 @@ How the fusions work.
 * One token (AR): the dot products run on the FMA units, a few output rows a program and all of K in one tile where
   it fits, weight tiles loaded before the activations so that their DRAM round trip overlaps the norm. More tokens
   (verification, small batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
+* Kernel boundaries (one-token steps, Hopper): programmatic dependent launch. Each kernel starts while its
+  predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
+  outputs (`PDL` below).
+* After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
 
 Numerics follow the modular layer (`engine.model.Block` with the torch slots) op by op: the residual add, the norm's
 fp32 statistics, the norm output and the linear outputs are rounded to the model dtype where it rounds them; scores
@@ -61,10 +65,12 @@ MIN_PROGRAMS = 256
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 
-# Programmatic dependent launch (Hopper and later): each kernel lets the next one start as soon as all its programs
-# run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE tables, positions)
-# before it waits for its predecessor (gdc_wait), so those loads and the launch overlap the previous kernel's tail.
-# SPECPILOT_PDL=0 turns it off (for A/B timing).
+# Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
+# as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
+# tables, positions) before it waits for its predecessor (gdc_wait), so those loads and the launch overlap the
+# previous kernel's tail. On the H200 (docs/BENCHMARKS.md, fourth lease) it took SmolLM2's AR step from 0.568 to
+# 0.453 ms, while the five-token step (tensor-core path, weights loaded after the wait) went from 0.962 to 1.020 ms:
+# so multi-token steps launch without it. SPECPILOT_PDL=0 turns it off (for A/B timing).
 PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 
 # Modes (constexpr globals, which @triton.jit functions may read)
@@ -422,7 +428,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     pos = positions.reshape(M).contiguous()
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    pdl = dict(PDL=_pdl(dev), launch_pdl=_pdl(dev))
+    pdl = dict(PDL=M == 1 and _pdl(dev), launch_pdl=M == 1 and _pdl(dev))
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
     # 1. residual + norm + q/k/v + RoPE + cache write
@@ -486,8 +492,9 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
+    pdl = x2.shape[0] == 1 and _pdl(x.device)
     _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, hidden, eps, BLOCK_K=triton.next_power_of_2(hidden),
-                                  num_warps=4, PDL=_pdl(x.device), launch_pdl=_pdl(x.device))
+                                  num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out.view(x.shape)
 
 
