@@ -84,12 +84,6 @@ def _rounded(x, like_ptr):
 
 
 @triton.jit
-def _pick(v, tokens, m):
-    """Element m of a [BLOCK_M] vector, as a scalar."""
-    return tl.sum(tl.where(tokens == m, v, 0.0), axis=0)
-
-
-@triton.jit
 def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
     """h = norm_w * round(round(x + delta) * inv_rms), rounded: the modular layer's add and RMSNorm, [tokens, cols]."""
     ok = token_ok[:, None] & col_ok[None, :]
