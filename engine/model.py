@@ -208,9 +208,10 @@ class Transformer(nn.Module):
         x = torch.zeros_like(delta)
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops)
-        final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel
-        h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps) if final_norm and logits_at is None \
-            else None
+        h = None
+        final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
+        if final_norm is not None and logits_at is None:
+            h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps)
         if h is None:
             x = x + delta
             if logits_at is not None:
