@@ -64,6 +64,10 @@ MIN_PROGRAMS = 256
 # The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
+# Steps of up to this many tokens take the FMA path (token by token over each weight tile, with PDL); more take the
+# tensor cores. 1 as measured so far (docs/BENCHMARKS.md, fourth lease: the five-token step on tensor cores, 0.96 ms,
+# against 0.45 ms for one token); benchmark(fma_max_tokens=...) times the alternatives.
+FMA_MAX_TOKENS = 1
 
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
 # as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
@@ -176,9 +180,12 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             h = h.to(wa.dtype)
             ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
             yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
-        else:  # one token: [rows, K] * [K] on the FMA units
-            ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
-            yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
+        else:  # few tokens: [rows, K] * [K] on the FMA units, token by token, the weight tile read once
+            for m in tl.static_range(BLOCK_M):
+                here = (tokens == m)[:, None]
+                hm = tl.sum(tl.where(here, h, 0.0), axis=0)[None, :]  # token m's row of h
+                ya += tl.where(here, tl.sum(wa.to(tl.float32) * hm, axis=1)[None, :], 0.0)
+                yb += tl.where(here, tl.sum(wb.to(tl.float32) * hm, axis=1)[None, :], 0.0)
     if DOT:
         ya = tl.trans(ya_t)
         yb = tl.trans(yb_t)
@@ -315,7 +322,10 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
         if DOT:
             y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
         else:
-            y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            for m in tl.static_range(BLOCK_M):  # token by token, the weight tile read once
+                here = (tokens == m)[:, None]
+                xm = tl.sum(tl.where(here, x.to(tl.float32), 0.0), axis=0)[None, :]
+                y += tl.where(here, tl.sum(w.to(tl.float32) * xm, axis=1)[None, :], 0.0)
     if DOT:
         y = tl.trans(y_t)
     if HAS_BIAS:
@@ -345,10 +355,10 @@ def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, K, eps, PDL: tl.constexpr,
 def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False) -> dict:
     """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens.
 
-    One token: all of K in one tile while the weight tile stays within TILE_VALUES (else tiles of 1024), as many rows
-    as fit, halved until there are `min_programs` programs (latency wants width on a GPU; the interpreter, which runs
-    programs one by one, wants few). More tokens: the tensor-core tile."""
-    if n_tokens > 1:
+    Up to FMA_MAX_TOKENS tokens: all of K in one tile while the weight tile stays within TILE_VALUES (else tiles of
+    1024), as many rows as fit, halved until there are `min_programs` programs (latency wants width on a GPU; the
+    interpreter, which runs programs one by one, wants few). More tokens: the tensor-core tile."""
+    if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=max(DOT_TOKENS, triton.next_power_of_2(n_tokens)), BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
     block_k = triton.next_power_of_2(k)
@@ -357,7 +367,7 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     block_n = max(1, min(16, TILE_VALUES // block_k))
     while block_n > 1 and triton.cdiv(n_rows, block_n) < min_programs:
         block_n //= 2
-    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
+    return dict(DOT=False, BLOCK_M=triton.next_power_of_2(n_tokens), BLOCK_N=block_n, BLOCK_K=block_k)
 
 
 def attention_setting(n_tokens: int) -> dict:
@@ -404,7 +414,8 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
         return "no GPU (and Triton's interpreter is off)"
     if block.cfg.head_dim & (block.cfg.head_dim - 1):
         return f"head_dim {block.cfg.head_dim} is not a power of two"
-    if block.cfg.qk_norm and n_tokens > 1 and block.cfg.head_dim < 2 * DOT_ROWS and device.type == "cuda":
+    tensor_cores = n_tokens > FMA_MAX_TOKENS and device.type == "cuda"
+    if block.cfg.qk_norm and tensor_cores and block.cfg.head_dim < 2 * DOT_ROWS:
         return f"q/k norm over heads of {block.cfg.head_dim} (tensor cores need {2 * DOT_ROWS} a head)"
     return None
 
@@ -422,7 +433,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     pos = positions.reshape(M).contiguous()
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    pdl = dict(PDL=M == 1 and _pdl(dev), launch_pdl=M == 1 and _pdl(dev))
+    on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
+    pdl = dict(PDL=on, launch_pdl=on)
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
     # 1. residual + norm + q/k/v + RoPE + cache write
@@ -486,7 +498,7 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
-    pdl = x2.shape[0] == 1 and _pdl(x.device)
+    pdl = x2.shape[0] <= FMA_MAX_TOKENS and _pdl(x.device)
     _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, hidden, eps, BLOCK_K=triton.next_power_of_2(hidden),
                                   num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out.view(x.shape)
@@ -585,11 +597,12 @@ def attention_masks(cfg, positions, n_slots):
     return out
 
 
-def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,)) -> list[dict]:
+def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
+              fma_max_tokens=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), at B = 1 and T tokens at
     position `filled` of an `n_slots` cache; for each of the `attention` settings (dicts over attention_setting(T);
-    None: as set). GPU only."""
+    None: as set) and each FMA_MAX_TOKENS in `fma_max_tokens` (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -613,16 +626,20 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        current = attention_setting(T)
+        global FMA_MAX_TOKENS
+        current, fma_saved = attention_setting(T), FMA_MAX_TOKENS
         saved = dict(current)
-        for setting in attention:
-            current.update(setting or {})
-            try:
-                run(fused_layer)()
-                fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
-            finally:
-                current.clear()
-                current.update(saved)
-            out.append(dict(tokens=T, attention=setting or saved, fused_us=fused_us, modular_us=modular_us,
-                            speedup=modular_us / fused_us))
+        for fma in fma_max_tokens:
+            for setting in attention:
+                current.update(setting or {})
+                FMA_MAX_TOKENS = fma or fma_saved
+                try:
+                    run(fused_layer)()
+                    fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+                finally:
+                    current.clear()
+                    current.update(saved)
+                    FMA_MAX_TOKENS = fma_saved
+                out.append(dict(tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
+                                fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
     return out

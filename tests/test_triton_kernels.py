@@ -203,6 +203,15 @@ def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def test_fused_layer_fma_path_for_several_tokens(tiny_model_dir, monkeypatch):
+    """The FMA path taken token by token (FMA_MAX_TOKENS raised to 8): the five-token and the 3 x 2 steps run on it
+    instead of the tensor-core path, with the same results (Qwen2: q/k/v biases)."""
+    monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", 8)
+    assert not triton_fused_layer.gemv_blocks(480, 576, 5)["DOT"] and triton_fused_layer.gemv_blocks(480, 576, 9)["DOT"]
+    loaded = load(str(tiny_model_dir("qwen2")), "fp32", "cpu")
+    assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
+
+
 def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
     cpu = torch.device("cpu")

@@ -49,6 +49,8 @@ SYSTEMS = {
     "ar-fused-overlap": {"name": "ar-fused-overlap", "layer": "fused", "overlap": True},
     "ngram-k4-fused": {"name": "ngram-k4-fused", "drafter": {"kind": "ngram"}, "k": 4, "layer": "fused"},
     "ngram-k8-fused": {"name": "ngram-k8-fused", "drafter": {"kind": "ngram"}, "k": 8, "layer": "fused"},
+    "ngram-k4-fused-overlap": {"name": "ngram-k4-fused-overlap", "drafter": {"kind": "ngram"}, "k": 4,
+                               "layer": "fused", "overlap": True},
     "layerskip8-k4-fused": {"name": "layerskip8-k4-fused", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4,
                             "layer": "fused"},
     "selfdraft-fp16-k4-fused": {"name": "selfdraft-fp16-k4-fused", "drafter": {"kind": "model",

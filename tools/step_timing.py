@@ -73,6 +73,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layer-bench", action="store_true",
                     help="first: the fused layer against the compiled modular one (bf16 check, µs per layer)")
     ap.add_argument("--layer-check", action="store_true", help="first: only the fused layer's fp32 and bf16 checks")
+    ap.add_argument("--fma-max-tokens", default="",
+                    help="with --layer-bench: FMA_MAX_TOKENS values to time the fused layer at, e.g. 1,8")
     args = ap.parse_args(argv)
     target = loader.load(args.target, "bf16", "cuda")
     if args.layer_bench or args.layer_check:
@@ -93,11 +95,12 @@ def main(argv=None) -> None:
                             for k, b, w in ((64, 64, 4), (32, 32, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
                                             (256, 128, 8), (256, 256, 8))]
             for filled in (100, 300) if settings else ():
+                fma = tuple(int(v) for v in args.fma_max_tokens.split(",") if v) or (None,)
                 for row in triton_fused_layer.benchmark(target.model, compiled(Block.forward), filled=filled,
-                                                        attention=settings):
+                                                        attention=settings, fma_max_tokens=fma):
                     print(f"fused layer T={row['tokens']} at {filled}: {row['fused_us']:.2f} us/layer, modular "
-                          f"{row['modular_us']:.2f} us/layer, {row['speedup']:.2f}x  attention {row['attention']}",
-                          flush=True)
+                          f"{row['modular_us']:.2f} us/layer, {row['speedup']:.2f}x  attention {row['attention']}  "
+                          f"FMA up to {row['fma_max_tokens']} tokens", flush=True)
     for B in map(int, args.batch_sizes.split(",")):
         for name in args.variants.split(","):
             try:
