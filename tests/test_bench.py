@@ -195,3 +195,29 @@ def test_cell_requests_caps_each_cell(tiny_smol_dir, tmp_path):
     check_consistent(results)
     assert results["header"]["cell_requests"] == 1
     assert {(r["batch_size"], r["requests"]) for r in results["runs"]} == {(1, 1), (2, 2)}
+
+
+def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):
+    """`tools/engine_bench` (the H200 benchmark of issue #2) on the CPU: every system decodes every prompt, the
+    speculative and HF systems give the AR tokens, and the table's numbers are the rows' numbers (never a speed)."""
+    import statistics
+
+    from specpilot.tools import engine_bench
+
+    engine_bench.main(["--target", str(tiny_smol_dir), "--device", "cpu", "--max-new-tokens", "8", "--limit", "2",
+                       "--workloads", "code", "--systems", "ar,ngram-k4", "--hf", "dynamic", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "engine_bench.json").read_text())
+    rows = result["rows"]
+    assert {(r["system"], r["prompt"]) for r in rows} == {(s, p) for s in ("ar", "ngram-k4", "hf-dynamic")
+                                                          for p in (0, 1)}
+    assert all(r["tokens"] == 8 and r["prompt_tokens"] > 0 for r in rows)
+    assert all(r["prefill_s"] is None for r in rows if r["system"] == "hf-dynamic")
+    assert all(0 < r["prefill_s"] < r["seconds"] for r in rows if r["system"] != "hf-dynamic")
+    table = {t["system"]: t for t in result["table"]}
+    assert table["ar"]["identical_to_ar"] == 1.0 and table["ngram-k4"]["identical_to_ar"] == 1.0
+    assert table["hf-dynamic"]["identical_to_ar"] == 1.0  # HF's greedy tokens on the same weights
+    for name, t in table.items():
+        own = [r for r in rows if r["system"] == name]
+        assert t["tokens_per_s"] == pytest.approx(statistics.median(r["tokens"] / r["seconds"] for r in own))
+    assert table["ar"]["tau"] == 1.0 and table["ngram-k4"]["tau"] >= 1.0
+    assert result["floor_s"] == pytest.approx(result["weight_bytes"] / result["copy_bandwidth"])

@@ -129,11 +129,11 @@ def main(argv=None) -> None:
         def ours(ids, n, eng=eng):
             [row] = eng.generate([ids], n, ignore_eos=True)
             st = eng.decoder.last_stats
-            return row.tokens, st.prefill_s + st.decode_s, st.steps + 1, row.mean_accepted
+            return row.tokens, st.prefill_s + st.decode_s, st.steps + 1, row.mean_accepted, st.prefill_s
         runners[name] = ours
     for mode in filter(None, args.hf.split(",")):
         run = hf_runner(target.source, args.device, loader.parse_dtype(dtype), mode)
-        runners[f"hf-{mode}"] = lambda ids, n, run=run: (*run(ids, n), None, None)
+        runners[f"hf-{mode}"] = lambda ids, n, run=run: (*run(ids, n), None, None, None)
     ar_engine = engines.get("ar") or Engine(target, load_recipe("ar"))
     bw = copy_bandwidth(args.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in target.model.parameters()}.values())
@@ -156,12 +156,13 @@ def main(argv=None) -> None:
             order = order[i % len(order):] + order[: i % len(order)]  # rotate so drift hits every system alike
             for name in order:
                 try:
-                    tokens, seconds, steps, tau = runners[name](ids, args.max_new_tokens)
+                    tokens, seconds, steps, tau, prefill_s = runners[name](ids, args.max_new_tokens)
                 except Exception as e:
                     print(f"{name} {wl} #{i}: failed: {type(e).__name__}: {e}", flush=True)
                     continue
                 print(f"{name} {wl} #{i}: {len(tokens) / seconds:.1f} tok/s", flush=True)
-                rows.append({"system": name, "workload": wl, "prompt": i, "tokens": len(tokens), "seconds": seconds,
+                rows.append({"system": name, "workload": wl, "prompt": i, "prompt_tokens": len(ids),
+                             "tokens": len(tokens), "seconds": seconds, "prefill_s": prefill_s,
                              "target_steps": steps, "tau": tau, "token_ids": tokens})
     ar_tokens = {(r["workload"], r["prompt"]): r["token_ids"] for r in rows if r["system"] == "ar"}
     table = []
