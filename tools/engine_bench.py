@@ -60,6 +60,19 @@ SYSTEMS = {
 }
 
 
+def settle(device: str, seconds: float) -> None:
+    """Keep the GPU busy with matmuls for `seconds` before a timed run, so that every run starts from the same clock
+    state, whatever the system before it left behind (HF's eager runs leave the GPU mostly idle). CUDA only."""
+    if device != "cuda" or seconds <= 0:
+        return
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a large device copy (read + write counted)."""
     n = 1 << 30 if device == "cuda" else 1 << 24
@@ -112,6 +125,8 @@ def main(argv=None) -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--hf", default="dynamic,static,prompt-lookup")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--settle-ms", type=float, default=50.0,
+                    help="GPU work before each timed run, so each starts from the same clock state (0: none)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     target = loader.load(args.target, dtype, args.device)
@@ -155,6 +170,7 @@ def main(argv=None) -> None:
             order = list(runners)
             order = order[i % len(order):] + order[: i % len(order)]  # rotate so drift hits every system alike
             for name in order:
+                settle(args.device, args.settle_ms / 1e3)
                 try:
                     tokens, seconds, steps, tau, prefill_s = runners[name](ids, args.max_new_tokens)
                 except Exception as e:
