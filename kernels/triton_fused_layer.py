@@ -32,11 +32,14 @@ How the fusions work.
   outputs (`PDL` below).
 * After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
 
-Numerics follow the modular layer (`engine.model.Block` with the torch slots) op by op: the residual add, the norm's
-fp32 statistics, the norm output and the linear outputs are rounded to the model dtype where it rounds them; scores
-are rounded where `q @ k^T` rounds them; the softmax is fp32. Products accumulate in fp32 in another order than
-cuBLAS, so bf16 results can differ in the last bit (the token-forcing gate tells such ties from divergences); in fp32
-they agree to ~1e-6 (`check`). Under Triton's interpreter (CPU, fp32) this file runs the same kernels, which is how CI
+Numerics follow the modular layer (`engine.model.Block` with the torch slots) where it stores a tensor: the residual
+add, the norm's fp32 statistics, the norm output, the linear outputs and the scores (where `q @ k^T` rounds) are
+rounded to the model dtype; the softmax is fp32. Three places differ by more than accumulation order: RoPE and
+SwiGLU are computed in fp32 and rounded once (as torch.compile's fused kernels compute them; eager torch rounds each
+product), and attention weights V with unnormalized fp32 probabilities and divides at the end (FlashAttention's
+order; the reference rounds normalized probabilities to the model dtype first). So bf16 results differ from the
+modular layer's in the last bits (the token-forcing gate tells such ties from divergences); in fp32 they agree to
+~1e-6 (`check`). Under Triton's interpreter (CPU, fp32) this file runs the same kernels, which is how CI
 tests it.
 """
 from __future__ import annotations
@@ -263,7 +266,8 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, partial_ptr, stats_ptr, coun
             run_sum = run_sum * rescale + tl.sum(p, axis=0)
             acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
             run_max = new_max
-        n_used = pos // keys_per_split + 1
+        # The splits that run for this token; clamped, so that a position past the cache cannot hang the merge.
+        n_used = tl.minimum(pos // keys_per_split + 1, N_SPLITS)
         if n_used == 1:  # the whole context in this one split: the output, no merge
             tl.store(out_ptr + mh * HEAD_DIM + dims, (acc / run_sum).to(out_ptr.dtype.element_ty))
         else:
@@ -399,11 +403,22 @@ _COUNTERS: dict = {}
 
 def _split_counters(n: int, device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters, one per (token, head), that `_decode_attention` leaves zeroed: allocated once per device
-    (before CUDA-graph capture, since the decoder runs each step shape once first) and shared by all layers."""
+    (before CUDA-graph capture, since the decoder runs each step shape once first) and shared by all layers and
+    models. A larger set replaces a smaller one, which is kept alive: graphs captured with it still point at it."""
     have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        _COUNTERS[device] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
+    if have is None or have[-1].numel() < n:
+        fresh = torch.zeros(max(n, MAX_TOKENS * 256), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have = (have or []) + [fresh]
+    return have[-1]
+
+
+def _qk_norm_weights(block) -> torch.Tensor:
+    """q_norm and k_norm stacked, made once per layer (a torch.cat each call would be a kernel each step)."""
+    stacked = getattr(block, "_fused_qk_norm", None)
+    if stacked is None or stacked.device != block.q_norm.device:
+        stacked = torch.cat([block.q_norm.detach(), block.k_norm.detach()])
+        block._fused_qk_norm = stacked
+    return stacked
 
 
 def supports(block, n_tokens: int, device: torch.device) -> str | None:
@@ -423,8 +438,11 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops):
     """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
-    written to `kv_cache` [2, B, kv_heads, S, D]. `rows`, `masks` and `ops` are not needed: positions say it all."""
+    written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: positions say it all; `rows` is
+    taken to be row b for every token of row b, as Transformer.forward builds it."""
     cfg = block.cfg
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("fused layer: the KV cache needs unit stride along head_dim")
     B, T, hidden = x.shape
     M, D, H, Hkv, inter = B * T, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size
     dev, dt = x.device, x.dtype
@@ -444,7 +462,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True)
     if cfg.qk_norm:  # the per-head norm needs the whole head in one program
         cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
-    qk_norm = torch.cat([block.q_norm, block.k_norm]) if cfg.qk_norm else block.attn_norm
+    qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
     _norm_pair_gemv[(triton.cdiv(n_pairs, cfg1["BLOCK_N"]),)](
         x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
         cos, sin, qk_norm, pos, kv_cache, M, hidden, n_pairs, cfg.rms_eps, T, H, Hkv, *kv_strides,
