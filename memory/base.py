@@ -7,6 +7,7 @@ token-forcing gate (and why not), and the library versions it was measured with.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from abc import ABC, abstractmethod
@@ -128,6 +129,22 @@ class Memory(ABC):
             out += ["re-verify", "measured with: " + ", ".join(diffs)]
         return out
 
+    def export_jsonl(self, path: str | Path) -> int:
+        """One {"id", "outcome"} JSON line per record, oldest first; returns how many. Written atomically."""
+        from .records import outcome_json  # records.py imports this module
+
+        path = Path(path)
+        lines = [json.dumps({"id": rid, "outcome": json.loads(outcome_json(o))}, sort_keys=True)
+                 for rid, o in self.records()]
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in lines))
+        os.replace(tmp, path)
+        return len(lines)
+
+    @abstractmethod
+    def import_jsonl(self, path: str | Path) -> int:
+        """Records from an export_jsonl file under their own ids (read with `read_export`); returns how many."""
+
     def close(self) -> None:
         pass
 
@@ -136,6 +153,26 @@ class Memory(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_export(path: str | Path) -> list[tuple[str, Outcome]]:
+    """The (id, outcome) rows of an export_jsonl file, in order; a missing file or a bad line raises an error naming
+    it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"memory export {path} not found")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not row["id"]:
+                raise ValueError('expected {"id": "...", "outcome": {...}}')
+            rows.append((row["id"], Outcome.from_dict(row.get("outcome"))))
+        except ValueError as e:
+            raise ValueError(f"memory export {path}, line {n}: {e}") from e
+    return rows
 
 
 def __getattr__(name: str):

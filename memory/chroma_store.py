@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import text_embedding
-from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside  # noqa: F401 (re-exported)
+from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside, read_export  # noqa: F401 (re-exported)
 from .records import (EMBEDDING_VERSION, combined_score, deployment_vector, feature_names, mechanism_text,
                       outcome_json, record_id, similarity_from_distance, worked)
 
@@ -271,34 +271,11 @@ class ChromaMemory(Memory):
 
     # -- export / import ------------------------------------------------------------------------------------------
 
-    def export_jsonl(self, path: str | Path) -> int:
-        """One {"id", "outcome"} JSON line per record, oldest first; returns how many. Written atomically."""
-        path = Path(path)
-        lines = [json.dumps({"id": rid, "outcome": json.loads(outcome_json(o))}, sort_keys=True)
-                 for rid, o in self.records()]
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, path)
-        return len(lines)
-
     def import_jsonl(self, path: str | Path, batch: int = 64) -> int:
         """Records from export_jsonl's file, under their own ids (existing ids are overwritten); both embeddings are
         computed again here. Returns how many."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"memory export {path} not found")
-        ids, outcomes = [], []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not row["id"]:
-                    raise ValueError('expected {"id": "...", "outcome": {...}}')
-                outcomes.append(Outcome.from_dict(row.get("outcome")))
-                ids.append(row["id"])
-            except ValueError as e:
-                raise ValueError(f"memory export {path}, line {n}: {e}") from e
+        rows = read_export(path)
+        ids, outcomes = [rid for rid, _ in rows], [o for _, o in rows]
         for i in range(0, len(ids), batch):
             self._write(ids[i: i + batch], outcomes[i: i + batch])
         return len(ids)

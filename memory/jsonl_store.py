@@ -30,7 +30,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside
+from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside, read_export
 from .records import (combined_score, deployment_vector, mechanism_text, outcome_json, record_id,
                       similarity_from_distance)
 
@@ -188,32 +188,9 @@ class JsonlMemory(Memory):
 
     # -- export / import ------------------------------------------------------------------------------------------
 
-    def export_jsonl(self, path: str | Path) -> int:
-        """One {"id", "outcome"} JSON line per record, oldest first; returns how many. Written atomically."""
-        path = Path(path)
-        rows = self.records()
-        lines = [json.dumps({"id": rid, "outcome": json.loads(outcome_json(o))}, sort_keys=True) for rid, o in rows]
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text("".join(line + "\n" for line in lines))
-        os.replace(tmp, path)
-        return len(lines)
-
     def import_jsonl(self, path: str | Path) -> int:
         """Records from an export file, under their own ids; ids already here are kept as they are (an id is the
         hash of its outcome). Returns how many lines were read."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"memory export {path} not found")
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not row["id"]:
-                    raise ValueError('expected {"id": "...", "outcome": {...}}')
-                rows.append((row["id"], Outcome.from_dict(row.get("outcome"))))
-            except ValueError as e:
-                raise ValueError(f"memory export {path}, line {n}: {e}") from e
+        rows = read_export(path)
         self._append(rows)
         return len(rows)
