@@ -113,6 +113,32 @@ def _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8: tl.constexpr, EVEN_N:
 
 
 @triton.jit
+def _first_words(q_row, k_lo, jj, k_hi, K8, row_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                 POLICY: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the first tile's words, loaded before the loop; without, placeholders the loop carries along."""
+    if PREFETCH:
+        j = k_lo + jj
+        return _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)
+    else:
+        return 0, 0, 0
+
+
+@triton.jit
+def _tile_words(q_row, j0, jj, k_hi, K8, row_ok, w0, w1, w2, BLOCK_K8: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, POLICY: tl.constexpr, PREFETCH: tl.constexpr):
+    """(the words of the tile at j0, what the next iteration gets as w0..w2). With PREFETCH the tile's words are
+    w0..w2, loaded an iteration earlier, and the next tile's are loaded now, in flight while this one is decoded;
+    without, the tile's words are loaded now."""
+    if PREFETCH:
+        n0, n1, n2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K, POLICY)
+        return w0, w1, w2, n0, n1, n2
+    else:
+        j = j0 + jj
+        c0, c1, c2 = _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)
+        return c0, c1, c2, w0, w1, w2
+
+
+@triton.jit
 def _escape_chunk(e0, end, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK: tl.constexpr):
     """EXC_BLOCK escapes from e0 of the CSR list (masked past `end`): rows (-1 when masked), columns, exact values."""
     e = e0 + tl.arange(0, EXC_BLOCK)
@@ -178,17 +204,12 @@ def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
     q_row = q_ptr + rows[:, None] * (3 * K8)
     jj = tl.arange(0, BLOCK_K8)
     acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-    if PREFETCH:
-        j = k_lo + jj
-        w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)
+    w0, w1, w2 = _first_words(q_row, k_lo, jj, k_hi, K8, row_ok, EVEN_N, EVEN_K, POLICY, PREFETCH)
     for j0 in range(k_lo, k_hi, BLOCK_K8):
         j = j0 + jj
         j_ok = j < k_hi
-        if PREFETCH:  # the next tile's words are in flight while this one is decoded
-            c0, c1, c2 = w0, w1, w2
-            w0, w1, w2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K, POLICY)
-        else:
-            c0, c1, c2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K, POLICY)
+        c0, c1, c2, w0, w1, w2 = _tile_words(q_row, j0, jj, k_hi, K8, row_ok, w0, w1, w2, BLOCK_K8, EVEN_N, EVEN_K,
+                                             POLICY, PREFETCH)
         acc = _gemv_tile(acc, c0, c1, c2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16, EVEN_K)
     y = tl.sum(acc, axis=1) * scale_out
     exc_hi = tl.where(pid_k == 0, exc_hi, exc_lo)           # split 0 adds the escapes
@@ -263,17 +284,12 @@ def _gemm_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        j = k_lo + jj
-        w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)
+    w0, w1, w2 = _first_words(q_row, k_lo, jj, k_hi, K8, row_ok, EVEN_N, EVEN_K, POLICY, PREFETCH)
     for j0 in range(k_lo, k_hi, BLOCK_K8):
         j = j0 + jj
         j_ok = j < k_hi
-        if PREFETCH:
-            c0, c1, c2 = w0, w1, w2
-            w0, w1, w2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K, POLICY)
-        else:
-            c0, c1, c2 = _load_words(q_row + j[None, :], K8, row_ok, j_ok, EVEN_N, EVEN_K, POLICY)
+        c0, c1, c2, w0, w1, w2 = _tile_words(q_row, j0, jj, k_hi, K8, row_ok, w0, w1, w2, BLOCK_K8, EVEN_N, EVEN_K,
+                                             POLICY, PREFETCH)
         acc = _gemm_tile(acc, c0, c1, c2, x_row, m_ok, j, j_ok, K8, K, scale_w, SWAP, DOT_PREC, EVEN_K)
     acc = acc * scale_out
     exc_hi = tl.where(pid_k == 0, exc_hi, exc_lo)
