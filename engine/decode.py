@@ -67,6 +67,7 @@ class DecodeState:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
         self.out = torch.zeros(batch, k + 2, dtype=torch.long, device=device)  # [n_accepted, tokens...]
+        self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
 
 
 def _record(history, lengths, active, out, n_acc, tokens) -> None:
@@ -77,6 +78,13 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     lengths.add_((n_acc + 1) * active)
     out[:, 0].copy_(n_acc)
     out[:, 1:].copy_(tokens)
+
+
+def _update_budget(budget, valid, n_acc, k: int) -> None:
+    """Adaptive draft length (as HF's assisted generation schedules it): a row whose drafts were all accepted may
+    verify two more next step, one that saw a rejection one fewer, within 1..k; a step without drafts says nothing."""
+    grown = torch.where(n_acc >= valid, (budget + 2).clamp(max=k), (budget - 1).clamp(min=1))
+    budget.copy_(torch.where(valid > 0, grown, budget))
 
 
 def _finish_step(history, lengths, active, out, drafts, valid, logits, accept) -> torch.Tensor:
@@ -91,12 +99,13 @@ class Decoder:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
-                 layer: str = "modular"):
+                 layer: str = "modular", adaptive_drafts: bool = False):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
         self.model, self.drafter, self.k = model, drafter, k
+        self.adaptive_drafts = adaptive_drafts and k > 0
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
         # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
@@ -136,12 +145,16 @@ class Decoder:
             prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
             self._mark("draft")
             inputs = torch.cat([last, prop.tokens], 1)
+            valid = torch.minimum(prop.valid, st.budget) if self.adaptive_drafts else prop.valid
         else:
-            inputs = last
-        positions = ((st.lengths - 1)[:, None] + torch.arange(k + 1, device=inputs.device)[None]).clamp(max=S - 1)
-        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
+            inputs, valid = last, torch.zeros_like(st.lengths)
+        offsets = torch.arange(k + 1, device=inputs.device)[None]
+        positions = ((st.lengths - 1)[:, None] + offsets).clamp(max=S - 1)
+        # Greedy verification reads logits only up to each row's valid drafts: the slots after them are dead, and a
+        # layer that can skip them does (a step with no draft then costs about what an AR step does).
+        live = (offsets <= valid[:, None]).int().reshape(-1) if k and sampling.greedy else None
+        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, live=live)
         self._mark("verify")
-        valid = prop.valid if k else torch.zeros_like(st.lengths)
         if sampling.greedy:
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
                                  self.ops.accept)
@@ -149,6 +162,8 @@ class Decoder:
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if k else None, logits, sampling,
                                            generator)
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
+        if self.adaptive_drafts:
+            _update_budget(st.budget, valid, n_acc, k)
         if k:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
@@ -270,6 +285,7 @@ class Decoder:
             st.history.scatter_(1, lengths[:, None], first[:, None])
             st.lengths.copy_(lengths + 1)
             st.active.fill_(True)
+            st.budget.fill_(self.k)
             first_host = first.tolist()
             t_first = time.perf_counter() - t0
             active = [True] * B

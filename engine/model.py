@@ -182,12 +182,14 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
-                layer_fn=None) -> torch.Tensor:
+                layer_fn=None, live: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
         `logits_at` [B, m] picks the token indices whose logits are wanted (prefill needs one row, not B*T*vocab).
         `ops` are the kernel-slot implementations and `layer_fn` the layer function (a compiled Block.forward).
+        `live` (int32 [B * T]) marks with 0 the tokens whose logits nobody reads (verification slots past a row's
+        valid drafts): a layer function that can skip them (`skips_dead_tokens`) does, and their logits are junk.
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
@@ -206,12 +208,13 @@ class Transformer(nn.Module):
                 masks[window] = m.reshape(B, 1, rep * T, cache.max_len)
         delta = F.embedding(tokens, self.embed)
         x = torch.zeros_like(delta)
+        skip = {"live": live} if live is not None and getattr(layer_fn, "skips_dead_tokens", False) else {}
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
-            x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops)
+            x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)
         h = None
         final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
         if final_norm is not None and logits_at is None:
-            h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps)
+            h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps, **skip)
         if h is None:
             x = x + delta
             if logits_at is not None:

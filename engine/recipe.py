@@ -36,6 +36,7 @@ class DrafterSpec:
     layers: int = 0  # layerskip: how many of the target's first layers draft
     model: str = ""  # model: path, alias or cached hub id of the draft model
     dtype: str = ""  # model: its dtype ("" = the target's)
+    adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
 
 
 @dataclass

@@ -7,14 +7,14 @@ before its first multiply, so the lever is fewer, wider kernels. The modular lay
 runs five, each a GEMV (or attention) with the small ops around it folded into its prologue or epilogue:
 
 1. `_norm_pair_gemv` (ROPE_KV): h = RMSNorm(x + delta); q, k, v = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
-   written into the KV cache at each token's position; q to a small buffer. Program 0 also writes r = x + delta,
-   the residual stream, for step 4.
+   written into the KV cache at each token's position; q to a small buffer. The first row block also writes
+   r = x + delta, the residual stream, for step 4.
 2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
    slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
    split of a (token, head) to finish, told by an atomic counter, merges all splits into the attention output (the
    flash-decoding reduction, without a kernel of its own).
 3. `_gemv`: o = attn @ Wo^T (+ bias).
-4. `_norm_pair_gemv` (SILU): h = RMSNorm(r + o); gate, up = h @ W13^T; act = silu(gate) * up. Program 0 writes r + o.
+4. `_norm_pair_gemv` (SILU): h = RMSNorm(r + o); gate, up = h @ W13^T; act = silu(gate) * up. It also writes r + o.
 5. `_gemv`: delta = act @ W2^T, added to the residual by the next layer's step 1.
 
 How the fusions work.
@@ -24,10 +24,12 @@ How the fusions work.
   So a "pair" program computes two sets of output rows, A and B, with their own accumulators, and combines them
   in registers: for q/k/v, A = rows d, B = rows d + D/2 of a head (v pairs too, and is not rotated); for the MLP,
   A = gate rows, B = up rows. The weights are read in their own layout; nothing is permuted.
-* One token (AR): the dot products run on the FMA units, a few output rows a program and all of K in one tile where
-  it fits, weight tiles loaded before the activations so that their DRAM round trip overlaps the norm. More tokens
-  (verification, small batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
-* Kernel boundaries (one-token steps, Hopper): programmatic dependent launch. Each kernel starts while its
+* Few tokens (AR, short verification): the dot products run on the FMA units, one program per token and block of a
+  few output rows, all of K in one tile where it fits, the weight tile loaded before the activations so that its
+  DRAM round trip overlaps the norm. A row block's programs for the step's tokens are launched side by side: the
+  first to ask brings the tile from DRAM, the others read it from L2, and each program's latency is a one-token
+  program's. More tokens (larger batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
+* Kernel boundaries (FMA-path steps, Hopper): programmatic dependent launch. Each kernel starts while its
   predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
   outputs (`PDL` below).
 * After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
@@ -67,10 +69,9 @@ MIN_PROGRAMS = 256
 # The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
-# Steps of up to this many tokens take the FMA path (token by token over each weight tile, with PDL); more take the
-# tensor cores. 1 as measured so far (docs/BENCHMARKS.md, fourth lease: the five-token step on tensor cores, 0.96 ms,
-# against 0.45 ms for one token); benchmark(fma_max_tokens=...) times the alternatives.
-FMA_MAX_TOKENS = 1
+# Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the
+# tensor cores. benchmark(fma_max_tokens=...) times the alternatives; SPECPILOT_FMA_MAX_TOKENS sets it for whole runs.
+FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
 
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
 # as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
@@ -102,15 +103,15 @@ def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
 
 @triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
-                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, kv_ptr,
+                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, T, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    tokens = tl.arange(0, BLOCK_M)
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # FMA path: one token a program (BLOCK_M = 1)
+    pid = tl.program_id(1)
     token_ok = tokens < M
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_ok = pairs < n_pairs
@@ -149,10 +150,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             which = tl.where(hq < n_heads, 0, HEAD_DIM)
             na = tl.load(qk_norm_ptr + which + dims, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
             nb = tl.load(qk_norm_ptr + which + dims + HALF, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    if SKIP_DEAD:  # FMA path, one token a program: a dead token's program ends here
+        if tl.load(live_ptr + tl.program_id(0)) == 0:
+            return
     if PDL:  # from here on: what the previous kernel wrote (x, delta) and what it may still read (our outputs)
         tl.extra.cuda.gdc_wait()
 
-    # Pass 1: r = x + delta, rounded as the modular layer's add, stored by program 0; each token's mean square.
+    # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
+    # square.
     sq = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ok = token_ok[:, None] & (k0 + cols < K)[None, :]
@@ -178,17 +183,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
         if not SINGLE:
             nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
-        h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
         if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
-            h = h.to(wa.dtype)
+            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K).to(wa.dtype)
             ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
             yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
-        else:  # few tokens: [rows, K] * [K] on the FMA units, token by token, the weight tile read once
-            for m in tl.static_range(BLOCK_M):
-                here = (tokens == m)[:, None]
-                hm = tl.sum(tl.where(here, h, 0.0), axis=0)[None, :]  # token m's row of h
-                ya += tl.where(here, tl.sum(wa.to(tl.float32) * hm, axis=1)[None, :], 0.0)
-                yb += tl.where(here, tl.sum(wb.to(tl.float32) * hm, axis=1)[None, :], 0.0)
+        else:  # one token: [rows, K] * [1, K] on the FMA units
+            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+            ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
+            yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
     if DOT:
         ya = tl.trans(ya_t)
         yb = tl.trans(yb_t)
@@ -229,10 +231,11 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, positions_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
+def _decode_attention(q_ptr, kv_ptr, positions_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
                       T, n_heads, rep, window, scale, keys_per_split,
                       stride_kv, stride_b, stride_h, stride_s,
-                      HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
+                      SKIP_DEAD: tl.constexpr):
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
     same K/V tiles, from L2 after the first. Splits past the token's position do nothing."""
     if PDL:
@@ -241,6 +244,9 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, partial_ptr, stats_ptr, coun
     m, head = mh // n_heads, mh % n_heads
     dims = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + m)
+    if SKIP_DEAD:
+        if tl.load(live_ptr + m) == 0:
+            return
     if PDL:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
@@ -294,14 +300,15 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, partial_ptr, stats_ptr, coun
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
-          PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out = x @ w^T (+ bias) for M tokens: the FMA units for one token, tensor cores (w_tile @ x^T) for more."""
+          PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    tokens = tl.arange(0, BLOCK_M)
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # FMA path: one token a program (BLOCK_M = 1)
+    pid = tl.program_id(1)
     token_ok = tokens < M
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -310,6 +317,9 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if SKIP_DEAD:  # FMA path, one token a program
+        if tl.load(live_ptr + tl.program_id(0)) == 0:
+            return
     if PDL:
         tl.extra.cuda.gdc_wait()
     if DOT:
@@ -325,11 +335,8 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
                     other=0.0)
         if DOT:
             y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
-        else:
-            for m in tl.static_range(BLOCK_M):  # token by token, the weight tile read once
-                here = (tokens == m)[:, None]
-                xm = tl.sum(tl.where(here, x.to(tl.float32), 0.0), axis=0)[None, :]
-                y += tl.where(here, tl.sum(w.to(tl.float32) * xm, axis=1)[None, :], 0.0)
+        else:  # one token
+            y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
     if DOT:
         y = tl.trans(y_t)
     if HAS_BIAS:
@@ -339,13 +346,17 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
 
 
 @triton.jit
-def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, K, eps, PDL: tl.constexpr, BLOCK_K: tl.constexpr):
+def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, live_ptr, K, eps, PDL: tl.constexpr, SKIP_DEAD: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """The model's final norm after the last layer: out = RMSNorm(x + delta), one program a token, in one kernel
     where the modular tail runs the add and torch's RMSNorm as about eight."""
     m = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     col_ok = cols < K
     nw = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if SKIP_DEAD:
+        if tl.load(live_ptr + m) == 0:
+            return
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = _rounded(tl.load(x_ptr + m * K + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -359,9 +370,10 @@ def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, K, eps, PDL: tl.constexpr,
 def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False) -> dict:
     """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens.
 
-    Up to FMA_MAX_TOKENS tokens: all of K in one tile while the weight tile stays within TILE_VALUES (else tiles of
-    1024), as many rows as fit, halved until there are `min_programs` programs (latency wants width on a GPU; the
-    interpreter, which runs programs one by one, wants few). More tokens: the tensor-core tile."""
+    Up to FMA_MAX_TOKENS tokens: one token a program; all of K in one tile while the weight tile stays within
+    TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs over all
+    tokens (latency wants width on a GPU; the interpreter, which runs programs one by one, wants few). More tokens:
+    the tensor-core tile."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=max(DOT_TOKENS, triton.next_power_of_2(n_tokens)), BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
@@ -369,13 +381,22 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     if block_k > TILE_VALUES:
         block_k = 1024
     block_n = max(1, min(16, TILE_VALUES // block_k))
-    while block_n > 1 and triton.cdiv(n_rows, block_n) < min_programs:
+    while block_n > 1 and triton.cdiv(n_rows, block_n) * n_tokens < min_programs:
         block_n //= 2
-    return dict(DOT=False, BLOCK_M=triton.next_power_of_2(n_tokens), BLOCK_N=block_n, BLOCK_K=block_k)
+    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:
+    """(token blocks, row blocks): the FMA path runs one program per token and row block, the tokens of a row block
+    side by side in launch order, so that they read its weight tile at about the same time (from L2 after the first);
+    the tensor-core path takes all tokens in one block."""
+    return triton.cdiv(n_tokens, cfg["BLOCK_M"]), triton.cdiv(n_rows, cfg["BLOCK_N"])
 
 
 def attention_setting(n_tokens: int) -> dict:
-    return ATTENTION if n_tokens == 1 else ATTENTION_MULTI
+    """FMA-path steps attend as one-token steps do: the same splits, so the same sums, and with the FMA path's
+    one-token programs a verified token's layer outputs are bit for bit those AR decoding computes for it."""
+    return ATTENTION if n_tokens <= FMA_MAX_TOKENS else ATTENTION_MULTI
 
 
 def attention_splits(n_slots: int, n_tokens: int, device: torch.device) -> tuple[int, int]:
@@ -436,10 +457,15 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 
 
 # -- the layer ---------------------------------------------------------------------------------------------------
-def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops):
+def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None):
     """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
     written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: positions say it all; `rows` is
-    taken to be row b for every token of row b, as Transformer.forward builds it."""
+    taken to be row b for every token of row b, as Transformer.forward builds it.
+
+    `live` (int32 [B * T], optional): 0 marks a token whose outputs nobody reads, a verification slot past its row's
+    valid drafts. Such tokens are skipped where a program holds one token (attention, and every kernel on the FMA
+    path): their outputs and cache slots are left as they were. Since every kernel skips the same tokens, and a live
+    token reads only live tokens' K/V (valid drafts are a prefix), nothing reads what was skipped."""
     cfg = block.cfg
     if kv_cache.stride(-1) != 1:
         raise ValueError("fused layer: the KV cache needs unit stride along head_dim")
@@ -453,6 +479,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
     on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
     pdl = dict(PDL=on, launch_pdl=on)
+    live = live if live is not None else pos  # a pointer either way; read only with SKIP_DEAD
+    skip = dict(SKIP_DEAD=live is not pos)
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
     # 1. residual + norm + q/k/v + RoPE + cache write
@@ -463,12 +491,12 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     if cfg.qk_norm:  # the per-head norm needs the whole head in one program
         cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
     qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
-    _norm_pair_gemv[(triton.cdiv(n_pairs, cfg1["BLOCK_N"]),)](
+    _norm_pair_gemv[grid(cfg1, n_pairs, M)](
         x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
-        cos, sin, qk_norm, pos, kv_cache, M, hidden, n_pairs, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        cos, sin, qk_norm, pos, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, T, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl)
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
 
     # 2. attention, split over the cache, merged by each (token, head)'s last split
     n_slots = kv_cache.shape[3]
@@ -478,66 +506,75 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     stats = torch.empty(M * H, splits, 2, dtype=torch.float32, device=dev)
     attn = torch.empty(M, H * D, dtype=dt, device=dev)
     _decode_attention[(M * H, splits)](
-        q, kv_cache, pos, partial, stats, _split_counters(M * H, dev), attn, T, H, H // Hkv,
+        q, kv_cache, pos, live, partial, stats, _split_counters(M * H, dev), attn, T, H, H // Hkv,
         block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
-        num_warps=setting["num_warps"], **pdl)
+        num_warps=setting["num_warps"], **pdl, **skip)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
     cfg3 = gemv_blocks(hidden, H * D, M, width)
-    _gemv[(triton.cdiv(hidden, cfg3["BLOCK_N"]),)](
-        attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3, num_warps=4,
-        **pdl)
+    _gemv[grid(cfg3, hidden, M)](
+        attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3,
+        num_warps=4, **pdl, **_token_skip(skip, cfg3))
 
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
     act = torch.empty(M, inter, dtype=dt, device=dev)
     cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True)
-    _norm_pair_gemv[(triton.cdiv(inter, cfg4["BLOCK_N"]),)](
+    _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
-        cos, sin, block.mlp_norm, pos, kv_cache, M, hidden, inter, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        cos, sin, block.mlp_norm, pos, kv_cache, live, M, hidden, inter, cfg.rms_eps, T, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=4, **pdl)
+        num_warps=4, **pdl, **_token_skip(skip, cfg4))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
     cfg5 = gemv_blocks(hidden, inter, M, width)
-    _gemv[(triton.cdiv(hidden, cfg5["BLOCK_N"]),)](
-        act, block.w2, block.w2, delta_out, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, num_warps=4, **pdl)
+    _gemv[grid(cfg5, hidden, M)](
+        act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
+        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, num_warps=4, **pdl, **_token_skip(skip, cfg5))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 
-def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(x + delta) over the last dim, with the modular tail's numerics (engine.model.Transformer.forward)."""
+def _token_skip(skip: dict, cfg: dict) -> dict:
+    """A GEMV skips dead tokens on the FMA path only, where a program holds one token."""
+    return dict(SKIP_DEAD=skip["SKIP_DEAD"] and not cfg["DOT"])
+
+
+def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+               live: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x + delta) over the last dim, with the modular tail's numerics (engine.model.Transformer.forward);
+    rows of dead tokens (`live`, as in fused_layer) are left unwritten."""
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
     pdl = x2.shape[0] <= FMA_MAX_TOKENS and _pdl(x.device)
-    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, hidden, eps, BLOCK_K=triton.next_power_of_2(hidden),
-                                  num_warps=4, PDL=pdl, launch_pdl=pdl)
+    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, live if live is not None else x2, hidden, eps,
+                                  BLOCK_K=triton.next_power_of_2(hidden), num_warps=4, PDL=pdl, launch_pdl=pdl,
+                                  SKIP_DEAD=live is not None)
     return out.view(x.shape)
 
 
 def layer_function(fallback):
     """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
     batches, the CPU without the interpreter) run `fallback`, the modular layer."""
-    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops):
+    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None):
         if supports(block, x.shape[0] * x.shape[1], x.device) is None:
-            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops)
+            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live)
         return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops)
 
-    def last(block, x, delta, weight, eps):
+    def last(block, x, delta, weight, eps, live=None):
         """The final norm in one kernel for the steps this file runs; None for the others."""
         if supports(block, x.shape[0] * x.shape[1], x.device) is None:
-            return final_norm(x, delta, weight, eps)
+            return final_norm(x, delta, weight, eps, live)
         return None
 
     layer.needs_masks = lambda block, n_tokens, device: supports(block, n_tokens, device) is not None
     layer.final_norm = last
+    layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
     return layer
 
 

@@ -221,3 +221,15 @@ def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):
         assert t["tokens_per_s"] == pytest.approx(statistics.median(r["tokens"] / r["seconds"] for r in own))
     assert table["ar"]["tau"] == 1.0 and table["ngram-k4"]["tau"] >= 1.0
     assert result["floor_s"] == pytest.approx(result["weight_bytes"] / result["copy_bandwidth"])
+
+
+def test_engine_bench_without_our_ar(tiny_smol_dir, tmp_path, capsys):
+    """Without the `ar` system (and without HF) the table is relative to the first system, and nothing is compared
+    with AR tokens it did not decode."""
+    from specpilot.tools import engine_bench
+
+    engine_bench.main(["--target", str(tiny_smol_dir), "--device", "cpu", "--max-new-tokens", "4", "--limit", "1",
+                       "--workloads", "code", "--systems", "ngram-k4", "--hf", "", "--out", str(tmp_path)])
+    [row] = json.loads((tmp_path / "engine_bench.json").read_text())["table"]
+    assert row["system"] == "ngram-k4" and row["identical_to_ar"] is None
+    assert "over ngram-k4's" in capsys.readouterr().out

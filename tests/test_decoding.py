@@ -213,6 +213,41 @@ def test_tiny_oracle_valid_limits_acceptance(tiny):
         assert r.tokens == t[:n] and set(r.accepted) == {valid}
 
 
+@pytest.mark.parametrize("right,want", [
+    (0, [8, 7, 6, 5, 4, 3, 2, 1, 1]),        # every draft rejected: one fewer each step, never below 1
+    (3, [8, 7, 6, 5, 4, 3, 5, 4]),           # 3 right: shrinks to 3, all 3 accepted, +2, then back
+    (8, [8] * 4),                            # all right: stays at k
+])
+def test_tiny_adaptive_draft_length(tiny, right, want):
+    """`drafter.adaptive`: the drafts a row verifies each step follow the +2 / -1 schedule within 1..k, the target
+    sees only them as live tokens, and the output is still the reference."""
+    prompts = tiny_prompts()[2:]
+    k, n = 8, TINY_NEW
+    truth = [hf_greedy(tiny.hf, p, n + k + 1, stop_at_eos=False) for p in prompts]
+    dec = Decoder(tiny.loaded.model, OracleDrafter(prompts, truth, right, TINY_VOCAB), k=k, cuda_graphs=False,
+                  adaptive_drafts=True)
+    live = []
+    hook = tiny.loaded.model.register_forward_pre_hook(
+        lambda mod, args, kwargs: live.append(int(kwargs["live"].sum()) - 1) if kwargs.get("live") is not None
+        else None, with_kwargs=True)
+    try:
+        [row] = dec.generate(prompts, StopCondition(n, ()))
+    finally:
+        hook.remove()
+    assert row.tokens == truth[0][:n]
+    assert live[:len(want)] == want and len(row.accepted) >= len(want)
+    assert row.accepted[:len(want)] == [min(right, v) for v in want]
+
+
+@pytest.mark.parametrize("drafter", ("ngram", "model"))
+def test_tiny_adaptive_drafts_are_exact(tiny, tiny_reference, tiny_draft, drafter):
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": drafter, "model": "draft", "adaptive": True} if drafter ==
+                                     "model" else {"kind": "ngram", "adaptive": True}, "k": 4, "cuda_graphs": False}),
+                 draft=tiny_draft if drafter == "model" else None)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference
+
+
 # -- stop conditions on the tiny models ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", (1, 2, 7, 13))
 def test_tiny_length_stop_exact_count_despite_overshooting_steps(tiny, tiny_reference, n):

@@ -203,13 +203,52 @@ def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
-def test_fused_layer_fma_path_for_several_tokens(tiny_model_dir, monkeypatch):
-    """The FMA path taken token by token (FMA_MAX_TOKENS raised to 8): the five-token and the 3 x 2 steps run on it
-    instead of the tensor-core path, with the same results (Qwen2: q/k/v biases)."""
-    monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", 8)
-    assert not triton_fused_layer.gemv_blocks(480, 576, 5)["DOT"] and triton_fused_layer.gemv_blocks(480, 576, 9)["DOT"]
+def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
+    """Hidden 48 and intermediate 96 (as SmolLM2's 576 and 1536): tiles padded to powers of two, masked, agree with
+    the modular layer."""
+    loaded = load(str(tiny_model_dir("llama", hidden_size=48, intermediate_size=96, num_attention_heads=3,
+                                     num_key_value_heads=1)), "fp32", "cpu")
+    assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
+
+
+def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch):
+    """With FMA_MAX_TOKENS lowered to 1, steps of several tokens take the tensor-core path (W_tile @ H^T) instead of
+    one program per token, with the same results (Qwen2: q/k/v biases)."""
+    monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", 1)
+    assert triton_fused_layer.gemv_blocks(480, 576, 5)["DOT"] and not triton_fused_layer.gemv_blocks(480, 576, 1)["DOT"]
     loaded = load(str(tiny_model_dir("qwen2")), "fp32", "cpu")
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
+
+
+@pytest.mark.parametrize("fma_max_tokens", [8, 1])
+def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
+    """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
+    norm are bit for bit those of the full step. On the FMA path every kernel skips the dead tokens, so their cache
+    slots are left as they were; on the tensor-core path attention and the final norm skip them."""
+    monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
+    model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
+    cfg, g = model.cfg, torch.Generator().manual_seed(3)
+    model._ensure_rope(64)
+    positions = (20 + torch.arange(5))[None]
+    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+    x, delta = torch.randn(2, 1, 5, cfg.hidden_size, generator=g)
+    cache = torch.randn(2, 1, cfg.n_kv_heads, 64, cfg.head_dim, generator=g)
+    live = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32)
+    args = (x, delta, cos, sin)
+    rest = (torch.zeros(1, 5, dtype=torch.long), positions, {}, model.default_ops)
+    block = model.layers[0]
+    full_cache, part_cache = cache.clone(), cache.clone()
+    full = triton_fused_layer.fused_layer(block, *args, full_cache, *rest)
+    part = triton_fused_layer.fused_layer(block, *args, part_cache, *rest, live=live)
+    for a, b in zip(part, full):
+        assert torch.equal(a[:, :2], b[:, :2])
+    assert torch.equal(part_cache[..., 20:22, :], full_cache[..., 20:22, :])
+    assert not torch.equal(full_cache[..., 22:25, :], cache[..., 22:25, :])  # the full step writes them
+    if fma_max_tokens >= 5:  # the q/k/v kernel skips them too
+        assert torch.equal(part_cache[..., 22:25, :], cache[..., 22:25, :])
+    norm_full = triton_fused_layer.final_norm(*full, model.norm, cfg.rms_eps)
+    norm_part = triton_fused_layer.final_norm(*full, model.norm, cfg.rms_eps, live)
+    assert torch.equal(norm_part[:, :2], norm_full[:, :2])
 
 
 def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
@@ -220,14 +259,16 @@ def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
 
 
 def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
-    """Llama family: AR, and n-gram speculation at k = 4 over a ragged batch of three (15 tokens a step: fused) and at
-    k = 8 (27 tokens: the modular fallback), token for token and acceptance for acceptance with the modular layer."""
+    """Llama family: AR, and n-gram speculation at k = 4 for one row (5 tokens a step: FMA path, dead tokens skipped)
+    and over a ragged batch of three (15 tokens: tensor cores), and at k = 8 (27 tokens: the modular fallback), token
+    for token and acceptance for acceptance with the modular layer."""
     loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * reps for n, reps in ((6, 3), (4, 1), (9, 2))]
     calls = []
     real = triton_fused_layer.fused_layer
-    for recipe, rows in (({}, prompts[:1]), ({"drafter": {"kind": "ngram"}, "k": 4}, prompts),
+    for recipe, rows in (({}, prompts[:1]), ({"drafter": {"kind": "ngram"}, "k": 4}, prompts[:1]),
+                         ({"drafter": {"kind": "ngram"}, "k": 4}, prompts),
                          ({"drafter": {"kind": "ngram"}, "k": 8}, prompts)):
         fused = Engine(loaded, parse({**recipe, "layer": "fused"}))
         want = Engine(loaded, parse(recipe)).generate(rows, 6, ignore_eos=True)

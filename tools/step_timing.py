@@ -35,6 +35,7 @@ VARIANTS = {  # recipe fields over the defaults; each a lever on the AR or n-gra
     "ngram-k4-lossless12": {**_NGRAM, **_L12},
     "ar-fused": {"layer": "fused"},
     "ngram-k4-fused": {**_NGRAM, "layer": "fused"},
+    "ngram-k8-fused": {**_NGRAM, "k": 8, "layer": "fused"},
 }
 PROMPT = "Write a Python function that checks whether a number is prime, with tests."
 
@@ -75,6 +76,9 @@ def main(argv=None) -> None:
     ap.add_argument("--layer-check", action="store_true", help="first: only the fused layer's fp32 and bf16 checks")
     ap.add_argument("--fma-max-tokens", default="",
                     help="with --layer-bench: FMA_MAX_TOKENS values to time the fused layer at, e.g. 1,8")
+    ap.add_argument("--layer-tokens", default="1,5", help="with --layer-bench: tokens a step, e.g. 1,5,9")
+    ap.add_argument("--no-attention-sweep", action="store_true",
+                    help="with --layer-bench: only the attention settings as set (no sweep)")
     args = ap.parse_args(argv)
     target = loader.load(args.target, "bf16", "cuda")
     if args.layer_bench or args.layer_check:
@@ -90,19 +94,22 @@ def main(argv=None) -> None:
                     print(f"fused layer check, {model.dtype}: FAILED {e}", flush=True)
             if args.layer_check:
                 settings = []
+            elif args.no_attention_sweep:
+                settings = [None]
             else:
                 settings = [dict(keys_per_split=k, block_s=b, num_warps=w)
                             for k, b, w in ((64, 64, 4), (32, 32, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8),
                                             (256, 128, 8), (256, 256, 8))]
             for filled in (100, 300) if settings else ():
                 fma = tuple(int(v) for v in args.fma_max_tokens.split(",") if v) or (None,)
-                for row in triton_fused_layer.benchmark(target.model, compiled(Block.forward), filled=filled,
-                                                        attention=settings, fma_max_tokens=fma):
+                tokens = tuple(int(v) for v in args.layer_tokens.split(","))
+                for row in triton_fused_layer.benchmark(target.model, compiled(Block.forward), tokens=tokens,
+                                                        filled=filled, attention=settings, fma_max_tokens=fma):
                     print(f"fused layer T={row['tokens']} at {filled}: {row['fused_us']:.2f} us/layer, modular "
                           f"{row['modular_us']:.2f} us/layer, {row['speedup']:.2f}x  attention {row['attention']}  "
                           f"FMA up to {row['fma_max_tokens']} tokens", flush=True)
     for B in map(int, args.batch_sizes.split(",")):
-        for name in args.variants.split(","):
+        for name in filter(None, args.variants.split(",")):
             try:
                 measure(Engine(target, parse({"name": name, **VARIANTS[name]})), name, B, args.max_new_tokens)
             except Exception as e:  # a variant that fails must not cost the others their measurements
