@@ -80,6 +80,26 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     out[:, 1:].copy_(tokens)
 
 
+def _step_inputs(history, lengths, budget, drafts, valid, adaptive: bool, greedy: bool):
+    """A step's target inputs [last, drafts...] and their cache positions; each row's valid drafts (within its budget
+    when the draft length is adaptive); and for greedy verification the live tokens: the logits are read only up to
+    each row's valid drafts, so the slots after them are dead, and a layer that can skip them does (a step without
+    drafts then costs about what an AR step does). AR (drafts None): no drafts, no live mask."""
+    S = history.shape[1]
+    last = history.gather(1, (lengths - 1)[:, None])
+    if drafts is None:
+        inputs, valid, live = last, torch.zeros_like(lengths), None
+    else:
+        inputs = torch.cat([last, drafts], 1)
+        if adaptive:
+            valid = torch.minimum(valid, budget)
+    offsets = torch.arange(inputs.shape[1], device=inputs.device)[None]
+    if drafts is not None:
+        live = (offsets <= valid[:, None]).int().reshape(-1) if greedy else None
+    positions = ((lengths - 1)[:, None] + offsets).clamp(max=S - 1)
+    return inputs, valid, positions, live
+
+
 def _update_budget(budget, valid, n_acc, k: int) -> None:
     """Adaptive draft length (as HF's assisted generation schedules it): a row whose drafts were all accepted may
     verify two more next step, one that saw a rejection one fewer, within 1..k; a step without drafts says nothing."""
@@ -121,6 +141,8 @@ class Decoder:
 
             self.layer_fn = layer_function(self.layer_fn)
         self._finish = compiled(_finish_step) if compile else _finish_step
+        self._inputs = compiled(_step_inputs) if compile else _step_inputs
+        self._update_budget = compiled(_update_budget) if compile else _update_budget
         if drafter is not None:
             drafter.prepare(self.ops, self.layer_fn, compile)
         self.tokenizer = tokenizer
@@ -139,21 +161,16 @@ class Decoder:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
-        S, k = st.history.shape[1], self.k
-        last = st.history.gather(1, (st.lengths - 1)[:, None])
+        k = self.k
+        drafts = proposed = None
         if k:
             prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
+            drafts, proposed = prop.tokens, prop.valid
             self._mark("draft")
-            inputs = torch.cat([last, prop.tokens], 1)
-            valid = torch.minimum(prop.valid, st.budget) if self.adaptive_drafts else prop.valid
-        else:
-            inputs, valid = last, torch.zeros_like(st.lengths)
-        offsets = torch.arange(k + 1, device=inputs.device)[None]
-        positions = ((st.lengths - 1)[:, None] + offsets).clamp(max=S - 1)
-        # Greedy verification reads logits only up to each row's valid drafts: the slots after them are dead, and a
-        # layer that can skip them does (a step with no draft then costs about what an AR step does).
-        live = (offsets <= valid[:, None]).int().reshape(-1) if k and sampling.greedy else None
-        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, live=live)
+        inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, drafts, proposed,
+                                                      self.adaptive_drafts, sampling.greedy)
+        skip = {} if live is None else {"live": live}
+        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
         self._mark("verify")
         if sampling.greedy:
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
@@ -163,7 +180,7 @@ class Decoder:
                                            generator)
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
         if self.adaptive_drafts:
-            _update_budget(st.budget, valid, n_acc, k)
+            self._update_budget(st.budget, valid, n_acc, k)
         if k:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")

@@ -9,10 +9,10 @@ LAYERS = 1
 _forward = Transformer.forward
 
 
-def forward(self, tokens, positions, cache, n_layers=None, logits_at=None, ops=None, layer_fn=None):
+def forward(self, tokens, positions, cache, n_layers=None, logits_at=None, ops=None, layer_fn=None, live=None):
     if tokens.shape[1] > 1 and n_layers is None and logits_at is None:
         n_layers = LAYERS
-    return _forward(self, tokens, positions, cache, n_layers, logits_at, ops, layer_fn)
+    return _forward(self, tokens, positions, cache, n_layers, logits_at, ops, layer_fn, live)
 
 
 Transformer.forward = forward
