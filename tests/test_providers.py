@@ -105,7 +105,9 @@ def test_algorithm_ranks_by_predicted_tokens_per_s(profiles):
     view = CostView.from_context(ctx.deployment, prof)
     current = view.current().tokens_per_s
     predicted = []
-    for c in cands:
+    priced = [c for c in cands if "kind" in c.recipe_patch["drafter"]]
+    assert cands[:len(priced)] == priced  # an option the cost model does not price comes after these
+    for c in priced:
         d = c.recipe_patch["drafter"]
         assert d["kind"] == "ngram"
         p = view.predict(_ngram_dep(view, c.recipe_patch["k"], d["max_ngram"], d["min_ngram"]),
@@ -116,6 +118,23 @@ def test_algorithm_ranks_by_predicted_tokens_per_s(profiles):
     assert predicted == sorted(predicted, reverse=True)
     assert cands[0].recipe_patch["k"] > 4  # high acceptance: more drafts than stock's 4 pay
     assert "worst measured 0.80" in cands[0].reason  # positions past 4 extrapolated conservatively
+
+
+def test_algorithm_proposes_an_adaptive_draft_length_after_the_priced_options(profiles):
+    """With a measured drafter that is not adaptive, an option after the priced ones turns the adaptive length on, quoting the
+    measured acceptance; an adaptive recipe and AR get no such option."""
+    prof = profiles["stock"]
+    ctx = context(prof, "algorithm", recipe={**asdict(load_recipe("stock")), "layer": "fused"}, max_candidates=100)
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    [adaptive] = [c for c in cands if c.recipe_patch == {"drafter": {"adaptive": True}}]
+    assert all(c.reason.split(":")[0].startswith(("n-gram", "turn")) for c in cands[:cands.index(adaptive)])
+    assert f"tau {prof['acceptance']['tau']:.2f}" in adaptive.reason and "1..4 drafts" in adaptive.reason
+    adaptive = asdict(load_recipe("stock"))
+    adaptive["drafter"]["adaptive"] = True
+    for recipe, prof in ((adaptive, profiles["stock"]), ("ar", profiles["ar"])):
+        cands = PolicyProvider().propose(context(prof, "algorithm", recipe=recipe, max_candidates=100))
+        assert all("adaptive" not in c.recipe_patch.get("drafter", {}) for c in cands)
 
 
 def test_algorithm_turns_speculation_off_when_drafts_are_rejected(profiles):

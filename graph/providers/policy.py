@@ -50,8 +50,8 @@ def apply_patch(recipe: dict, patch: dict) -> Recipe:
 
 
 # The drafter fields each kind reads (docs/RECIPE.md); the others are ignored by the engine.
-DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram"), "layerskip": ("layers",),
-                  "model": ("model", "dtype")}
+DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive"), "layerskip": ("layers", "adaptive"),
+                  "model": ("model", "dtype", "adaptive")}
 
 
 def recipe_effect(recipe: Recipe, kernel: KernelSource | None = None) -> str:
@@ -374,6 +374,14 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
                     f"{rate:.2f} (tau above {need:.2f})"), (2, 0 if first else 1, rate, k, max_ngram)))
 
     options += _layerskip_options(recipe, view, cur, now)
+    if recipe.drafter.kind != "none" and not recipe.drafter.adaptive and view.per_position:
+        # Not priced by the cost model (it verifies k drafts a step): after every option it predicts a gain for.
+        options.append(Option({"drafter": {"adaptive": True}}, (
+            f"adaptive draft length for {now}: at {measured_note} many drafts are verified only to be rejected; "
+            f"with an adaptive length each row verifies 1..{recipe.k} drafts, two more after a fully accepted draft "
+            f"and one fewer after a rejection, and the fused layer skips the slots past them (with the modular layer "
+            f"only the acceptance changes); the cost model does not price this, the evaluation measures it"),
+            (2, -1)))
     return sorted(options, key=lambda o: o.rank)
 
 
