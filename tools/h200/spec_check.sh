@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue #2, after the fused layer's FMA path became one program per (token, row block) with K as tile + tail, and
-# verification skips dead tokens (slots past the valid drafts) with an optional adaptive draft length:
+# Issue #2, after the fused layer's FMA path became one program per (token, row block) with K as tile + tail
+# (the tail was reverted after this call: it slowed the one-token layer; docs/BENCHMARKS.md, fifth lease,
+# call D), and verification skips dead tokens (slots past the valid drafts) with an optional adaptive draft length:
 # 1. GPU checks and microseconds per layer at 1, 5 and 9 tokens (FMA_MAX_TOKENS 8 and 16), whole steps;
 # 2. token identity at B = 1: fp32 (every fused configuration = the modular AR) and bf16 (n-gram verification on the
 #    FMA path = the fused AR: the same per-token kernels);
