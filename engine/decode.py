@@ -5,7 +5,9 @@ the target scores [last, d_1..d_k] at positions len_b-1 .. len_b-1+k in one forw
 longest verified prefix plus one token of the target's own; the row advances by that many tokens. With no drafter
 (k = 0) the same step is plain autoregressive decoding. All of a step's tensors have static shapes, so on CUDA a
 greedy step (drafting, verification and acceptance together) is captured once as a CUDA graph and replayed; the one
-host sync per step reads the accepted tokens, which the host needs anyway for stop conditions.
+host sync per step reads the accepted tokens, which the host needs anyway for stop conditions. Shapes stay static,
+but work need not: greedy verification marks the slots past each row's valid drafts as dead, and a layer that can
+skip them (the fused layer) does; with `drafter.adaptive` each row's draft budget follows its acceptance.
 """
 from __future__ import annotations
 
@@ -88,15 +90,14 @@ def _step_inputs(history, lengths, budget, drafts, valid, adaptive: bool, greedy
     S = history.shape[1]
     last = history.gather(1, (lengths - 1)[:, None])
     if drafts is None:
-        inputs, valid, live = last, torch.zeros_like(lengths), None
+        inputs, valid = last, torch.zeros_like(lengths)
     else:
         inputs = torch.cat([last, drafts], 1)
         if adaptive:
             valid = torch.minimum(valid, budget)
     offsets = torch.arange(inputs.shape[1], device=inputs.device)[None]
-    if drafts is not None:
-        live = (offsets <= valid[:, None]).int().reshape(-1) if greedy else None
     positions = ((lengths - 1)[:, None] + offsets).clamp(max=S - 1)
+    live = (offsets <= valid[:, None]).int().reshape(-1) if drafts is not None and greedy else None
     return inputs, valid, positions, live
 
 
