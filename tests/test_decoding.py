@@ -86,15 +86,22 @@ def test_tiny_speculative_greedy_is_exact(tiny, tiny_reference, tiny_draft, draf
         assert 1 + sum(a + 1 for a in r.accepted[:-1]) < TINY_NEW <= 1 + sum(a + 1 for a in r.accepted)
 
 
-@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("model", 8)])
-def test_tiny_overlap_changes_no_token(tiny, tiny_reference, tiny_draft, drafter, k):
+@pytest.mark.parametrize("drafter,k,adaptive", [(None, 0, False), ("ngram", 4, False), ("model", 8, False),
+                                                ("ngram", 4, True)])
+def test_tiny_overlap_changes_no_token(tiny, tiny_reference, tiny_draft, drafter, k, adaptive):
     """With the host one step behind the device, rows that finish early take part in one extra step; their output,
-    stop reasons and acceptance counts must be those of the plain loop."""
-    recipe = recipe_for(drafter, k, overlap=True) if drafter else parse({"overlap": True})
-    eng = Engine(tiny.loaded, recipe, draft=tiny_draft if drafter == "model" else None)
-    assert eng.decoder.overlap
-    plain = Engine(tiny.loaded, recipe_for(drafter, k) if drafter else load_recipe("ar"),
-                   draft=tiny_draft if drafter == "model" else None)
+    stop reasons and acceptance counts must be those of the plain loop (with an adaptive draft length too: the
+    budget lives on the device)."""
+    def recipe(**extra):
+        if not drafter:
+            return parse(extra) if extra else load_recipe("ar")
+        r = recipe_for(drafter, k, **extra)
+        r.drafter.adaptive = adaptive
+        return r
+
+    eng = Engine(tiny.loaded, recipe(overlap=True), draft=tiny_draft if drafter == "model" else None)
+    assert eng.decoder.overlap and eng.decoder.adaptive_drafts == adaptive
+    plain = Engine(tiny.loaded, recipe(), draft=tiny_draft if drafter == "model" else None)
     for n in (5, TINY_NEW):
         rows = eng.generate(tiny_prompts(), n, ignore_eos=True)
         assert [r.tokens for r in rows] == [ref[:n] for ref in tiny_reference]
