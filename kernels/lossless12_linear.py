@@ -115,7 +115,8 @@ def _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8: tl.constexpr, EVEN_N:
 @triton.jit
 def _first_words(q_row, k_lo, jj, k_hi, K8, row_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                  POLICY: tl.constexpr, PREFETCH: tl.constexpr):
-    """With PREFETCH the first tile's words, loaded before the loop; without, placeholders the loop carries along."""
+    """With PREFETCH the first tile's words, loaded before the loop. Without, zeros: the loop carries w0..w2 either
+    way, so Triton needs them defined before it, and `_tile_words` then loads each tile in its own iteration."""
     if PREFETCH:
         j = k_lo + jj
         return _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)

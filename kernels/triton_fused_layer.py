@@ -102,17 +102,24 @@ def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
 
 
 @triton.jit
+def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """A GEMV program's start: with PDL, let the next kernel launch now; then (its tokens, which of them are real,
+    its row block). Tokens are grid axis 0 (one a program on the FMA path, BLOCK_M = 1), row blocks axis 1."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_block = tl.program_id(1)
+    return tokens, tokens < M, row_block
+
+
+@triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, T, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # FMA path: one token a program (BLOCK_M = 1)
-    pid = tl.program_id(1)
-    token_ok = tokens < M
+    tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_ok = pairs < n_pairs
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -305,11 +312,7 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
     """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # FMA path: one token a program (BLOCK_M = 1)
-    pid = tl.program_id(1)
-    token_ok = tokens < M
+    tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
