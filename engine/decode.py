@@ -53,6 +53,14 @@ class BatchStats:
     steps: int = 0
 
 
+PREFILL_WIDTH_STEP = 64  # with CUDA graphs, prompts are padded to a multiple of this: one prefill graph per width
+
+
+def prefill_width(longest_prompt: int) -> int:
+    """The padded prompt width a batch prefills at with CUDA graphs."""
+    return -(-longest_prompt // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP
+
+
 def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool = False) -> int:
     """KV-cache slots a batch gets: room for the prompt, the new tokens and one (with overlap two) steps of k + 1
     verified tokens, rounded up to a power of two so later batches reuse the cache and with it the compiled kernels
@@ -128,6 +136,7 @@ class Decoder:
         self.model, self.drafter, self.k = model, drafter, k
         self.adaptive_drafts = adaptive_drafts and k > 0
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self.pad_prompts = self.cuda_graphs  # to a multiple of PREFILL_WIDTH_STEP: few prefill graphs
         self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
         # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
         # math version would materialize a [B, heads, T, S] score tensor).
@@ -151,6 +160,8 @@ class Decoder:
         self.eos_token_ids = eos_token_ids
         self._cache: KVCache | None = None
         self._graphs: dict = {}
+        self._prefill_graphs: dict = {}  # (B, padded length) -> (graph, static inputs, logits)
+        self._prefill_pool = None
         self.last_stats = BatchStats()
         # Profiling hook (specpilot.tools.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
         # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
@@ -257,6 +268,38 @@ class Decoder:
             self._step(st, sampling, None)
         return graph
 
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The prompts' forward pass: their K/V into the cache, and each row's logits at its last token [B, vocab].
+
+        With CUDA graphs it is replayed as a graph captured once per (batch, padded length): eager, a prefill of a
+        small model is bound by the host launching its hundreds of kernels one by one (on the H200, SmolLM2's took
+        ~25 ms for a prompt the device computes in a few)."""
+        def forward(tokens, positions, lengths):
+            return self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None],
+                              ops=self.prefill_ops)[:, 0]
+
+        if not self.cuda_graphs:
+            return forward(tokens, positions, lengths)
+        entry = self._prefill_graphs.get(tokens.shape)
+        if entry is None:
+            static = (tokens.clone(), positions.clone(), lengths.clone())
+            stream = torch.cuda.Stream()  # warm up (lazy library init must not happen during capture)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward(*static)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._prefill_pool):
+                logits = forward(*static)
+            entry = self._prefill_graphs[tokens.shape] = (graph, static, logits)
+        graph, static, logits = entry
+        for buf, value in zip(static, (tokens, positions, lengths)):
+            buf.copy_(value)
+        graph.replay()
+        return logits
+
     # -- a batch -------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], stop: StopCondition, sampling: SamplingParams = SamplingParams(),
                  seed: int = 0) -> list[RowResult]:
@@ -265,9 +308,11 @@ class Decoder:
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
         B, longest = len(prompts), max(len(p) for p in prompts)
-        max_len = cache_length(longest, stop.max_new_tokens, self.k, self.overlap)
+        width = prefill_width(longest) if self.pad_prompts else longest  # prompts right-padded to this
+        max_len = max(cache_length(longest, stop.max_new_tokens, self.k, self.overlap), width)
         if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < max_len:
-            self._cache, self._graphs = None, {}
+            # (a fresh pool for the new prefill graphs: PyTorch cannot capture into a pool whose graphs are gone)
+            self._cache, self._graphs, self._prefill_graphs, self._prefill_pool = None, {}, {}, None
             self._cache = self.model.new_cache(B, max_len)
             self._state = DecodeState(B, max_len, self.k, device)
             if device.type == "cuda":  # two pinned buffers: the host reads one while the next step's copy lands
@@ -285,13 +330,13 @@ class Decoder:
         t0 = time.perf_counter()
         with torch.inference_mode():
             lengths = torch.tensor([len(p) for p in prompts], device=device)
-            padded = torch.zeros(B, longest, dtype=torch.long)
+            padded = torch.zeros(B, width, dtype=torch.long)
             for b, p in enumerate(prompts):
                 padded[b, : len(p)] = torch.tensor(p)
             padded = padded.to(device)
-            positions = torch.arange(longest, device=device)[None].expand(B, longest)
+            positions = torch.arange(width, device=device)[None].expand(B, width)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
-            logits = self.model(padded, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops)[:, 0]
+            logits = self._prefill(padded, positions, lengths)
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
@@ -299,7 +344,7 @@ class Decoder:
             if self.drafter is not None:
                 self.drafter.prefill(padded, positions, max_len)
             st.history.zero_()
-            st.history[:, :longest] = padded
+            st.history[:, :width] = padded
             st.history.scatter_(1, lengths[:, None], first[:, None])
             st.lengths.copy_(lengths + 1)
             st.active.fill_(True)

@@ -60,7 +60,7 @@ class Recipe:
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     kernels: dict[str, str] = field(default_factory=lambda: dict(KERNEL_DEFAULTS))  # slot -> implementation
     layer: str = "modular"  # modular: each layer from the kernel slots; fused: five Triton kernels a layer per step
-    cuda_graphs: bool = True  # CUDA only: each step replayed as one captured graph
+    cuda_graphs: bool = True  # CUDA only: each step, and the prefill, replayed as one captured graph
     compile: bool = True  # CUDA only: step-shaped forwards compiled by torch.compile (inductor)
     compile_mode: str = "default"  # torch.compile mode; "max-autotune-no-cudagraphs" autotunes the small GEMMs
     overlap: bool = False  # the host reads step i's tokens while the device runs step i+1

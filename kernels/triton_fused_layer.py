@@ -72,6 +72,10 @@ DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 # Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the
 # tensor cores. benchmark(fma_max_tokens=...) times the alternatives; SPECPILOT_FMA_MAX_TOKENS sets it for whole runs.
 FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
+# On the FMA path, each token's program takes the tile a one-token step takes (the rows a program holds fix the
+# order of its sums on the GPU): a verified token's layer outputs are then bit for bit those AR decoding computes for
+# it. Off (SPECPILOT_FMA_TILES_AS_ONE_TOKEN=0), a step of more tokens takes more rows a program, so fewer programs.
+FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1") != "0"
 
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
 # as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
@@ -80,6 +84,10 @@ FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
 # 0.453 ms, while the five-token step (tensor-core path, weights loaded after the wait) went from 0.962 to 1.020 ms:
 # so multi-token steps launch without it. SPECPILOT_PDL=0 turns it off (for A/B timing).
 PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
+
+# Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
+# weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
+DEAD_CHECK_FIRST = tl.constexpr(os.environ.get("SPECPILOT_DEAD_CHECK_FIRST", "1") != "0")
 
 # Modes (constexpr globals, which @triton.jit functions may read)
 ROPE_KV, SILU = tl.constexpr(0), tl.constexpr(1)
@@ -120,6 +128,9 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
+    if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
+        if tl.load(live_ptr + tl.program_id(0)) == 0:
+            return
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_ok = pairs < n_pairs
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -157,7 +168,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             which = tl.where(hq < n_heads, 0, HEAD_DIM)
             na = tl.load(qk_norm_ptr + which + dims, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
             nb = tl.load(qk_norm_ptr + which + dims + HALF, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-    if SKIP_DEAD:  # FMA path, one token a program: a dead token's program ends here
+    if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     if PDL:  # from here on: what the previous kernel wrote (x, delta) and what it may still read (our outputs)
@@ -313,6 +324,9 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           BLOCK_K: tl.constexpr):
     """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
+    if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
+        if tl.load(live_ptr + tl.program_id(0)) == 0:
+            return
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -320,7 +334,7 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    if SKIP_DEAD:  # FMA path, one token a program
+    if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     if PDL:
@@ -374,9 +388,9 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens.
 
     Up to FMA_MAX_TOKENS tokens: one token a program; all of K in one tile while the weight tile stays within
-    TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs over all
-    tokens (latency wants width on a GPU; the interpreter, which runs programs one by one, wants few). More tokens:
-    the tensor-core tile."""
+    TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs for one
+    token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the interpreter, which runs
+    programs one by one, wants few). More tokens: the tensor-core tile."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=max(DOT_TOKENS, triton.next_power_of_2(n_tokens)), BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
@@ -384,7 +398,8 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     if block_k > TILE_VALUES:
         block_k = 1024
     block_n = max(1, min(16, TILE_VALUES // block_k))
-    while block_n > 1 and triton.cdiv(n_rows, block_n) * n_tokens < min_programs:
+    programs_per_row_block = 1 if FMA_TILES_AS_ONE_TOKEN else n_tokens
+    while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
         block_n //= 2
     return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
 

@@ -109,6 +109,27 @@ def test_tiny_overlap_changes_no_token(tiny, tiny_reference, tiny_draft, drafter
         assert [(r.accepted, r.finish_reason) for r in rows] == [(r.accepted, r.finish_reason) for r in base]
 
 
+@pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("model", 4)])
+def test_tiny_prompts_padded_to_the_prefill_width_change_no_token(tiny, tiny_reference, tiny_draft, drafter, k):
+    """With CUDA graphs, prompts are right-padded to a multiple of PREFILL_WIDTH_STEP (one prefill graph a width):
+    the pad slots (here up to 64 - 9 = 55 of them) must change no token of any row, with or without a drafter that
+    prefills its own cache from the padded prompts."""
+    recipe = recipe_for(drafter, k) if drafter else load_recipe("ar")
+    eng = Engine(tiny.loaded, recipe, draft=tiny_draft if drafter == "model" else None)
+    eng.decoder.pad_prompts = True  # as with CUDA graphs (the CPU prefills eagerly either way)
+    widths = []
+    forward = eng.decoder.model.forward
+    eng.decoder.model.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+    try:
+        for rows in (tiny_prompts(), tiny_prompts()[1:2]):
+            out = eng.generate(rows, TINY_NEW, ignore_eos=True)
+            want = tiny_reference if len(rows) == 3 else tiny_reference[1:2]
+            assert [r.tokens for r in out] == want, drafter
+    finally:
+        eng.decoder.model.forward = forward
+    assert 64 in widths and 30 not in widths and 9 not in widths  # the prefills ran at the padded width
+
+
 def test_tiny_max_batch_size_splits_without_changing_output(tiny, tiny_reference):
     eng = Engine(tiny.loaded, recipe_for("ngram", 4, batch={"max_batch_size": 2}))
     rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)

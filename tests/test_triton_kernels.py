@@ -251,6 +251,36 @@ def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_toke
     assert torch.equal(norm_part[:, :2], norm_full[:, :2])
 
 
+def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
+    """On the FMA path a step of five tokens runs each token through the program a one-token step runs, with the same
+    tile (FMA_TILES_AS_ONE_TOKEN) and attention splits: its outputs and cache writes are bit for bit those of five
+    one-token steps run in order (what AR decoding computes), so verification cannot change a token by rounding
+    differently. (The interpreter sums a tile's rows in one order whatever the tile; on the GPU the tile fixes it.)
+    Qwen2: q/k/v biases."""
+    model = load(str(tiny_model_dir("qwen2")), "fp32", "cpu").model
+    cfg, g = model.cfg, torch.Generator().manual_seed(4)
+    model._ensure_rope(64)
+    positions = (30 + torch.arange(5))[None]
+    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+    x, delta = torch.randn(2, 1, 5, cfg.hidden_size, generator=g)
+    cache = torch.randn(2, 1, cfg.n_kv_heads, 64, cfg.head_dim, generator=g)
+    block, ops = model.layers[0], model.default_ops
+    for rows, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size)):
+        for width in (1, 256):  # the interpreter's and the GPU's least number of programs
+            assert (triton_fused_layer.gemv_blocks(rows, k, 5, width)
+                    == triton_fused_layer.gemv_blocks(rows, k, 1, width)), (rows, k, width)
+    step_cache, token_cache = cache.clone(), cache.clone()
+    step = triton_fused_layer.fused_layer(block, x, delta, cos, sin, step_cache, torch.zeros(1, 5, dtype=torch.long),
+                                          positions, {}, ops)
+    for t in range(5):
+        one = slice(t, t + 1)
+        out = triton_fused_layer.fused_layer(block, x[:, one], delta[:, one], cos[:, one], sin[:, one], token_cache,
+                                             torch.zeros(1, 1, dtype=torch.long), positions[:, one], {}, ops)
+        for a, b in zip(out, step):
+            assert torch.equal(a, b[:, one]), t
+    assert torch.equal(token_cache, step_cache)
+
+
 def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
     cpu = torch.device("cpu")
