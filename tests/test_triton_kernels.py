@@ -220,6 +220,18 @@ def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def _five_token_step(model, first: int, seed: int):
+    """A verification step's inputs for one layer of `model`: one row of five tokens at positions first..first + 4
+    (their RoPE tables), random x and delta, and a random 64-slot cache."""
+    cfg, g = model.cfg, torch.Generator().manual_seed(seed)
+    model._ensure_rope(64)
+    positions = (first + torch.arange(5))[None]
+    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+    x, delta = torch.randn(2, 1, 5, cfg.hidden_size, generator=g)
+    cache = torch.randn(2, 1, cfg.n_kv_heads, 64, cfg.head_dim, generator=g)
+    return positions, cos, sin, x, delta, cache
+
+
 @pytest.mark.parametrize("fma_max_tokens", [8, 1])
 def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
     """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
@@ -227,12 +239,8 @@ def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_toke
     slots are left as they were; on the tensor-core path attention and the final norm skip them."""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
     model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
-    cfg, g = model.cfg, torch.Generator().manual_seed(3)
-    model._ensure_rope(64)
-    positions = (20 + torch.arange(5))[None]
-    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
-    x, delta = torch.randn(2, 1, 5, cfg.hidden_size, generator=g)
-    cache = torch.randn(2, 1, cfg.n_kv_heads, 64, cfg.head_dim, generator=g)
+    cfg = model.cfg
+    positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=3)
     live = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32)
     args = (x, delta, cos, sin)
     rest = (torch.zeros(1, 5, dtype=torch.long), positions, {}, model.default_ops)
@@ -258,12 +266,8 @@ def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
     differently. (The interpreter sums a tile's rows in one order whatever the tile; on the GPU the tile fixes it.)
     Qwen2: q/k/v biases."""
     model = load(str(tiny_model_dir("qwen2")), "fp32", "cpu").model
-    cfg, g = model.cfg, torch.Generator().manual_seed(4)
-    model._ensure_rope(64)
-    positions = (30 + torch.arange(5))[None]
-    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
-    x, delta = torch.randn(2, 1, 5, cfg.hidden_size, generator=g)
-    cache = torch.randn(2, 1, cfg.n_kv_heads, 64, cfg.head_dim, generator=g)
+    cfg = model.cfg
+    positions, cos, sin, x, delta, cache = _five_token_step(model, first=30, seed=4)
     block, ops = model.layers[0], model.default_ops
     for rows, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size)):
         for width in (1, 256):  # the interpreter's and the GPU's least number of programs
