@@ -75,6 +75,8 @@ FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
 # On the FMA path, each token's program takes the tile a one-token step takes (the rows a program holds fix the
 # order of its sums on the GPU): a verified token's layer outputs are then bit for bit those AR decoding computes for
 # it. Off (SPECPILOT_FMA_TILES_AS_ONE_TOKEN=0), a step of more tokens takes more rows a program, so fewer programs.
+# On the H200 (docs/BENCHMARKS.md, sixth lease, B) on: n-gram verification decoded the fused AR's bf16 tokens on 4/4
+# prompts (off: 1/4), for a 5-token step 2% slower (0.841 against 0.825 ms) when all its slots are live.
 FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1") != "0"
 
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
@@ -87,6 +89,8 @@ PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
+# First took the adaptive n-gram from 0.94x to 0.99x our fastest AR on summarization, 1.20x to 1.22x on code (H200,
+# docs/BENCHMARKS.md, sixth lease, E); SPECPILOT_DEAD_CHECK_FIRST=0 restores the other order for A/B timing.
 DEAD_CHECK_FIRST = tl.constexpr(os.environ.get("SPECPILOT_DEAD_CHECK_FIRST", "1") != "0")
 
 # Modes (constexpr globals, which @triton.jit functions may read)
