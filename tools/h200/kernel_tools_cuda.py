@@ -1,6 +1,11 @@
-"""Issue #5 on the H200: the kernel tools' CUDA-only tests (tests/test_kernel_tools.py, skipped in CI), run as plain
-calls because the device image has no pytest plugins' dependencies (jsonschema is stubbed: these tests do not use
-it). pytest itself is carried in .gpu/pylibs (copied from the local install) for its decorators."""
+"""Issue #5 on the H200: the kernel tools' CUDA-only tests (tests/test_kernel_tools.py, skipped in CI), each called
+as a plain function, since the device image has neither pytest nor jsonschema.
+- pytest (pure Python) is carried in the ignored .gpu/pylibs, copied from the local install: the test module needs
+  it for its decorators.
+- jsonschema cannot be carried: it needs rpds-py, a compiled extension built for another Python. The test module
+  imports it at the top but uses it only in its CPU tests of the tool specs, none of which run here. So, where it is
+  missing, an empty module stands in for it, and any use of it would fail loudly with an AttributeError.
+"""
 import importlib.util
 import sys
 import time

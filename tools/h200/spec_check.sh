@@ -12,31 +12,12 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 timeout 150 python -m specpilot.tools.step_timing --target $T --batch-sizes 1 --layer-bench --no-attention-sweep \
   --layer-tokens 1,5,9 --fma-max-tokens 8,16 --variants ar-fused,ngram-k4-fused,ngram-k8-fused 2>&1 \
   | grep --line-buffered -v "de-quantizing" | grep -v "^      " | tee $OUT/layer.log
-timeout 200 python - <<'PY' 2>&1 | grep --line-buffered -v "de-quantizing\|warn" | tee $OUT/tokens.log
-from specpilot.engine import loader
-from specpilot.engine.engine import Engine
-from specpilot.engine.recipe import parse
-from specpilot.engine.workloads import load_workload
-
-NG, AD = {"kind": "ngram"}, {"kind": "ngram", "adaptive": True}
-CONFIGS = {"ar-fused": {"layer": "fused"}, "ngram-k4-fused": {"drafter": NG, "k": 4, "layer": "fused"},
-           "ngram-k4-adaptive-fused": {"drafter": AD, "k": 4, "layer": "fused"},
-           "ngram-k8-fused (tensor cores)": {"drafter": NG, "k": 8, "layer": "fused"},
-           "ngram-k8-adaptive-fused": {"drafter": AD, "k": 8, "layer": "fused"}}
-for dtype, ref_name in (("fp32", "ar"), ("bf16", "ar-fused")):
-    target = loader.load("/tmp/smollm2/model.gguf", dtype, "cuda")
-    engines = {"ar": Engine(target, parse({"name": "ar"}))}
-    engines.update({n: Engine(target, parse({"name": n.split()[0], **f})) for n, f in CONFIGS.items()})
-    qs = load_workload("code", 2) + load_workload("summarize", 2)
-    prompts = [engines["ar"].encode(q.turns[0]) for q in qs]
-    out = {n: [e.generate([p], 192, ignore_eos=True)[0] for p in prompts] for n, e in engines.items()}
-    ref = [r.tokens for r in out[ref_name]]
-    for n, rows in out.items():
-        same = [r.tokens == t for r, t in zip(rows, ref)]
-        first = [next((i for i, (a, b) in enumerate(zip(r.tokens, t)) if a != b), None) for r, t in zip(rows, ref)]
-        print(f"{dtype} {n:30s} = {ref_name}: {sum(same)}/{len(same)} first diff {first} "
-              f"tau {[round(r.mean_accepted, 2) for r in rows]}", flush=True)
-PY
+timeout 200 python tools/h200/token_identity.py '{"ar-fused": {"layer": "fused"},
+ "ngram-k4-fused": {"drafter": {"kind": "ngram"}, "k": 4, "layer": "fused"},
+ "ngram-k4-adaptive-fused": {"drafter": {"kind": "ngram", "adaptive": true}, "k": 4, "layer": "fused"},
+ "ngram-k8-fused (tensor cores)": {"drafter": {"kind": "ngram"}, "k": 8, "layer": "fused"},
+ "ngram-k8-adaptive-fused": {"drafter": {"kind": "ngram", "adaptive": true}, "k": 8, "layer": "fused"}}' 2>&1 \
+  | grep --line-buffered -v "de-quantizing\|warn" | tee $OUT/tokens.log
 echo '{"specpilot_recipe": 1, "name": "ngram-k4-adaptive-fused-b1", "drafter": {"kind": "ngram", "adaptive": true},
  "k": 4, "layer": "fused", "batch": {"max_batch_size": 1}}' > /tmp/adaptive-b1.json
 SPECPILOT_GATE_LAUNCH=subprocess timeout 120 python -m specpilot.cli check --target $T --recipe /tmp/adaptive-b1.json \
