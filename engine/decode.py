@@ -7,7 +7,10 @@ longest verified prefix plus one token of the target's own; the row advances by 
 greedy step (drafting, verification and acceptance together) is captured once as a CUDA graph and replayed; the one
 host sync per step reads the accepted tokens, which the host needs anyway for stop conditions. Shapes stay static,
 but work need not: greedy verification marks the slots past each row's valid drafts as dead, and a layer that can
-skip them (the fused layer) does; with `drafter.adaptive` each row's draft budget follows its acceptance.
+skip them (the fused layer) does; with `drafter.adaptive` each row's draft budget follows its acceptance. With
+`ar_after_miss` the host runs a plain AR step (one token, no verification: a graph of its own) when the drafter found
+nothing at the latest step it has read, since even a dead slot costs something; the drafter still searches in AR
+steps, so verification resumes as soon as it finds drafts again.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ class BatchStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    ar_steps: int = 0  # of them, steps run without verification (ar_after_miss)
 
 
 PREFILL_WIDTH_STEP = 64  # with CUDA graphs, prompts are padded to a multiple of this: one prefill graph per width
@@ -76,7 +80,8 @@ class DecodeState:
         self.history = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
-        self.out = torch.zeros(batch, k + 2, dtype=torch.long, device=device)  # [n_accepted, tokens...]
+        # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts proposed]
+        self.out = torch.zeros(batch, k + 3, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
 
 
@@ -87,7 +92,7 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     history.scatter_(1, slots, tokens)  # slots past n_acc hold junk beyond the row's length: never read
     lengths.add_((n_acc + 1) * active)
     out[:, 0].copy_(n_acc)
-    out[:, 1:].copy_(tokens)
+    out[:, 1: 1 + width].copy_(tokens)
 
 
 def _step_inputs(history, lengths, budget, drafts, valid, adaptive: bool, greedy: bool):
@@ -116,9 +121,10 @@ def _update_budget(budget, valid, n_acc, k: int) -> None:
     budget.copy_(torch.where(valid > 0, grown, budget))
 
 
-def _finish_step(history, lengths, active, out, drafts, valid, logits, accept) -> torch.Tensor:
+def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, proposed) -> torch.Tensor:
     n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
+    out[:, -1].copy_(proposed)
     return n_acc
 
 
@@ -128,13 +134,14 @@ class Decoder:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
-                 layer: str = "modular", adaptive_drafts: bool = False):
+                 layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
         self.model, self.drafter, self.k = model, drafter, k
         self.adaptive_drafts = adaptive_drafts and k > 0
+        self.ar_after_miss = ar_after_miss and k > 0
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self.pad_prompts = self.cuda_graphs  # to a multiple of PREFILL_WIDTH_STEP: few prefill graphs
         self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
@@ -172,12 +179,16 @@ class Decoder:
             self.phase_timer.mark(point)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
+    def _step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
+        """One decoding step; with verify=False (ar_after_miss) an AR step whose drafter only reports what it found."""
         k = self.k
-        drafts = proposed = None
+        drafts = proposed = prop = None
+        found = torch.zeros_like(st.lengths)
         if k:
             prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
-            drafts, proposed = prop.tokens, prop.valid
+            found = prop.valid
+            if verify:
+                drafts, proposed = prop.tokens, prop.valid
             self._mark("draft")
         inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, drafts, proposed,
                                                       self.adaptive_drafts, sampling.greedy)
@@ -186,27 +197,29 @@ class Decoder:
         self._mark("verify")
         if sampling.greedy:
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
-                                 self.ops.accept)
+                                 self.ops.accept, found)
         else:
-            n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if k else None, logits, sampling,
-                                           generator)
+            n_acc, tokens = accept_sampled(inputs[:, 1:], valid, prop.probs if drafts is not None else None, logits,
+                                           sampling, generator)
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
-        if self.adaptive_drafts:
+            st.out[:, -1].copy_(found)
+        if self.adaptive_drafts and drafts is not None:
             self._update_budget(st.budget, valid, n_acc, k)
-        if k:
+        if drafts is not None:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
-    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
+    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
         if not sampling.greedy:
-            return self._step(st, sampling, generator)
+            return self._step(st, sampling, generator, verify)
         if not self.cuda_graphs or self.phase_timer is not None:
-            return self._step(st, sampling, None)
-        key = (id(st), self.k)
+            return self._step(st, sampling, None, verify)
+        key = (id(st), self.k, verify)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(st, sampling)
-            self._graphs = {key: graph}  # one batch's state at a time; older graphs release their pool
+            graph = self._capture(st, sampling, verify)
+            # one batch's state at a time (its verification and AR steps); older graphs release their pool
+            self._graphs = {**{k: g for k, g in self._graphs.items() if k[0] == id(st)}, key: graph}
         graph.replay()
 
     def time_graph_replay(self, replays: int = 20) -> float | None:
@@ -232,10 +245,10 @@ class Decoder:
         torch.cuda.synchronize()
         self._state.lengths.copy_(lengths)
 
-    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int):
+    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, verify: bool = True):
         """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
         self._mark("begin")
-        self._run_step(st, sampling, generator)
+        self._run_step(st, sampling, generator, verify)
         if st.out.device.type != "cuda":
             return st.out.clone(), None
         buf = self._host_out[index % 2]
@@ -251,7 +264,7 @@ class Decoder:
             done.synchronize()
         return buf.tolist()
 
-    def _capture(self, st: DecodeState, sampling: SamplingParams):
+    def _capture(self, st: DecodeState, sampling: SamplingParams, verify: bool = True):
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
         saved = (st.history.clone(), st.lengths.clone())
@@ -259,13 +272,13 @@ class Decoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(st, sampling, None)
+                self._step(st, sampling, None, verify)
                 st.history.copy_(saved[0])
                 st.lengths.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._step(st, sampling, None)
+            self._step(st, sampling, None, verify)
         return graph
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -355,11 +368,17 @@ class Decoder:
             for b, r in enumerate(results):
                 active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
             stats = BatchStats(prefill_s=t_first)
-            pending = self._launch(st, sampling, generator, 0) if any(active) else None
+            verify = True  # the next step verifies drafts (else, with ar_after_miss, it is an AR step)
+
+            def launch(index: int):
+                stats.ar_steps += not verify
+                return self._launch(st, sampling, generator, index, verify)
+
+            pending = launch(0) if any(active) else None
             while pending is not None:
                 # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
                 # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
-                ahead = self._launch(st, sampling, generator, stats.steps + 1) if self.overlap else None
+                ahead = launch(stats.steps + 1) if self.overlap else None
                 self._mark("sync")
                 out = self._read(pending)  # the step's one host sync
                 self._mark("synced")
@@ -375,10 +394,12 @@ class Decoder:
                         active[b], changed = False, True
                 if changed:
                     st.active.copy_(torch.tensor(active))
+                if self.ar_after_miss:  # verify next only if the drafter found something for a live row
+                    verify = any(active[b] and out[b][-1] > 0 for b in range(B))
                 self._mark("end")
                 if not any(active):
                     break
-                pending = ahead or self._launch(st, sampling, generator, stats.steps)
+                pending = ahead or launch(stats.steps)
             sync()
             stats.decode_s = time.perf_counter() - t0 - t_first
         self.last_stats = stats

@@ -56,7 +56,8 @@ class Engine:
             compile = False  # the weight lookup by parameter identity is Python, not traceable; CUDA graphs still apply
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
-                               recipe.compile_mode, recipe.layer, recipe.drafter.adaptive)
+                               recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
+                               recipe.drafter.ar_after_miss)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -37,6 +37,7 @@ class DrafterSpec:
     model: str = ""  # model: path, alias or cached hub id of the draft model
     dtype: str = ""  # model: its dtype ("" = the target's)
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
+    ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
 
 
 @dataclass

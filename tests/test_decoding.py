@@ -276,6 +276,57 @@ def test_tiny_adaptive_drafts_are_exact(tiny, tiny_reference, tiny_draft, drafte
     assert [r.tokens for r in rows] == tiny_reference
 
 
+class IntermittentDrafter(OracleDrafter):
+    """The true continuation (all k right) while the next token's index g is in an even block of `period`, nothing
+    (valid 0) in the odd blocks; records what it found at each call."""
+
+    def __init__(self, prompts, truth, vocab: int, period: int):
+        super().__init__(prompts, truth, right=10 ** 6, vocab=vocab)
+        self.period, self.found = period, []
+
+    def propose(self, history, lengths, k, sampling, generator):
+        prop = super().propose(history, lengths, k, sampling, generator)
+        g = lengths.tolist()[0] - self.prompt_lens[0]
+        prop.valid.fill_(k if (g // self.period) % 2 == 0 else 0)
+        self.found.append(int(prop.valid[0]))
+        return prop
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_ar_after_miss(tiny, overlap):
+    """`drafter.ar_after_miss`: a step is an AR step (the target sees one token) exactly when the drafter found
+    nothing at the latest step the host has read (the step before; with overlap the one before that), and verifies
+    k drafts otherwise; the drafter still runs in AR steps, and the output is the reference."""
+    prompts, k, n = tiny_prompts()[2:], 3, TINY_NEW
+    truth = [hf_greedy(tiny.hf, p, n + k + 1, stop_at_eos=False) for p in prompts]
+    drafter = IntermittentDrafter(prompts, truth, TINY_VOCAB, period=6)
+    dec = Decoder(tiny.loaded.model, drafter, k=k, cuda_graphs=False, overlap=overlap, ar_after_miss=True)
+    widths = []
+    hook = tiny.loaded.model.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
+    try:
+        [row] = dec.generate(prompts, StopCondition(n, ()))
+    finally:
+        hook.remove()
+    assert row.tokens == truth[0][:n]
+    steps = widths[1:]  # after the prefill
+    lag = 2 if overlap else 1
+    assert len(steps) == len(drafter.found) >= dec.last_stats.steps
+    want = [k + 1 if i < lag or drafter.found[i - lag] > 0 else 1 for i in range(len(steps))]
+    assert steps == want
+    assert dec.last_stats.ar_steps == steps.count(1) > 0 and steps.count(k + 1) > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_ar_after_miss_is_exact(tiny, tiny_reference, overlap):
+    """The n-gram drafter with ar_after_miss on the ragged batch of three: every row's tokens are the reference."""
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": "ngram", "adaptive": True, "ar_after_miss": True}, "k": 4,
+                                     "cuda_graphs": False, "overlap": overlap}))
+    assert eng.decoder.ar_after_miss
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference
+    assert 0 < eng.decoder.last_stats.ar_steps < eng.decoder.last_stats.steps
+
+
 # -- stop conditions on the tiny models ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", (1, 2, 7, 13))
 def test_tiny_length_stop_exact_count_despite_overshooting_steps(tiny, tiny_reference, n):
