@@ -137,6 +137,23 @@ def test_algorithm_proposes_an_adaptive_draft_length_after_the_priced_options(pr
         assert all("adaptive" not in c.recipe_patch.get("drafter", {}) for c in cands)
 
 
+def test_algorithm_proposes_ar_after_miss_for_an_adaptive_ngram_drafter(profiles):
+    """An adaptive n-gram recipe with a measured acceptance gets the ar_after_miss option (after the priced ones);
+    a recipe that has it, a non-adaptive one and AR get none."""
+    prof = profiles["stock"]
+    recipe = asdict(load_recipe("stock"))
+    recipe["drafter"]["adaptive"] = True
+    cands = PolicyProvider().propose(context(prof, "algorithm", recipe=recipe, max_candidates=100))
+    [miss] = [c for c in cands if c.recipe_patch == {"drafter": {"ar_after_miss": True}}]
+    assert all("kind" in c.recipe_patch.get("drafter", {}) for c in cands[:cands.index(miss)])
+    assert "AR steps after a miss" in miss.reason
+    have = copy.deepcopy(recipe)
+    have["drafter"]["ar_after_miss"] = True
+    for r, p in ((have, prof), (asdict(load_recipe("stock")), prof), ("ar", profiles["ar"])):
+        cands = PolicyProvider().propose(context(p, "algorithm", recipe=r, max_candidates=100))
+        assert all("ar_after_miss" not in c.recipe_patch.get("drafter", {}) for c in cands)
+
+
 def test_algorithm_turns_speculation_off_when_drafts_are_rejected(profiles):
     prof = copy.deepcopy(profiles["stock"])
     prof["acceptance"].update(per_position=[0.0, 0.0, 0.0, 0.0], tau=1.0)

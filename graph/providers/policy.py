@@ -50,8 +50,9 @@ def apply_patch(recipe: dict, patch: dict) -> Recipe:
 
 
 # The drafter fields each kind reads (docs/RECIPE.md); the others are ignored by the engine.
-DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive"), "layerskip": ("layers", "adaptive"),
-                  "model": ("model", "dtype", "adaptive")}
+DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive", "ar_after_miss", "on_host"),
+                  "layerskip": ("layers", "adaptive", "ar_after_miss"), "model": ("model", "dtype", "adaptive",
+                                                                                  "ar_after_miss")}
 
 
 def recipe_effect(recipe: Recipe, kernel: KernelSource | None = None) -> str:
@@ -382,6 +383,14 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
             f"and one fewer after a rejection, and the fused layer skips the slots past them (with the modular layer "
             f"only the acceptance changes); the cost model does not price this, the evaluation measures it"),
             (2, -1)))
+    d = recipe.drafter
+    if d.kind == "ngram" and d.adaptive and not (d.ar_after_miss or d.on_host) and view.per_position:
+        # Also not priced: how often the drafter finds nothing is not in the profile.
+        options.append(Option({"drafter": {"ar_after_miss": True}}, (
+            f"AR steps after a miss for {now}: a step whose n-gram search found nothing still verifies a step of "
+            f"{recipe.k + 1} tokens, whose dead slots still cost more than an AR step (docs/BENCHMARKS.md); with "
+            f"ar_after_miss the host runs an AR step after each such step, the drafter still "
+            f"searching; the cost model does not price this, the evaluation measures it"), (2, 0)))
     return sorted(options, key=lambda o: o.rank)
 
 
