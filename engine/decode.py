@@ -10,9 +10,7 @@ but work need not: greedy verification marks the slots past each row's valid dra
 skip them (the fused layer) does; with `drafter.adaptive` each row's draft budget follows its acceptance. With
 `ar_after_miss` the host runs a plain AR step (one token, no verification: a graph of its own) when the drafter found
 nothing at the latest step it has read, since even a dead slot costs something; the drafter still searches in AR
-steps, so verification resumes as soon as it finds drafts again. With `drafter.on_host` (n-gram) the host drafts
-each row from its tokens between steps, with no step in flight, and the step verifies exactly the most any row found:
-one graph per draft count, an AR step when none found anything, no dead slot at B = 1.
+steps, so verification resumes as soon as it finds drafts again.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ import torch
 
 from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
-from .drafters import Drafter, NgramDrafter, NgramIndex
+from .drafters import Drafter
 from .errors import SpecPilotError
 from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, accept_sampled, probabilities
@@ -85,7 +83,6 @@ class DecodeState:
         # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts proposed]
         self.out = torch.zeros(batch, k + 3, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
-        self.host_in = torch.zeros(batch, k + 1, dtype=torch.long, device=device)  # on_host: [drafts..., count]
 
 
 def _record(history, lengths, active, out, n_acc, tokens) -> None:
@@ -137,8 +134,7 @@ class Decoder:
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
-                 layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
-                 on_host: bool = False):
+                 layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -146,9 +142,6 @@ class Decoder:
         self.model, self.drafter, self.k = model, drafter, k
         self.adaptive_drafts = adaptive_drafts and k > 0
         self.ar_after_miss = ar_after_miss and k > 0
-        self.on_host = on_host and k > 0
-        if self.on_host and (not isinstance(drafter, NgramDrafter) or overlap or ar_after_miss):
-            raise ValueError("on_host drafting needs the n-gram drafter, no overlap and no ar_after_miss")
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         self.pad_prompts = self.cuda_graphs  # to a multiple of PREFILL_WIDTH_STEP: few prefill graphs
         self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
@@ -186,24 +179,19 @@ class Decoder:
             self.phase_timer.mark(point)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True,
-              host_k: int | None = None) -> None:
-        """One decoding step; with verify=False (ar_after_miss) an AR step whose drafter only reports what it found;
-        with host_k (on_host) the host's drafts in st.host_in, host_k columns of them (0: an AR step)."""
+    def _step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
+        """One decoding step; with verify=False (ar_after_miss) an AR step whose drafter only reports what it found."""
         k = self.k
         drafts = proposed = prop = None
         found = torch.zeros_like(st.lengths)
-        if host_k is not None:
-            if host_k:
-                drafts, proposed = st.host_in[:, :host_k], st.host_in[:, k]
-        elif k:
+        if k:
             prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
             found = prop.valid
             if verify:
                 drafts, proposed = prop.tokens, prop.valid
             self._mark("draft")
         inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, drafts, proposed,
-                                                      self.adaptive_drafts and host_k is None, sampling.greedy)
+                                                      self.adaptive_drafts, sampling.greedy)
         skip = {} if live is None else {"live": live}
         logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
         self._mark("verify")
@@ -211,52 +199,45 @@ class Decoder:
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
                                  self.ops.accept, found)
         else:
-            q = prop.probs if prop is not None and drafts is not None else None  # None: one-hot drafts
+            q = prop.probs if drafts is not None else None  # None: one-hot drafts
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
             st.out[:, -1].copy_(found)
-        if prop is not None and drafts is not None:  # (on_host: the host keeps the budgets)
+        if drafts is not None:
             if self.adaptive_drafts:
                 self._update_budget(st.budget, valid, n_acc, k)
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
-    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True,
-                  host_k: int | None = None) -> None:
+    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
         if not sampling.greedy:
-            return self._step(st, sampling, generator, verify, host_k)
+            return self._step(st, sampling, generator, verify)
         if not self.cuda_graphs or self.phase_timer is not None:
-            return self._step(st, sampling, None, verify, host_k)
-        self._graph(st, sampling, verify, host_k).replay()
+            return self._step(st, sampling, None, verify)
+        self._graph(st, sampling, verify).replay()
 
-    def _graph(self, st: DecodeState, sampling: SamplingParams, verify: bool = True, host_k: int | None = None):
+    def _graph(self, st: DecodeState, sampling: SamplingParams, verify: bool = True):
         """The captured step for this state and kind of step (captured now if it is new)."""
-        key = (id(st), self.k, verify, host_k)
+        key = (id(st), self.k, verify)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(st, sampling, verify, host_k)
+            graph = self._capture(st, sampling, verify)
             # one batch's state at a time (its verification and AR steps); older graphs release their pool
             self._graphs = {**{k: g for k, g in self._graphs.items() if k[0] == id(st)}, key: graph}
         return graph
 
     def _capture_all(self, st: DecodeState, sampling: SamplingParams) -> None:
         """Capture every kind of step this decoder may launch for `st` before the first one runs, rather than when
-        each is first needed (a capture takes tens of milliseconds and may compile): the verification step, and the
-        AR step (ar_after_miss) or the step of each draft count 0..k (on_host, from zeroed host drafts)."""
+        each is first needed (a capture takes tens of milliseconds and may compile): the verification step, and with
+        ar_after_miss the AR step."""
         if not (self.cuda_graphs and sampling.greedy and self.phase_timer is None):
             return
-        kinds = [(True, None)] if not self.on_host else [(True, n) for n in range(self.k + 1)]
-        if self.ar_after_miss:
-            kinds.append((False, None))
-        if self.on_host:
-            st.host_in.zero_()
-        for verify, host_k in kinds:
-            self._graph(st, sampling, verify, host_k)
+        for verify in (True, False) if self.ar_after_miss else (True,):
+            self._graph(st, sampling, verify)
 
     def _main_graph(self):
-        """The last batch's full verification step (k drafts; for an AR decoder its only step)."""
-        full = {(True, None), (True, self.k if self.on_host else None)}
-        return next(g for key, g in self._graphs.items() if (key[2], key[3]) in full)
+        """The last batch's verification step (for an AR decoder its only step)."""
+        return next(g for key, g in self._graphs.items() if key[2])
 
     def time_graph_replay(self, replays: int = 20) -> float | None:
         """Device seconds of one captured step: the last batch's graph replayed between CUDA events. The replays
@@ -281,11 +262,10 @@ class Decoder:
         torch.cuda.synchronize()
         self._state.lengths.copy_(lengths)
 
-    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, verify: bool = True,
-                host_k: int | None = None):
+    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, verify: bool = True):
         """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
         self._mark("begin")
-        self._run_step(st, sampling, generator, verify, host_k)
+        self._run_step(st, sampling, generator, verify)
         if st.out.device.type != "cuda":
             return st.out.clone(), None
         buf = self._host_out[index % 2]
@@ -301,7 +281,7 @@ class Decoder:
             done.synchronize()
         return buf.tolist()
 
-    def _capture(self, st: DecodeState, sampling: SamplingParams, verify: bool = True, host_k: int | None = None):
+    def _capture(self, st: DecodeState, sampling: SamplingParams, verify: bool = True):
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
         saved = (st.history.clone(), st.lengths.clone())
@@ -309,13 +289,13 @@ class Decoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(st, sampling, None, verify, host_k)
+                self._step(st, sampling, None, verify)
                 st.history.copy_(saved[0])
                 st.lengths.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._step(st, sampling, None, verify, host_k)
+            self._step(st, sampling, None, verify)
         return graph
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -367,9 +347,6 @@ class Decoder:
             self._state = DecodeState(B, max_len, self.k, device)
             if device.type == "cuda":  # two pinned buffers: the host reads one while the next step's copy lands
                 self._host_out = [torch.empty_like(self._state.out, device="cpu").pin_memory() for _ in range(2)]
-            self._host_in = torch.zeros_like(self._state.host_in, device="cpu")  # on_host: the drafts sent
-            if device.type == "cuda":
-                self._host_in = self._host_in.pin_memory()
         max_len = self._cache.max_len
         st = self._state
         generator = None
@@ -409,22 +386,10 @@ class Decoder:
                 active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
             stats = BatchStats(prefill_s=t_first)
             verify = True  # the next step verifies drafts (else, with ar_after_miss, it is an AR step)
-            if self.on_host:  # each row's n-gram index, draft budget and drafts sent this step
-                index = [NgramIndex(r.prompt + r.tokens, self.drafter.max_ngram, self.drafter.min_ngram)
-                         for r in results]
-                budget, sent = [self.k] * B, [0] * B
 
             def launch(step: int):
-                host_k = None
-                if self.on_host:
-                    drafts = self._host_in.numpy()
-                    for b in range(B):
-                        d = index[b].propose(budget[b] if self.adaptive_drafts else self.k) if active[b] else []
-                        drafts[b, :len(d)], drafts[b, self.k], sent[b] = d, len(d), len(d)
-                    host_k = max(sent)
-                    st.host_in.copy_(self._host_in, non_blocking=True)  # lands before the step (stream order)
-                stats.ar_steps += not verify or host_k == 0
-                return self._launch(st, sampling, generator, step, verify, host_k)
+                stats.ar_steps += not verify
+                return self._launch(st, sampling, generator, step, verify)
 
             self._capture_all(st, sampling)
             pending = launch(0) if any(active) else None
@@ -445,10 +410,6 @@ class Decoder:
                     r.accepted.append(n)
                     if not self._append(r, out[b][1: n + 2], now, stop, eos):
                         active[b], changed = False, True
-                    elif self.on_host:
-                        index[b].extend(out[b][1: n + 2])
-                        if sent[b]:  # the adaptive schedule, as _update_budget keeps it on the device
-                            budget[b] = min(budget[b] + 2, self.k) if n >= sent[b] else max(budget[b] - 1, 1)
                 if changed:
                     st.active.copy_(torch.tensor(active))
                 if self.ar_after_miss:  # verify next only if the drafter found something for a live row

@@ -88,35 +88,6 @@ class NgramDrafter(Drafter):
         return tokens, valid
 
 
-class NgramIndex:
-    """NgramDrafter's search for one row, on the host: each n-gram (min_ngram <= n <= max_ngram) maps to the index of
-    the token after its latest occurrence, updated as tokens arrive, so a proposal is a few dictionary lookups. It
-    proposes what NgramDrafter proposes for the same tokens (the longest n whose latest earlier occurrence has a
-    next token)."""
-
-    def __init__(self, tokens: list[int], max_ngram: int, min_ngram: int):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.tokens: list[int] = []
-        self.after: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
-
-    def extend(self, new: list[int]) -> None:
-        for t in new:
-            self.tokens.append(t)
-            end = len(self.tokens) - 1  # the n-grams ending just before it now have a next token: this one
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end >= n:
-                    self.after[tuple(self.tokens[end - n: end])] = end
-
-    def propose(self, k: int) -> list[int]:
-        L = len(self.tokens)
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            start = self.after.get(tuple(self.tokens[L - n:])) if L >= n + 1 else None
-            if start is not None:
-                return self.tokens[start: start + k]
-        return []
-
-
 class ModelDrafter(Drafter):
     """A draft model with its own KV cache: a separate model sharing the target's vocabulary, or the target's own
     first `n_layers` layers with its final norm and LM head (layer-skip self-draft)."""

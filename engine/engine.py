@@ -57,7 +57,7 @@ class Engine:
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
-                               recipe.drafter.ar_after_miss, recipe.drafter.on_host)
+                               recipe.drafter.ar_after_miss)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

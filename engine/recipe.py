@@ -38,7 +38,6 @@ class DrafterSpec:
     dtype: str = ""  # model: its dtype ("" = the target's)
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
     ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
-    on_host: bool = False  # ngram: drafted on the host between steps; each step verifies exactly what it found
 
 
 @dataclass
@@ -137,12 +136,6 @@ def _check(r: Recipe) -> Recipe:
         bad("k", f"must be between 1 and 64 with a drafter, got {r.k}")
     if r.drafter.kind == "ngram" and not 1 <= r.drafter.min_ngram <= r.drafter.max_ngram:
         bad("drafter.min_ngram", "needs 1 <= min_ngram <= max_ngram")
-    if r.drafter.on_host and r.drafter.kind != "ngram":
-        bad("drafter.on_host", "only the ngram drafter drafts on the host")
-    if r.drafter.on_host and r.overlap:
-        bad("drafter.on_host", "needs overlap false: the host drafts from the tokens of the step just finished")
-    if r.drafter.on_host and r.drafter.ar_after_miss:
-        bad("drafter.ar_after_miss", "not with drafter.on_host, whose steps without drafts are AR steps already")
     if r.drafter.kind == "layerskip" and r.drafter.layers < 1:
         bad("drafter.layers", "a layer-skip drafter needs layers >= 1")
     if r.drafter.kind == "model" and not r.drafter.model:

@@ -10,7 +10,7 @@ import torch
 
 from conftest import SMOLLM2_VOCAB, TINY_VOCAB, load_pair
 from specpilot.engine.decode import Decoder, StopCondition
-from specpilot.engine.drafters import Drafter, ModelDrafter, NgramDrafter, NgramIndex, Proposal
+from specpilot.engine.drafters import Drafter, ModelDrafter, Proposal
 from specpilot.engine.engine import Engine
 from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.loader import load
@@ -327,66 +327,27 @@ def test_tiny_ar_after_miss_is_exact(tiny, tiny_reference, overlap):
     assert 0 < eng.decoder.last_stats.ar_steps < eng.decoder.last_stats.steps
 
 
-def test_ngram_index_proposes_what_the_device_drafter_proposes():
-    """The host's n-gram index (drafter.on_host), fed a token at a time, proposes after every prefix exactly the
-    device drafter's valid drafts, for several n ranges, on random sequences full of repeats."""
-    g = torch.Generator().manual_seed(5)
-    for max_n, min_n in ((3, 1), (4, 2), (2, 2)):
-        for _ in range(3):
-            seq = torch.randint(0, 6, (80,), generator=g).tolist()  # 6 symbols: many repeated n-grams
-            index = NgramIndex(seq[:1], max_n, min_n)
-            drafter = NgramDrafter(max_n, min_n)
-            history = torch.tensor([seq])
-            for L in range(2, len(seq) + 1):
-                index.extend(seq[L - 1: L])
-                tokens, valid = drafter._search(history, torch.tensor([L]), 5)
-                assert index.propose(5) == tokens[0, : int(valid[0])].tolist(), (max_n, min_n, L)
-
-
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_tiny_on_host_drafts_are_exact(tiny, tiny_reference, adaptive):
-    """`drafter.on_host`: the ragged batch of three decodes the reference tokens; at B = 1 each step's target
-    forward has exactly its drafts plus one token, all live (no dead slot), and some steps are AR steps."""
-    recipe = {"drafter": {"kind": "ngram", "on_host": True, "adaptive": adaptive}, "k": 4, "cuda_graphs": False}
-    eng = Engine(tiny.loaded, parse(recipe))
-    assert eng.decoder.on_host
-    assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
-    seen = []
-    hook = tiny.loaded.model.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append((args[0].shape[1], kwargs.get("live"))), with_kwargs=True)
-    try:
-        for prompt, ref in zip(tiny_prompts(), tiny_reference):
-            [row] = eng.generate([prompt], TINY_NEW, ignore_eos=True)
-            assert row.tokens == ref
-    finally:
-        hook.remove()
-    steps = [(w, live) for w, live in seen if w <= 5]  # (prefill forwards are wider)
-    assert all(live is None if w == 1 else int(live.sum()) == w for w, live in steps)
-    widths = {w for w, _ in steps}
-    assert 1 in widths and len(widths) > 1
-
-
-@pytest.mark.parametrize("drafter", [{"kind": "ngram", "on_host": True}, {"kind": "ngram", "ar_after_miss": True}])
-def test_every_kind_of_step_is_captured_before_the_first(tiny, tiny_reference, monkeypatch, drafter):
-    """With CUDA graphs, each kind of step a decoder may launch (on_host: one per draft count 0..k; ar_after_miss:
-    the verification and the AR step) is captured before the first step runs, none during decoding, and each step
-    replays the graph of its kind. On the CPU, with the capture replaced by a recorder that runs the step eagerly."""
-    eng = Engine(tiny.loaded, parse({"drafter": drafter, "k": 3, "cuda_graphs": False}))
+def test_every_kind_of_step_is_captured_before_the_first(tiny, tiny_reference, monkeypatch):
+    """With CUDA graphs, each kind of step a decoder may launch (with ar_after_miss: the verification and the AR
+    step) is captured before the first step runs, none during decoding, and each step replays the graph of its kind.
+    On the CPU, with the capture replaced by a recorder that runs the step eagerly."""
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": "ngram", "ar_after_miss": True}, "k": 3,
+                                     "cuda_graphs": False}))
     dec = eng.decoder
     events = []
 
     class Recorded:
-        def __init__(self, st, sampling, verify, host_k):
-            self.run = lambda: dec._step(st, sampling, None, verify, host_k)
-            self.key = (verify, host_k)
+        def __init__(self, st, sampling, verify):
+            self.run = lambda: dec._step(st, sampling, None, verify)
+            self.verify = verify
 
         def replay(self):
-            events.append(("replay", self.key))
+            events.append(("replay", self.verify))
             self.run()
 
-    def capture(st, sampling, verify=True, host_k=None):
-        events.append(("capture", (verify, host_k)))
-        return Recorded(st, sampling, verify, host_k)
+    def capture(st, sampling, verify=True):
+        events.append(("capture", verify))
+        return Recorded(st, sampling, verify)
 
     prefill = dec._prefill
 
@@ -402,24 +363,9 @@ def test_every_kind_of_step_is_captured_before_the_first(tiny, tiny_reference, m
     dec.cuda_graphs = True
     [row] = eng.generate(tiny_prompts()[:1], TINY_NEW, ignore_eos=True)
     assert row.tokens == tiny_reference[0]
-    captured = [key for what, key in events if what == "capture"]
-    want = [(True, n) for n in range(4)] if drafter.get("on_host") else [(True, None), (False, None)]
-    assert captured == want
-    first_replay = next(i for i, (what, _) in enumerate(events) if what == "replay")
-    assert all(what == "capture" for what, _ in events[:first_replay]) and len(captured) == first_replay
-    replayed = {key for what, key in events if what == "replay"}
-    assert len(replayed) > 1 and replayed <= set(want)  # steps of more than one kind ran
-
-
-@pytest.mark.parametrize("fields,key", [({"overlap": True}, "drafter.on_host"),
-                                        ({"drafter": {"kind": "ngram", "on_host": True, "ar_after_miss": True}},
-                                         "drafter.ar_after_miss"),
-                                        ({"drafter": {"kind": "layerskip", "layers": 1, "on_host": True}},
-                                         "drafter.on_host")])
-def test_on_host_recipe_errors(fields, key):
-    recipe = {"drafter": {"kind": "ngram", "on_host": True}, "k": 4, **fields}
-    with pytest.raises(SpecPilotError, match=key.replace(".", r"\.")):
-        parse(recipe)
+    assert [verify for what, verify in events if what == "capture"] == [True, False]
+    assert [what for what, _ in events[:3]] == ["capture", "capture", "replay"]  # captured before the first step
+    assert {verify for what, verify in events if what == "replay"} == {True, False}  # both kinds of step ran
 
 
 # -- stop conditions on the tiny models ---------------------------------------------------------------------------

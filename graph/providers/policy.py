@@ -50,7 +50,7 @@ def apply_patch(recipe: dict, patch: dict) -> Recipe:
 
 
 # The drafter fields each kind reads (docs/RECIPE.md); the others are ignored by the engine.
-DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive", "ar_after_miss", "on_host"),
+DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive", "ar_after_miss"),
                   "layerskip": ("layers", "adaptive", "ar_after_miss"), "model": ("model", "dtype", "adaptive",
                                                                                   "ar_after_miss")}
 
@@ -384,7 +384,7 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
             f"only the acceptance changes); the cost model does not price this, the evaluation measures it"),
             (2, -1)))
     d = recipe.drafter
-    if d.kind == "ngram" and d.adaptive and not (d.ar_after_miss or d.on_host) and view.per_position:
+    if d.kind == "ngram" and d.adaptive and not d.ar_after_miss and view.per_position:
         # Also not priced: how often the drafter finds nothing is not in the profile.
         options.append(Option({"drafter": {"ar_after_miss": True}}, (
             f"AR steps after a miss for {now}: a step whose n-gram search found nothing still verifies a step of "

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (drafter.on_host was removed after the next call, final_seventh.sh: no faster than ar_after_miss, and slower when
+# the host is busy; docs/BENCHMARKS.md, seventh lease, F and G.)
 # Issue #2, seventh lease: the n-gram drafter on the host (drafter.on_host): between steps, with no step in flight,
 # the host drafts from each row's tokens and the step verifies exactly what it found (one CUDA graph per draft
 # count; an AR step when nothing was found), against ar_after_miss (call E) and our fastest AR; ar-fused (no overlap)
