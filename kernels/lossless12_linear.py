@@ -21,12 +21,13 @@ Why the kernel looks the way it does
   row) at a time into a [BLOCK_N, BLOCK_K8] fp32 accumulator reduced once at the end (no cross-lane reductions in
   the loop). PREFETCH loads the next tile's words before decoding the current one (loads in flight while the
   integer pipe works). SPLIT_K > 1 splits K over a second grid dimension when N / BLOCK_N programs cannot fill the
-  GPU; partial sums go to an fp32 buffer and a tiny kernel adds them in a fixed order (deterministic, unlike
-  atomics: the same logits every run), adds the bias and casts.
+  GPU; partial sums go to an fp32 buffer, and the last of a row block's splits to finish (told by an atomic counter)
+  adds them in split order (deterministic, unlike atomic adds: the same logits every run), adds the bias and casts:
+  no second kernel, whose launch would cost a few µs of a ~25 µs GEMV.
 - 1 < M (verification, prefill): each program decodes a weight tile ONCE and multiplies it with all BLOCK_M
   (<= 64) rows of x on tensor cores: 8 tl.dot per tile, one a slot, in x's dtype (bf16: exact, the weights are bf16
   values). SWAP computes W x^T instead of x W^T (the weight tile becomes the wide M side of the MMA). Split-K as for
-  the GEMV.
+  the GEMV, but the partials are added by `_splitk_reduce`, a kernel of its own.
 - Escapes: a program's rows are contiguous, so their exceptions are one range of the CSR list; each chunk is folded
   in through a one-hot matrix (an escape decodes to +0 in the dense part, so adding value * x is exact). The split
   with pid 0 does them.
@@ -189,7 +190,7 @@ def _gemv_tile(acc, w0, w1, w2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16: tl.const
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_ptr, b_ptr, out_ptr, part_ptr,
-                 N, K, K8, k_chunk, n_split, scale_w, scale_out,
+                 count_ptr, N, K, K8, k_chunk, n_split, scale_w, scale_out,
                  HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                  EXC_BLOCK: tl.constexpr, POLICY: tl.constexpr):
@@ -218,9 +219,19 @@ def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
         e_ok, r, col, val = _escape_chunk(e0, exc_hi, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK)
         xv = _x_f32(tl.load(x_ptr + col, mask=e_ok, other=0), X_BF16)
         y += tl.sum(tl.where(r[:, None] == rows[None, :], (val * xv)[:, None], 0.0), axis=0)
+    last = n_split == 1  # (a tensor unless n_split is 1, which Triton specializes: typed as the branch's)
     if n_split > 1:  # a runtime branch, so split and unsplit launches share one compiled kernel
-        tl.store(part_ptr + pid_k * N + rows, y, mask=row_ok)   # fp32 [n_split, N]; _splitk_reduce adds the bias
-    else:
+        tl.store(part_ptr + pid_k * N + rows, y, mask=row_ok)   # fp32 [n_split, N]
+        # The barrier orders every thread's stores before the counter's (acq_rel, device-wide) increment, whose
+        # acquire side makes the other splits' stores visible to the last one, which adds them up in split order.
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + pid_n, 1) == n_split - 1
+        if last:
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, n_split):
+                y += tl.load(part_ptr + s * N + rows, mask=row_ok, other=0.0)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
+    if last:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -386,6 +397,20 @@ def _split(k8: int, block_k8: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(tiles, per), per * block_k8
 
 
+_COUNTERS: dict = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one per GEMV row block, that `_gemv_kernel` leaves zeroed: allocated once per device
+    (before any CUDA-graph capture, since a shape runs eagerly first) and shared by every call. A larger set
+    replaces a smaller one, which is kept alive: graphs captured with it still point at it."""
+    have = _COUNTERS.get(device)
+    if have is None or have[-1].numel() < n:
+        fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have = (have or []) + [fresh]
+    return have[-1]
+
+
 def linear_fused(x: torch.Tensor, w: Packed12Linear, b: torch.Tensor | None = None, config: dict | None = None):
     """y = x @ W^T (+ b), decoding W's 12-bit words in registers. x: [..., K]. config: a gemv_config / gemm_config
     dict (what the benchmark sweeps); None picks the heuristic for the shape."""
@@ -415,8 +440,8 @@ def linear_fused(x: torch.Tensor, w: Packed12Linear, b: torch.Tensor | None = No
     if m == 1:
         bf16 = x2.dtype == torch.bfloat16
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
-        _gemv_kernel[grid](x2.view(torch.int16) if bf16 else x2, *planes, n, k, k8, k_chunk, split, w.scale_w,
-                           w.scale_out, X_BF16=bf16, **common, **cfg)
+        _gemv_kernel[grid](x2.view(torch.int16) if bf16 else x2, *planes, _split_counters(grid[0], x.device), n, k,
+                           k8, k_chunk, split, w.scale_w, w.scale_out, X_BF16=bf16, **common, **cfg)
     else:
         cfg.setdefault("BLOCK_M", 16 if m <= 16 else 32 if m <= 32 else 64)
         cfg.setdefault("SWAP", 0)
@@ -425,7 +450,7 @@ def linear_fused(x: torch.Tensor, w: Packed12Linear, b: torch.Tensor | None = No
         prec = "ieee" if x2.dtype == torch.float32 else "tf32"   # fp32 x: no TF32 rounding; ignored for bf16
         _gemm_kernel[grid](x2, *planes, m, n, k, k8, k_chunk, split, x2.stride(0), w.scale_w, w.scale_out,
                            DOT_PREC=prec, **common, **cfg)
-    if split > 1:
+    if split > 1 and m > 1:  # (the GEMV's last split adds the partials itself)
         _splitk_reduce[(triton.cdiv(m * n, REDUCE_BLOCK),)](part, b if b is not None else part, out, m * n, n,
                                                             split, HAS_BIAS=b is not None,
                                                             BLOCK=REDUCE_BLOCK, num_warps=4)

@@ -203,6 +203,20 @@ def test_fused_configs_match_torch(m, n, k, cfg, bias):
     torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-4, atol=1e-5)
 
 
+def test_split_gemv_is_deterministic_and_leaves_its_counters_at_zero():
+    """Split K at M = 1: the last split to finish adds the partials in split order, whichever split it is; two calls
+    give the same bits, and the per-row-block counters are back at zero after each (the next call relies on it)."""
+    w = _weight(37, 1000, seed=3, escapes_every=11)
+    p = to_linear_planes(w)
+    x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(4))
+    cfg = dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=4, PREFETCH=0, num_warps=4)
+    first = L.linear_fused(x, p, config=cfg)
+    assert not L._split_counters(1, x.device).any()
+    assert torch.equal(L.linear_fused(x, p, config=cfg), first)
+    assert not L._split_counters(1, x.device).any()
+    torch.testing.assert_close(first.double(), _reference(x, w, None), rtol=1e-4, atol=1e-5)
+
+
 def test_fused_on_real_smollm2_weight(smollm2):
     """One real SmolLM2 matrix (layer 0's down projection, 576 x 1536, in bf16) through the GEMV and a 5-row GEMM."""
     loaded, _ = smollm2

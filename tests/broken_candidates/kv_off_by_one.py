@@ -10,9 +10,9 @@ from specpilot.engine.decode import Decoder
 _step = Decoder._step
 
 
-def step(self, st, sampling, generator):
-    if not self.k:
-        return _step(self, st, sampling, generator)
+def step(self, st, sampling, generator, verify=True):
+    if not self.k or not verify:
+        return _step(self, st, sampling, generator, verify)
     seen = {}
     propose = self.drafter.propose
 
@@ -22,7 +22,7 @@ def step(self, st, sampling, generator):
 
     self.drafter.propose = spy
     try:
-        _step(self, st, sampling, generator)
+        _step(self, st, sampling, generator, verify)
     finally:
         del self.drafter.propose  # back to the class's method
     rejected = st.out[:, 0] < seen["proposal"].valid
