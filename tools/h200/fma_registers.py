@@ -60,29 +60,42 @@ def step_ms(engine: Engine, budget: int | None) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def step_times(target, prompt: list[int]) -> dict:
+    """step_ms of the fused AR step and of the adaptive min-2 n-gram step with 1, 2, 3 and 5 live tokens."""
+    row = {}
+    for system, budgets in (("ar-fused-overlap", (None,)), ("ngram2-k4-adaptive-fused-overlap", (0, 1, 2, 4))):
+        engine = Engine(target, parse({**SYSTEMS[system], "overlap": False}))
+        engine.generate([prompt], 16, ignore_eos=True)  # compiles and captures the step
+        for b in budgets:
+            row[f"step_ms_{'ar' if b is None else f'live{b + 1}'}"] = round(step_ms(engine, b), 4)
+        del engine
+    return row
+
+
+def run_variants(name: str, variants: dict, layer_row) -> None:
+    """For each variant (module attributes of the fused layer to set): layer_row(model) (µs a layer, by label)
+    and step_times; printed a line a variant and written to $OUT/NAME.json."""
     target = loader.load("/tmp/smollm2/model.gguf", "bf16", "cuda")
-    prompt_engine = Engine(target, parse({"name": "ar"}))
-    prompt = prompt_engine.encode("Write a Python function that checks whether a number is prime, with tests.")
-    modular = compiled(Block.forward)
+    target.model._ensure_rope(512)
+    prompt = Engine(target, parse({"name": "ar"})).encode(
+        "Write a Python function that checks whether a number is prime, with tests.")
     out = {}
-    for name, settings in VARIANTS.items():
+    for label, settings in variants.items():
         for key, value in settings.items():
             setattr(F, key, value)
-        row = {}
         with torch.inference_mode():
-            for r in F.benchmark(target.model, modular, tokens=(1, 2, 3, 5), filled=POSITION):
-                row[f"layer_us_T{r['tokens']}"] = round(r["fused_us"], 2)
-        for system, budgets in (("ar-fused-overlap", (None,)), ("ngram2-k4-adaptive-fused-overlap", (0, 1, 2, 4))):
-            recipe = {**SYSTEMS[system], "overlap": False}
-            engine = Engine(target, parse(recipe))
-            engine.generate([prompt], 16, ignore_eos=True)  # compiles and captures the step
-            for b in budgets:
-                row[f"step_ms_{'ar' if b is None else f'live{b + 1}'}"] = round(step_ms(engine, b), 4)
-            del engine
-        out[name] = row
-        print(name, json.dumps(row), flush=True)
-    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "fma_registers.json"), "w"), indent=1)
+            row = layer_row(target.model)
+        row.update(step_times(target, prompt))
+        out[label] = row
+        print(label, json.dumps(row), flush=True)
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), f"{name}.json"), "w"), indent=1)
+
+
+def main() -> None:
+    modular = compiled(Block.forward)
+    run_variants("fma_registers", VARIANTS, lambda model: {
+        f"layer_us_T{r['tokens']}": round(r["fused_us"], 2)
+        for r in F.benchmark(model, modular, tokens=(1, 2, 3, 5), filled=POSITION)})
 
 
 if __name__ == "__main__":

@@ -8,14 +8,13 @@ token of five at 0.501-0.524 ms against the fused AR step's 0.437, with the step
 LM head on five rows, acceptance) only ~15 µs of that: the rest is the layers' dead programs. Per variant, in this one
 process over the same model:
 - µs a layer (all 30 layers in one CUDA graph, position 300): 1 token; 5 tokens with 1, 2, 3 and 5 live; 2 tokens;
-- device ms of one captured step (fma_registers.step_ms): the fused AR step and the n-gram step with 1, 2, 3 and 5
+- device ms of one captured step (fma_registers.step_times): the fused AR step and the n-gram step with 1, 2, 3 and 5
   live tokens.
 Variants: base (tokens side by side per row block), token_major, token_major with the q/k/v and down programs capped
 at 64 registers. Writes $OUT/grid_order.json.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -23,13 +22,9 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fma_registers import POSITION, step_ms  # noqa: E402
+from fma_registers import POSITION, run_variants  # noqa: E402
 
-from specpilot.engine import loader  # noqa: E402
-from specpilot.engine.engine import Engine  # noqa: E402
-from specpilot.engine.recipe import parse  # noqa: E402
 from specpilot.kernels import triton_fused_layer as F  # noqa: E402
-from specpilot.tools.engine_bench import SYSTEMS  # noqa: E402
 
 VARIANTS = {"base": dict(TOKEN_MAJOR=False, MAX_REGISTERS={}),
             "token_major": dict(TOKEN_MAJOR=True, MAX_REGISTERS={}),
@@ -57,27 +52,9 @@ def layer_us(model, T: int, n_live: int | None) -> float:
 
 
 def main() -> None:
-    target = loader.load("/tmp/smollm2/model.gguf", "bf16", "cuda")
-    target.model._ensure_rope(512)
-    prompt = Engine(target, parse({"name": "ar"})).encode(
-        "Write a Python function that checks whether a number is prime, with tests.")
-    out = {}
-    for name, settings in VARIANTS.items():
-        for key, value in settings.items():
-            setattr(F, key, value)
-        row = {}
-        with torch.inference_mode():
-            for T, n_live in ((1, None), (5, 1), (5, 2), (5, 3), (5, 5), (2, None)):
-                row[f"layer_us_T{T}_live{n_live or T}"] = round(layer_us(target.model, T, n_live), 2)
-        for system, budgets in (("ar-fused-overlap", (None,)), ("ngram2-k4-adaptive-fused-overlap", (0, 1, 2, 4))):
-            engine = Engine(target, parse({**SYSTEMS[system], "overlap": False}))
-            engine.generate([prompt], 16, ignore_eos=True)  # compiles and captures the step
-            for b in budgets:
-                row[f"step_ms_{'ar' if b is None else f'live{b + 1}'}"] = round(step_ms(engine, b), 4)
-            del engine
-        out[name] = row
-        print(name, json.dumps(row), flush=True)
-    json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "grid_order.json"), "w"), indent=1)
+    run_variants("grid_order", VARIANTS, lambda model: {
+        f"layer_us_T{T}_live{n_live or T}": round(layer_us(model, T, n_live), 2)
+        for T, n_live in ((1, None), (5, 1), (5, 2), (5, 3), (5, 5), (2, None))})
 
 
 if __name__ == "__main__":

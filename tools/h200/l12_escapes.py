@@ -6,23 +6,10 @@ its DRAM round trip adds to the kernel's tail. Compiled offline for sm_90 that t
 programs a multiprocessor instead of 7: a second wave for 14336 x 4096's 896 programs), so also with ptxas capped at
 72 (no spill unsplit, one split). Llama-3-8B shapes, alternated three times in one process, torch bf16 timed each
 time. Writes $OUT/l12_escapes.json."""
-import json
-import os
+from l12_ab import alternate
 
-from specpilot.kernels import lossless12_linear as L
-
-default = L.gemv_config
 VARIANTS = {"after the loop": dict(EARLY_ESCAPES=False), "early, 72 registers": dict(EARLY_ESCAPES=True, maxnreg=72),
             "early": dict(EARLY_ESCAPES=True)}
-
-rows = []
-for rep in range(3):
-    for name, change in VARIANTS.items():
-        L.gemv_config = lambda n, k, change=change: {**default(n, k), **change}
-        r = L.benchmark(shapes=((14336, 4096), (4096, 14336), (4096, 4096), (128256, 4096)), ms=(1,), sweep=False,
-                        budget_s=30)
-        for row in r["rows"]:
-            print(f"rep {rep} {name}: {row['n']}x{row['k']} torch {row['torch_us']:.2f} us, ours {row['default_us']:.2f}"
-                  f" us ({row['speedup_default']:.3f}x)", flush=True)
-            rows.append(dict(rep=rep, variant=name, **{k: v for k, v in row.items() if k != "failed"}))
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "l12_escapes.json"), "w"), indent=1, default=str)
+alternate("l12_escapes", {label: lambda n, k, cfg, change=change: {**cfg, **change}
+                          for label, change in VARIANTS.items()},
+          ((14336, 4096), (4096, 14336), (4096, 4096), (128256, 4096)))
