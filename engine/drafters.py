@@ -51,6 +51,9 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    # On CUDA the search runs as one Triton kernel (kernels/triton_ngram.py, the same proposals) instead of the
+    # torch ops below, which compile to several kernels, each a launch gap in the step's graph.
+    use_kernel = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -62,6 +65,11 @@ class NgramDrafter(Drafter):
             self._search = compiled(self._search)
 
     def propose(self, history, lengths, k, sampling, generator):
+        if history.is_cuda and self.use_kernel:
+            from ..kernels.triton_ngram import MAX_NGRAM, ngram_search
+
+            if self.max_ngram <= MAX_NGRAM:
+                return Proposal(*ngram_search(history, lengths, k, self.max_ngram, self.min_ngram))
         return Proposal(*self._search(history, lengths, k))
 
     def _search(self, history, lengths, k: int):

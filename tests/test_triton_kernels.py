@@ -23,8 +23,9 @@ from specpilot.engine.engine import Engine  # noqa: E402
 from specpilot.engine.loader import load  # noqa: E402
 from specpilot.engine.model import Block  # noqa: E402
 from specpilot.engine.recipe import parse  # noqa: E402
+from specpilot.engine.drafters import NgramDrafter  # noqa: E402
 from specpilot.kernels import (triton_accept, triton_attention, triton_fused_layer, triton_linear,  # noqa: E402
-                               triton_rmsnorm)
+                               triton_ngram, triton_rmsnorm)
 from specpilot.kernels.builtin import accept_torch, attention_math, rmsnorm_torch  # noqa: E402
 
 # Triton 3.6's interpreter converts 1-element arrays to scalars the way numpy deprecates: noise, not our code.
@@ -37,7 +38,8 @@ def test_kernels_run_in_the_interpreter():
     # Compiled kernels cannot run without a GPU: this fails if a kernel module was imported before the env var was set.
     for kernel in (triton_rmsnorm._rmsnorm_kernel, triton_attention._attention_kernel,
                    triton_attention._combine_kernel, triton_accept._accept_kernel, triton_linear._gemv_kernel,
-                   triton_fused_layer._norm_pair_gemv, triton_fused_layer._decode_attention, triton_fused_layer._gemv):
+                   triton_fused_layer._norm_pair_gemv, triton_fused_layer._decode_attention, triton_fused_layer._gemv,
+                   triton_ngram._ngram_kernel):
         assert isinstance(kernel, InterpretedFunction)
 
 
@@ -56,6 +58,18 @@ def test_benchmarks_refuse_to_run_without_a_gpu():
             module.benchmark()
     with pytest.raises(RuntimeError, match="GPU"):
         triton_fused_layer.benchmark(model=None, modular=Block.forward)
+    with pytest.raises(RuntimeError, match="GPU"):
+        triton_ngram.benchmark(NgramDrafter()._search)
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram,k", [(4, 2, 4), (3, 1, 1), (3, 1, 8), (2, 2, 4), (5, 1, 3)])
+def test_ngram_search_proposes_what_the_drafter_proposes(max_ngram, min_ngram, k):
+    """The one-kernel n-gram search (what the drafter runs on CUDA) gives the drafter's torch search's tokens and
+    valid counts, filler included, on ragged random histories full of repeats, a row without any and a row of one
+    token; n-gram ranges of the recipes' kinds."""
+    assert triton_ngram.check(NgramDrafter(max_ngram, min_ngram)._search, k, max_ngram, min_ngram) == 11
+    with pytest.raises(ValueError, match="max_ngram"):
+        triton_ngram.ngram_search(torch.zeros(1, 8, dtype=torch.long), torch.tensor([8]), 2, 9, 1)
 
 
 # -- linear (GEMV) ------------------------------------------------------------------------------------------------

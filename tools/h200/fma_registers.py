@@ -38,12 +38,13 @@ VARIANTS = {"base": dict(K_TAIL=False, MAX_REGISTERS={}),
 POSITION, PERIOD = 300, 50
 
 
-def step_ms(engine: Engine, budget: int | None) -> float:
-    """Median device ms of the engine's captured step at POSITION, with the draft budget set before each replay."""
+def step_ms(engine: Engine, budget: int | None, graph=None) -> float:
+    """Median device ms of the engine's captured step (or `graph`, another of its steps) at POSITION, with the draft
+    budget set before each replay."""
     dec = engine.decoder
     st = dec._state
     pattern = torch.arange(1000, 1000 + PERIOD, device=st.history.device).repeat(POSITION // PERIOD + 1)
-    graph = next(iter(dec._graphs.values()))
+    graph = graph or next(iter(dec._graphs.values()))
     times = []
     for _ in range(15):
         st.history[:, :POSITION] = pattern[:POSITION]
