@@ -208,6 +208,8 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
     if dep.drafter_kind == "none":
         return Cost()
     if dep.drafter_kind == "ngram":  # compare the history's windows with its tail: a few passes over int64 tokens
+        # Unmeasured, the torch search's kernel count; on CUDA the drafter runs one Triton kernel instead
+        # (kernels/triton_ngram.py), which a profile's measured count (kernels_per_draft_forward) carries.
         n = dep.kernels_per_draft_forward or KERNELS_PER_NGRAM_ORDER * dep.ngram_orders + KERNELS_NGRAM_FIXED
         bytes_ = 3 * B * dep.context_len * 8 * dep.ngram_orders
         floor = dev.kernel_floor(dep.cuda_graphs)
