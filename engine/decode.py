@@ -391,8 +391,10 @@ class Decoder:
                 stats.ar_steps += not verify
                 return self._launch(st, sampling, generator, step, verify)
 
-            self._capture_all(st, sampling)
-            pending = launch(0) if any(active) else None
+            pending = None
+            if any(active):
+                self._capture_all(st, sampling)
+                pending = launch(0)
             while pending is not None:
                 # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
                 # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
