@@ -218,6 +218,9 @@ T67_MASKS = ((4, 0x07800780), (8, 0x00780078), (11, 0x00070007))   # (right shif
 T67_SIGN_MASK = 0x80008000                                          # (W2 << 1) & this: the signs of weights 6, 7
 
 
+X_SCALE_EXP = 40   # Packed12Linear.x_scales: the largest power of two a GEMV multiplies x by
+
+
 @dataclass
 class Packed12Linear:
     """A [N, K] weight in the 12-bit format, laid out for the fused linear kernel (see above)."""
@@ -244,6 +247,19 @@ class Packed12Linear:
         """The rest of 2^(base - 1), applied to each output's dense sum: 1.0 unless the window starts above 128
         (weights of magnitude >= 2^1 throughout)."""
         return 2.0 ** (self.base - 1 - min(self.base - 1, 127))
+
+    @property
+    def x_scales(self) -> tuple[float, float]:
+        """(x_scale, sum_scale), powers of two whose product is 2^(base - 1), for a kernel that multiplies x by
+        x_scale instead of every weight by 2^(base - 1) (one multiply per x value it loads instead of one per
+        weight), and each output's sum of f * x_scale * x by sum_scale. x_scale is 2^min(base - 1, X_SCALE_EXP),
+        clamped so both fit fp32. Each product f * (x * x_scale) is then w * x / sum_scale rounded once, exactly as
+        w * x is, unless it falls below fp32's normal range (|w * x| < 2^(base - 127 - X_SCALE_EXP), 2^-57 for
+        Llama-like windows: far below the ulp of any output) or x * x_scale overflows (|x| >= 2^(128 -
+        X_SCALE_EXP), 2^88)."""
+        e = self.base - 1
+        a = min(max(min(e, X_SCALE_EXP), e - 127), 127)
+        return 2.0 ** a, 2.0 ** (e - a)
 
     @property
     def nbytes(self) -> int:

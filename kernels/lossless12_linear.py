@@ -14,13 +14,20 @@ Why the kernel looks the way it does
   positions: 8 weights are 3 int32 words, and 19 integer operations (shifts and masks) give the fp32 patterns
   f = sign << 31 | c << 23 | mantissa << 16 of all 8, c = code + 1 (0 for zeros and escapes).
   f * 2^(base - 1) is the weight exactly (a power-of-two scale of a normal float, or a signed zero): one FMUL on the
-  FP pipe, which has twice the integer pipe's width, instead of an add + compare + select.
+  FP pipe, which has twice the integer pipe's width, instead of an add + compare + select. The GEMV multiplies x
+  by the scale instead (`Packed12Linear.x_scales`: each x value a thread loads serves two rows, so half the
+  multiplies), and each output's sum by what is left of it.
 - The 8 weights of a group are K8 = K/8 columns apart, so x is read as 8 contiguous slices and every load is a wide
-  contiguous vector (16 bytes a thread for the weight words).
+  contiguous vector (16 bytes a thread for the weight words). In the GEMV, K and K8 are compile-time constants, so
+  the 8 slices and the 3 word rows are immediate offsets from one address (a compile per distinct K: a model has
+  two or three).
 - M = 1 (decode): each program owns BLOCK_N rows and walks its K range BLOCK_K8 groups (8 * BLOCK_K8 weights of a
   row) at a time into a [BLOCK_N, BLOCK_K8] fp32 accumulator reduced once at the end (no cross-lane reductions in
-  the loop). PREFETCH loads the next tile's words before decoding the current one (loads in flight while the
-  integer pipe works). SPLIT_K > 1 splits K over a second grid dimension when N / BLOCK_N programs cannot fill the
+  the loop). The first tile's words are requested before the loop; PREFETCH also loads each next tile's words
+  before decoding the current one (loads in flight while the integer pipe works). With the scale on x and K
+  constant the loop is ~5.3 instructions a weight (6.2 before), which took 14336 x 4096 from 24.4-25.0 to
+  23.5-23.6 us on the H200 (docs/BENCHMARKS.md, eighth lease): the loop is partly issue-bound, not only
+  bandwidth-bound. SPLIT_K > 1 splits K over a second grid dimension when N / BLOCK_N programs cannot fill the
   GPU; partial sums go to an fp32 buffer, and the last of a row block's splits to finish (told by an atomic counter)
   adds them in split order (deterministic, unlike atomic adds: the same logits every run), adds the bias and casts:
   no second kernel, whose launch would cost a few µs of a ~25 µs GEMV.
@@ -69,6 +76,12 @@ EXC_BLOCK = 16
 def _f(bits, scale_w):
     """fp32 weight values from f bit patterns: f * 2^(base - 1), exact."""
     return bits.to(tl.float32, bitcast=True) * scale_w
+
+
+@triton.jit
+def _f32(bits):
+    """f bit patterns as fp32 values: the weights divided by 2^(base - 1), exactly (the GEMV scales x instead)."""
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -163,34 +176,46 @@ def _x_f32(v, X_BF16: tl.constexpr):
 # -- M = 1: GEMV on the FMA units -----------------------------------------------------------------------------------
 
 @triton.jit
-def _x_slot(x_ptr, t: tl.constexpr, j, j_ok, K8, K, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
-    """fp32 x at the columns of slot t of groups j: one contiguous slice."""
+def _x_slot(x_ptr, t: tl.constexpr, j, j_ok, K8, K, x_scale, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
+    """fp32 x at the columns of slot t of groups j (one contiguous slice), times x_scale (a power of two)."""
     k = t * K8 + j
     if EVEN_K:
         v = tl.load(x_ptr + k)
     else:
         v = tl.load(x_ptr + k, mask=j_ok & (k < K), other=0)
-    return _x_f32(v, X_BF16)
+    return _x_f32(v, X_BF16) * x_scale
 
 
 @triton.jit
-def _gemv_tile(acc, w0, w1, w2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc[BLOCK_N, BLOCK_K8] += the tile's 8 slots times their x slices (fp32 FMA; reduced after the loop)."""
+def _gemv_tile(acc, w0, w1, w2, x_ptr, j, j_ok, K8, K, x_scale, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_K8] += the tile's 8 slots (f patterns, unscaled) times their scaled x slices (fp32 FMA;
+    reduced after the loop)."""
     t67 = _t67(w0, w1, w2)
-    acc += _f(w0 & HALF, scale_w) * _x_slot(x_ptr, 0, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f((w0 << 16) & HALF, scale_w) * _x_slot(x_ptr, 1, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f(w1 & HALF, scale_w) * _x_slot(x_ptr, 2, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f((w1 << 16) & HALF, scale_w) * _x_slot(x_ptr, 3, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f(w2 & HALF, scale_w) * _x_slot(x_ptr, 4, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f((w2 << 16) & HALF, scale_w) * _x_slot(x_ptr, 5, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f(t67 & HALF, scale_w) * _x_slot(x_ptr, 6, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
-    acc += _f(t67 << 16, scale_w) * _x_slot(x_ptr, 7, j, j_ok, K8, K, X_BF16, EVEN_K)[None, :]
+    acc += _f32(w0 & HALF) * _x_slot(x_ptr, 0, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32((w0 << 16) & HALF) * _x_slot(x_ptr, 1, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32(w1 & HALF) * _x_slot(x_ptr, 2, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32((w1 << 16) & HALF) * _x_slot(x_ptr, 3, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32(w2 & HALF) * _x_slot(x_ptr, 4, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32((w2 << 16) & HALF) * _x_slot(x_ptr, 5, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32(t67 & HALF) * _x_slot(x_ptr, 6, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
+    acc += _f32(t67 << 16) * _x_slot(x_ptr, 7, j, j_ok, K8, K, x_scale, X_BF16, EVEN_K)[None, :]
     return acc
 
 
 @triton.jit
+def _escape_sum(y, rows, exc_lo, exc_hi, exc_row_ptr, exc_col_ptr, exc_val_ptr, x_ptr, X_BF16: tl.constexpr,
+                EXC_BLOCK: tl.constexpr):
+    """y[BLOCK_N] + the escapes of exc_lo..exc_hi (CSR entries of the program's rows) times their x values."""
+    for e0 in range(exc_lo, exc_hi, EXC_BLOCK):
+        e_ok, r, col, val = _escape_chunk(e0, exc_hi, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK)
+        xv = _x_f32(tl.load(x_ptr + col, mask=e_ok, other=0), X_BF16)
+        y += tl.sum(tl.where(r[:, None] == rows[None, :], (val * xv)[:, None], 0.0), axis=0)
+    return y
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_ptr, b_ptr, out_ptr, part_ptr,
-                 count_ptr, N, K, K8, k_chunk, n_split, scale_w, scale_out,
+                 count_ptr, N, K: tl.constexpr, K8: tl.constexpr, k_chunk, n_split, x_scale, scale_out,
                  HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr,
                  EXC_BLOCK: tl.constexpr, POLICY: tl.constexpr):
@@ -205,20 +230,24 @@ def _gemv_kernel(x_ptr, q_ptr, exc_row_ptr, exc_col_ptr, exc_val_ptr, row_ptr_pt
     k_hi = tl.minimum(k_lo + k_chunk, K8)
     q_row = q_ptr + rows[:, None] * (3 * K8)
     jj = tl.arange(0, BLOCK_K8)
+    j = k_lo + jj
+    w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)  # the first tile
     acc = tl.zeros((BLOCK_N, BLOCK_K8), dtype=tl.float32)
-    w0, w1, w2 = _first_words(q_row, k_lo, jj, k_hi, K8, row_ok, EVEN_N, EVEN_K, POLICY, PREFETCH)
-    for j0 in range(k_lo, k_hi, BLOCK_K8):
-        j = j0 + jj
-        j_ok = j < k_hi
-        c0, c1, c2, w0, w1, w2 = _tile_words(q_row, j0, jj, k_hi, K8, row_ok, w0, w1, w2, BLOCK_K8, EVEN_N, EVEN_K,
-                                             POLICY, PREFETCH)
-        acc = _gemv_tile(acc, c0, c1, c2, x_ptr, j, j_ok, K8, K, scale_w, X_BF16, EVEN_K)
-    y = tl.sum(acc, axis=1) * scale_out
+    if PREFETCH:
+        for j0 in range(k_lo, k_hi, BLOCK_K8):
+            j = j0 + jj
+            next0, next1, next2 = _next_words(q_row, j0, jj, k_hi, K8, row_ok, BLOCK_K8, EVEN_N, EVEN_K, POLICY)
+            acc = _gemv_tile(acc, w0, w1, w2, x_ptr, j, j < k_hi, K8, K, x_scale, X_BF16, EVEN_K)
+            w0, w1, w2 = next0, next1, next2
+    else:
+        acc = _gemv_tile(acc, w0, w1, w2, x_ptr, j, j < k_hi, K8, K, x_scale, X_BF16, EVEN_K)
+        for j0 in range(k_lo + BLOCK_K8, k_hi, BLOCK_K8):
+            j = j0 + jj
+            w0, w1, w2 = _load_words(q_row + j[None, :], K8, row_ok, j < k_hi, EVEN_N, EVEN_K, POLICY)
+            acc = _gemv_tile(acc, w0, w1, w2, x_ptr, j, j < k_hi, K8, K, x_scale, X_BF16, EVEN_K)
     exc_hi = tl.where(pid_k == 0, exc_hi, exc_lo)           # split 0 adds the escapes
-    for e0 in range(exc_lo, exc_hi, EXC_BLOCK):
-        e_ok, r, col, val = _escape_chunk(e0, exc_hi, exc_row_ptr, exc_col_ptr, exc_val_ptr, EXC_BLOCK)
-        xv = _x_f32(tl.load(x_ptr + col, mask=e_ok, other=0), X_BF16)
-        y += tl.sum(tl.where(r[:, None] == rows[None, :], (val * xv)[:, None], 0.0), axis=0)
+    y = _escape_sum(tl.sum(acc, axis=1) * scale_out, rows, exc_lo, exc_hi, exc_row_ptr, exc_col_ptr, exc_val_ptr,
+                    x_ptr, X_BF16, EXC_BLOCK)
     last = n_split == 1  # (a tensor unless n_split is 1, which Triton specializes: typed as the branch's)
     if n_split > 1:  # a runtime branch, so split and unsplit launches share one compiled kernel
         tl.store(part_ptr + pid_k * N + rows, y, mask=row_ok)   # fp32 [n_split, N]
@@ -357,21 +386,25 @@ REDUCE_BLOCK = 1024
 
 
 def gemv_config(n: int, k: int) -> dict:
-    """Launch parameters for M = 1, from the H200 sweep of 2026-11-29 (docs/BENCHMARKS.md, third lease): 64 groups
-    (512 weights) of a row a step with 4 warps and 16 rows a program were in the fastest configuration of all four
-    Llama-3-8B shapes, without the register prefetch on the three where it was timed both ways. Rows shrink only
-    when they leave fewer programs than SMs (small models); K is split while the programs stay under ~4 an SM and
-    each split keeps at least 4 tiles (4096 x 14336 was fastest with 4 splits, 4096 x 4096 with 2 at this tile).
-    The weights are loaded "evict_first" (read once; x stays in L2): in the fourth lease's sweep of the two MLP shapes
-    that policy was in the fastest configuration of both, and faster than the plain loads at the default tile."""
+    """Launch parameters for M = 1, from the H200 sweeps (docs/BENCHMARKS.md): 64 groups (512 weights) of a row a
+    step with 4 warps and 16 rows a program, no register prefetch, were in the fastest configuration of the
+    Llama-3-8B shapes in the third lease. Rows shrink only when they leave fewer programs than SMs (small models).
+    When the rows leave fewer than ~4 programs an SM, K is split while each split keeps at least 4 tiles (4096 x
+    14336: 4 splits) -- but a short K (8 to 15 tiles, 4096 x 4096) takes programs of 8 warps and 128 groups a step
+    instead, unsplit: with the cheaper loop of the eighth lease that was 9.2 us against 10.6 split in two (the
+    split's merge, a counter and the partials' round trip, is ~1 us of a 10 us kernel). The weights are loaded
+    "evict_first" (read once; x stays in L2): faster than plain loads in the fourth and eighth leases' sweeps."""
     k8 = -(-k // 8)
     num_warps, block_k8 = (4, 64) if k8 > 32 else (2, 32)
     block_n = 16
     while block_n * block_k8 > 128 * num_warps and triton.cdiv(n, block_n) < N_SM:
         block_n //= 2
     split, tiles = 1, triton.cdiv(k8, block_k8)
-    while triton.cdiv(n, block_n) * split < 4 * N_SM and tiles >= 8 * split:
-        split *= 2
+    if triton.cdiv(n, block_n) < 4 * N_SM and block_n == 16 and 8 <= tiles < 16:
+        num_warps, block_k8 = 8, 128
+    else:
+        while triton.cdiv(n, block_n) * split < 4 * N_SM and tiles >= 8 * split:
+            split *= 2
     return dict(BLOCK_N=block_n, BLOCK_K8=block_k8, SPLIT_K=split, PREFETCH=0, POLICY="evict_first",
                 num_warps=num_warps)
 
@@ -441,7 +474,7 @@ def linear_fused(x: torch.Tensor, w: Packed12Linear, b: torch.Tensor | None = No
         bf16 = x2.dtype == torch.bfloat16
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split)
         _gemv_kernel[grid](x2.view(torch.int16) if bf16 else x2, *planes, _split_counters(grid[0], x.device), n, k,
-                           k8, k_chunk, split, w.scale_w, w.scale_out, X_BF16=bf16, **common, **cfg)
+                           k8, k_chunk, split, *w.x_scales, X_BF16=bf16, **common, **cfg)
     else:
         cfg.setdefault("BLOCK_M", 16 if m <= 16 else 32 if m <= 32 else 64)
         cfg.setdefault("SWAP", 0)

@@ -107,6 +107,36 @@ def test_arithmetic_decode_is_exact_for_every_window():
     assert torch.equal((got.view(torch.int32) & 0xFFFF), torch.zeros_like(f))           # exactly bf16 values
 
 
+@pytest.mark.parametrize("base", [1, 2, 40, 41, 42, 109, 110, 128, 167, 168, 169, 240])
+def test_x_scales_split_the_window_scale(base):
+    """The GEMV's (x_scale, sum_scale): powers of two multiplying to 2^(base - 1), each an fp32 normal number, x's
+    share 2^min(base - 1, 40) unless the rest would not fit fp32."""
+    p = to_linear_planes(torch.zeros(2, 8, dtype=torch.bfloat16))
+    p.base = base
+    x_scale, sum_scale = p.x_scales
+    assert x_scale * sum_scale == 2.0 ** (base - 1) == p.scale_w * p.scale_out
+    for v in (x_scale, sum_scale):
+        assert 1.0 <= v <= 2.0 ** 127 and torch.frexp(torch.tensor(v, dtype=torch.float64)).mantissa == 0.5
+    assert x_scale == 2.0 ** max(min(base - 1, 40), base - 1 - 127)
+
+
+@pytest.mark.parametrize("window", [2.0 ** -8, 2.0 ** 60])
+def test_gemv_single_products_are_exact_over_a_wide_range_of_x(window):
+    """With the scale on x, each product f * (x * x_scale) * sum_scale must be w * x rounded once: x one-hot at
+    +-2^e for e from -40 to 60 (and an escape's column) gives exactly w[:, col] * x, bit for bit, for a window of
+    small weights (base 110: x_scale 2^40) and one of large weights (base > 128)."""
+    w = (torch.randn(24, 200, generator=torch.Generator().manual_seed(5)) * window).to(torch.bfloat16)
+    w[3, 17] = 2.0 ** 100 if window < 1 else 2.0 ** -100           # an escape, far outside the window
+    p = to_linear_planes(w)
+    assert 17 in p.exc_col.tolist()
+    for col in (0, 17, 101, 199):
+        for e in (-40, -7, 0, 13, 60):
+            x = torch.zeros(1, 200)
+            x[0, col] = -(2.0 ** e) if e % 2 else 2.0 ** e
+            want = (w[:, col].double() * x[0, col].double()).float()     # exact: 8 significant bits times 2^e
+            assert torch.equal(L.linear_fused(x, p)[0], want), (col, e)
+
+
 @pytest.mark.parametrize("shape", [(5, 13107), (13107, 5), (3, 21845), (1, 65535)])
 def test_linear_layout_round_trips_every_bit_pattern(shape):
     """Every bf16 bit pattern but one, laid out for the kernel in several shapes (K a multiple of 8 or not: zero
@@ -248,6 +278,10 @@ def test_configs_cover_gpu_and_respect_the_layout():
             g = L.gemm_config(m, n, k)
             assert g["BLOCK_M"] >= m and g["BLOCK_K8"] >= 16
     assert L.gemv_config(128256, 4096)["SPLIT_K"] == 1 and L.gemv_config(128256, 4096)["BLOCK_N"] == 16
+    # few row blocks: a short K takes 8-warp programs unsplit (no merge), a long K splits (4096 x 14336: 4 splits)
+    assert {k: L.gemv_config(4096, 4096)[k] for k in ("num_warps", "BLOCK_K8", "SPLIT_K")} == \
+        dict(num_warps=8, BLOCK_K8=128, SPLIT_K=1)
+    assert L.gemv_config(4096, 14336)["SPLIT_K"] == 4 and L.gemv_config(14336, 4096)["SPLIT_K"] == 1
     assert L.gemv_config(64, 4096)["SPLIT_K"] > 1 and L.gemm_config(16, 4096, 14336)["SPLIT_K"] > 1
     assert all(_layout_ok(c) for c in L.GEMV_SWEEP)
     assert all(_layout_ok(c) for c in L._sweep_configs(1, 4096, 14336))
