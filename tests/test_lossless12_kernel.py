@@ -206,14 +206,16 @@ def test_top15_packed_is_reencoded_explicitly():
 
 
 # (M, N, K, config): every mask combination (N and K multiples of the tile or not, K not a multiple of 8), the
-# register prefetch on and off, split-K with an uneven last chunk, both GEMM operand orders, one block of rows and
-# several.
+# register prefetch on and off, split-K with an uneven last chunk, a K of one tile, both GEMM operand orders, one
+# block of rows and several.
 CONFIGS = [
     (1, 32, 512, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=1, PREFETCH=1, num_warps=4)),
     (1, 37, 512, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=3, PREFETCH=1, num_warps=4)),
     (1, 32, 300, dict(BLOCK_N=8, BLOCK_K8=16, SPLIT_K=1, PREFETCH=1, num_warps=4)),
     (1, 37, 300, dict(BLOCK_N=16, BLOCK_K8=16, SPLIT_K=2, PREFETCH=0, num_warps=4)),
     (1, 24, 1000, dict(BLOCK_N=4, BLOCK_K8=32, SPLIT_K=4, PREFETCH=0, num_warps=2)),
+    (1, 40, 64, dict(BLOCK_N=16, BLOCK_K8=16, SPLIT_K=1, PREFETCH=0, num_warps=4)),       # one tile: no loop
+    (1, 32, 2048, dict(BLOCK_N=16, BLOCK_K8=128, SPLIT_K=1, PREFETCH=0, num_warps=8)),    # the short-K default
     (3, 64, 512, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K8=16, SPLIT_K=1, SWAP=0, PREFETCH=1, num_warps=4)),
     (5, 40, 300, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K8=16, SPLIT_K=3, SWAP=1, PREFETCH=1, num_warps=4)),
     (20, 48, 256, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K8=16, SPLIT_K=2, SWAP=1, PREFETCH=0, num_warps=4)),
