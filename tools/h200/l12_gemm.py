@@ -5,17 +5,8 @@ call, not committed): alternated three times in one process on the Llama-3-8B sh
 timed each time. Writes $OUT/l12_gemm.json.
 (After this call the GEMM went back to the scale on the weights, read from a tensor: l12_scales.py; both were
 reverted after that call.)"""
-import json
-import os
-
+from l12_ab import alternate_modules
 from specpilot.kernels import _l12_head as H
 from specpilot.kernels import lossless12_linear as L
 
-rows = []
-for rep in range(3):
-    for label, mod in (("head", H), ("new", L)):
-        for row in mod.benchmark(ms=(1, 4, 16), sweep=False, budget_s=60)["rows"]:
-            print(f"rep {rep} {label}: {row['n']}x{row['k']} M={row['m']} torch {row['torch_us']:.2f} us, ours "
-                  f"{row['default_us']:.2f} us ({row['speedup_default']:.3f}x)", flush=True)
-            rows.append(dict(rep=rep, variant=label, **{k: v for k, v in row.items() if k != "failed"}))
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "."), "l12_gemm.json"), "w"), indent=1, default=str)
+alternate_modules("l12_gemm", {"head": H, "new": L}, ms=(1, 4, 16), budget_s=60)

@@ -8,25 +8,17 @@ $OUT/l12_sweep.json.
 with `K: tl.constexpr, K8: tl.constexpr` turned back into runtime arguments by sed. Both written before the call,
 not committed.)
 """
-import json
 import os
 
+from l12_ab import alternate_modules
 from specpilot.kernels import _l12_head as H
 from specpilot.kernels import _l12_krt as R
 from specpilot.kernels import lossless12_linear as L
 
-OUT = os.environ.get("OUT", ".")
-VARIANTS = {"head": H, "scale x, K runtime": R, "scale x, K const": L}
 SHAPES = ((14336, 4096), (4096, 14336), (4096, 4096), (128256, 4096))
-rows = []
-for rep in range(3):
-    for label, mod in VARIANTS.items():
-        for row in mod.benchmark(shapes=SHAPES, ms=(1,), sweep=False, budget_s=30)["rows"]:
-            print(f"rep {rep} {label}: {row['n']}x{row['k']} torch {row['torch_us']:.2f} us, ours "
-                  f"{row['default_us']:.2f} us ({row['speedup_default']:.3f}x)", flush=True)
-            rows.append(dict(rep=rep, variant=label, **{k: v for k, v in row.items() if k != "failed"}))
-json.dump(rows, open(os.path.join(OUT, "l12_scale.json"), "w"), indent=1, default=str)
-sweep = L.benchmark(shapes=SHAPES[:3], ms=(1,), sweep=True, budget_s=150, out=os.path.join(OUT, "l12_sweep.json"))
+alternate_modules("l12_scale", {"head": H, "scale x, K runtime": R, "scale x, K const": L}, shapes=SHAPES)
+sweep = L.benchmark(shapes=SHAPES[:3], ms=(1,), sweep=True, budget_s=150,
+                    out=os.path.join(os.environ.get("OUT", "."), "l12_sweep.json"))
 for row in sweep["rows"]:
     best = sorted(row["sweep_us"].items(), key=lambda kv: kv[1])[:6]
     print(f"{row['n']}x{row['k']}: torch {row['torch_us']:.2f}, default {row['default_us']:.2f}, best "
