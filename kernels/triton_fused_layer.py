@@ -186,7 +186,8 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         offs = tokens[:, None] * K + k0 + cols[None, :]
         r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                      + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
-        tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok & (pid == 0))
+        if pid == 0:  # a uniform branch, not a scalar folded into the mask (newer interpreters reject that mask)
+            tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
         sq += tl.sum(r * r, axis=1)
     inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 

