@@ -1,7 +1,8 @@
 """The memory interface the agent graph writes every outcome to and reads similar past outcomes from.
 
-`Outcome` is one evaluated candidate: what it changed, on which deployment, what it measured, whether it passed the
-token-forcing gate (and why not), and the library versions it was measured with. Implementations: `JsonlMemory`
+The records are memory/outcome.py's `Outcome` (one evaluated candidate: what it changed, on which deployment, what it
+measured, whether it passed the token-forcing gate and why not, the library versions it was measured with) and
+`Hit` (a retrieved outcome with its score); both are re-exported here. Implementations: `JsonlMemory`
 (memory/jsonl_store.py: a local JSON-lines file, no Chroma and no text model) and the Chroma store
 (memory/chroma_store.py).
 """
@@ -11,10 +12,11 @@ import json
 import os
 import time
 from abc import ABC, abstractmethod
-from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..engine.errors import SpecPilotError
+from .outcome import Hit, Outcome
+from .records import current_versions, failure_reason, outcome_json, version_differences, worked
 
 
 class MemoryStoreError(SpecPilotError):
@@ -29,50 +31,6 @@ def move_aside(path: Path) -> Path:
         aside, n = path.with_name(f"{path.name}.aside-{stamp}-{n}"), n + 1
     os.rename(path, aside)
     return aside
-
-
-@dataclass
-class Outcome:
-    candidate: dict                 # graph.candidates.Candidate.to_dict()
-    deployment: dict                # target architecture/size, dtype, weight format, device + ceilings, batch, workload
-    results: dict                   # speedup_vs_ar, speedup_vs_stock, tau, tokens_per_s, latency percentiles, memory
-    gate: dict                      # passed, reason, epsilon, tokens_checked (empty when not gated)
-    failure: str | None             # why it was rejected (compile error, kernel check, gate, slower), or None
-    versions: dict                  # specpilot, torch, triton, transformers, driver
-    time: str                       # ISO 8601
-    run: str = ""                   # the optimize run (its output directory) that produced it
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Outcome":
-        """From `to_dict()` output (a stored or exported record); a missing or unknown field raises ValueError."""
-        if not isinstance(data, dict):
-            raise ValueError(f"an outcome must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}
-        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-        unknown, missing = set(data) - names, required - set(data)
-        if unknown or missing:
-            raise ValueError("not an outcome record: " + "; ".join(
-                part for part in (f"unknown field(s) {', '.join(sorted(unknown))}" if unknown else "",
-                                  f"missing field(s) {', '.join(sorted(missing))}" if missing else "") if part))
-        return cls(**data)
-
-
-@dataclass
-class Hit:
-    outcome: Outcome
-    score: float                    # higher is closer; documented per implementation
-    flags: list[str] = field(default_factory=list)   # e.g. "re-verify" when measured under other versions
-    id: str = ""                    # the record's id in its store (ChromaMemory: `show ID`)
-    similarity: float | None = None  # the closeness part of the score, where the implementation has one
-
-    def to_dict(self) -> dict:
-        """For AgentContext.memory_hits and JSON output."""
-        return {"id": self.id, "score": self.score, "similarity": self.similarity, "flags": list(self.flags),
-                "outcome": self.outcome.to_dict()}
 
 
 class Memory(ABC):
@@ -112,15 +70,11 @@ class Memory(ABC):
         """The library versions records are compared with for "re-verify": what a store was given, else this
         process's own (measured once)."""
         if getattr(self, "_versions", None) is None:
-            from .records import current_versions  # records.py imports this module
-
             self._versions = current_versions()
         return self._versions
 
     def flags(self, outcome: Outcome) -> list[str]:
         """"failed" with "failure: why"; "re-verify" with "measured with: torch X (now Y), …"."""
-        from .records import failure_reason, version_differences, worked
-
         out = []
         if not worked(outcome):
             out += ["failed", f"failure: {failure_reason(outcome)}"]
@@ -131,8 +85,6 @@ class Memory(ABC):
 
     def export_jsonl(self, path: str | Path) -> int:
         """One {"id", "outcome"} JSON line per record, oldest first; returns how many. Written atomically."""
-        from .records import outcome_json  # records.py imports this module
-
         path = Path(path)
         lines = [json.dumps({"id": rid, "outcome": json.loads(outcome_json(o))}, sort_keys=True)
                  for rid, o in self.records()]
@@ -173,12 +125,3 @@ def read_export(path: str | Path) -> list[tuple[str, Outcome]]:
         except ValueError as e:
             raise ValueError(f"memory export {path}, line {n}: {e}") from e
     return rows
-
-
-def __getattr__(name: str):
-    # JsonlMemory lives in jsonl_store.py (it needs records.py, which imports this module); kept importable from here
-    if name == "JsonlMemory":
-        from .jsonl_store import JsonlMemory
-
-        return JsonlMemory
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import text_embedding
-from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside, read_export  # noqa: F401 (re-exported)
+from .base import Memory, MemoryStoreError, move_aside, read_export
+from .outcome import Hit, Outcome
 from .records import (EMBEDDING_VERSION, combined_score, deployment_vector, feature_names, mechanism_text,
                       outcome_json, record_id, similarity_from_distance, worked)
 

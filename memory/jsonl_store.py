@@ -30,7 +30,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from .base import Hit, Memory, MemoryStoreError, Outcome, move_aside, read_export
+from .base import Memory, MemoryStoreError, move_aside, read_export
+from .outcome import Hit, Outcome
 from .records import (combined_score, deployment_vector, mechanism_text, outcome_json, record_id,
                       similarity_from_distance)
 

@@ -56,7 +56,7 @@ from dataclasses import asdict, fields
 
 from ..engine.workloads import BUILTIN as WORKLOADS
 from ..tools.costmodel import DRAFTER_KINDS, DeviceCeilings, ModelShape
-from .base import Outcome
+from .outcome import Outcome
 
 EMBEDDING_VERSION = 1
 VERSION_KEYS = ("specpilot", "torch", "triton", "transformers", "driver")

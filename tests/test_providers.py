@@ -30,7 +30,7 @@ from specpilot.graph.providers import make_provider
 from specpilot.graph.providers.openai_compat import OpenAIProvider, candidates_schema
 from specpilot.graph.providers.policy import MIN_GAIN, CostView, PolicyProvider, _ngram_dep, needs_triton
 from specpilot.kernels import IMPLEMENTATIONS
-from specpilot.memory.base import JsonlMemory, Outcome
+from specpilot.memory import JsonlMemory, Outcome
 from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
 from specpilot.tools import calibrate
 from specpilot.tools.profiler import profile
