@@ -156,7 +156,7 @@ def test_history_prints_the_decisions(policy_run, capsys):
         assert f"evaluate      bench: {cid}" in text or f"evaluate      gate: {cid}" in text
 
 
-# -- a machine without chromadb, openai or matplotlib (the H200 image: tools/h200/README.md) ----------------------
+# -- a machine without chromadb, openai or matplotlib (the H200 image: benchmarks/README.md) ----------------------
 
 # Runs its arguments as `specpilot` with the named top-level modules unimportable, then checks none got imported.
 WITHOUT = '''import importlib.abc, sys

@@ -7,7 +7,7 @@ run's workload, and `device_minutes`, the minutes its measurements held the devi
 --recipe RUN_DIR/recipe.json --workload code,chat,...` of that recipe, which measures it beside `ar` and `stock`
 side by side in each (workload, batch size) cell. Prints one markdown table: tok/s of the three systems, the recipe's
 ratios, its tau and its share of requests token-identical to ar, per cell. Speedups are ratios of tok/s measured in
-the same cell, never across runs. tools/h200/optimize.sh writes it after the H200 run (issue #6).
+the same cell, never across runs. `benchmarks/run.py optimize` writes it after the H200 run (issue #6).
 """
 from __future__ import annotations
 

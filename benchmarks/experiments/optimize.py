@@ -1,0 +1,76 @@
+"""One `specpilot optimize` run, then its recipe beside ar, stock and the hand-found best recipe.
+
+What it measures. `specpilot optimize --target T --workload code --device cuda --provider policy --memory FILE`
+(2 rounds / 4 minutes of work at most, 4 prompts of 128 tokens, 2 candidates an agent), then one `specpilot bench`
+of the found recipe beside ar, stock and the best recipe found by hand (the adaptive min-2 n-gram with
+ar_after_miss on the fused layer, with overlap) on code, chat, math, summarize and rag at B = 1 (4 prompts, 128
+tokens), then tools/optimize_summary.py's table: the found recipe's tok/s and its ratios per workload, and the
+run's device minutes. Added here: the found recipe over the hand-found best in the same cell (issue #23's "62%").
+
+Needs on the H200 the graph's wheels (.gpu/whl-graph: LangGraph, pydantic, ...; benchmarks/README.md), carried and
+staged like .gpu/whl; the memory is a JSON-lines file, so chromadb is not needed.
+
+Backs docs/BENCHMARKS.md, "Optimize vs hand-found best": the third lease's run (then optimize.sh),
+docs/benchmarks/2026-11-29-third-lease.md, and issue #23's later run.
+
+Device minutes: about 9 (optimize 330 s at most, bench 240 s at most).
+"""
+from __future__ import annotations
+
+import json
+
+import harness
+
+MINUTES = 9
+HAND_BEST = "ngram2-k4-adaptive-armiss-fused-overlap"
+OPT_FLAGS = ["--budget-rounds", 2, "--budget-minutes", 4, "--budget-gpu-minutes", 4, "--max-new-tokens", 128,
+             "--limit", 4, "--max-candidates", 2]
+SMOKE_FLAGS = ["--budget-rounds", 1, "--max-new-tokens", 8, "--limit", 1, "--max-candidates", 1, "--dtype", "fp32"]
+
+
+def arguments(p) -> None:
+    p.add_argument("--workload", default="code", help="the workload optimize runs on")
+    p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
+    p.add_argument("--no-hand-best", action="store_true", help=f"leave {HAND_BEST} out of the bench")
+
+
+def run(out_dir, args):
+    from specpilot.tools import optimize_summary
+    from specpilot.tools.engine_bench import SYSTEMS
+
+    ctx = args.ctx
+    run_dir, bench_dir, memory = ctx.scratch / "optimize", ctx.scratch / "bench", ctx.scratch / "memory.jsonl"
+    opt = ctx.module("optimize", "specpilot.cli", [
+        "optimize", "--target", ctx.target, "--workload", args.workload, "--device", ctx.device, "--provider",
+        "policy", "--memory", memory, *(SMOKE_FLAGS if args.smoke else OPT_FLAGS), "--out", run_dir], timeout=330)
+    recipe = run_dir / "recipe.json"
+    if not recipe.is_file():  # stopped by the time limit: the best adopted so far, if any
+        recipe = max(run_dir.glob("recipes/best-r*.json"), key=lambda p: p.stat().st_mtime, default=None)
+        ctx.need(recipe or run_dir / "recipe.json", opt)
+    found = json.loads(recipe.read_text())
+    argv = ["bench", "--target", ctx.target, "--recipe", recipe, "--workload",
+            "code,chat" if args.smoke else args.bench_workloads, "--batch-sizes", 1, "--max-new-tokens",
+            8 if args.smoke else 128, "--limit", 1 if args.smoke else 4, "--device", ctx.device, "--out", bench_dir]
+    if not args.no_hand_best:
+        argv += ["--recipe", ctx.recipe(HAND_BEST, SYSTEMS[HAND_BEST])]
+    bench = ctx.module("bench", "specpilot.cli", argv, timeout=240)
+    ctx.need(bench_dir / "results.json", bench)
+    summary = optimize_summary.summarize(recipe, bench_dir)
+    table = optimize_summary.markdown(summary)
+    hand = vs_hand_best(found.get("name"), json.loads((bench_dir / "results.json").read_text()))
+    if hand:
+        table += "\n\n" + harness.md_table(["workload", "B", "found tok/s", f"{HAND_BEST} tok/s", "found / hand-found"],
+                                           [[h["workload"], h["batch_size"], harness.fmt(h["found"], ",.0f"),
+                                             harness.fmt(h["hand"], ",.0f"), harness.fmt(h["ratio"], ".0%")]
+                                            for h in hand])
+    report = run_dir / "report.md"
+    return ({"recipe": found, "summary": summary, "vs_hand_best": hand, "run_dir": str(run_dir),
+             "report": report.read_text() if report.is_file() else None}, table)
+
+
+def vs_hand_best(name: str | None, results: dict) -> list[dict]:
+    cells = {cell: {s: r.get("tokens_per_s") for s, r in systems.items()}
+             for cell, systems in harness.bench_cells(results).items()}
+    return [{"workload": wl, "batch_size": b, "found": c.get(name), "hand": c.get(HAND_BEST),
+             "ratio": c[name] / c[HAND_BEST] if c.get(name) and c.get(HAND_BEST) else None}
+            for (wl, b), c in cells.items() if HAND_BEST in c]

@@ -1,0 +1,97 @@
+"""benchmarks/run.py, the runner of the H200 experiments: its list names every experiment, and its staging joins the
+model's parts once (two device calls, one part each), into a file with the right sha256. Fake parts in temporary
+folders: the real model is never touched."""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path, for `import harness`
+    return module
+
+
+def test_list_names_every_experiment(runner, capsys):
+    assert runner.main(["list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    modules = sorted(p.stem for p in (BENCHMARKS / "experiments").glob("*.py") if not p.name.startswith("_"))
+    assert listed == modules and len(modules) >= 8
+    for name in modules:  # each a docstring (what, which claim, device minutes) and run(out_dir, args)
+        tree = ast.parse((BENCHMARKS / "experiments" / f"{name}.py").read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and "Backs docs/BENCHMARKS.md" in doc and "Device minutes" in doc, name
+        [run] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"]
+        assert [a.arg for a in run.args.args] == ["out_dir", "args"], name
+
+
+def test_staging_joins_parts_once(runner, tmp_path):
+    harness = runner.harness
+    root, work = tmp_path / "checkout", tmp_path / "work"
+    parts = root / ".gpu" / "model"
+    parts.mkdir(parents=True)
+    aa, ab = os.urandom(3000), os.urandom(1234)
+    sha = hashlib.sha256(aa + ab).hexdigest()
+
+    (parts / f"{GGUF}.part-aa").write_bytes(aa)          # call 1 carries the first part
+    model, note = harness.stage_model(root, work, sha)
+    assert model is None and "incomplete" in note and "part-aa" in note
+    (parts / f"{GGUF}.part-aa").unlink()                 # call 2 carries only the second one
+    (parts / f"{GGUF}.part-ab").write_bytes(ab)
+    model, note = harness.stage_model(root, work, sha)
+    assert model == work / "smollm2" / "model.gguf" and "joined" in note
+    assert hashlib.sha256(model.read_bytes()).hexdigest() == sha
+
+    before = model.stat()
+    again, note = harness.stage_model(root, work, sha)   # a third call: nothing joined again
+    assert again == model and "staged before" in note
+    assert (model.stat().st_ino, model.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert not list((work / "smollm2").glob(".model.gguf.*"))
+
+
+def test_staging_refuses_parts_that_do_not_make_the_model(runner, tmp_path):
+    harness = runner.harness
+    root, work = tmp_path / "checkout", tmp_path / "work"
+    (root / ".gpu" / "model").mkdir(parents=True)
+    (root / ".gpu" / "model" / f"{GGUF}.part-aa").write_bytes(b"not the model")
+    model, note = harness.stage_model(root, work, hashlib.sha256(b"the model").hexdigest())
+    assert model is None and "incomplete" in note and not (work / "smollm2" / "model.gguf").exists()
+
+
+def test_staging_links_a_checkout_that_is_not_importable(runner, tmp_path, monkeypatch):
+    harness = runner.harness
+    root, work = tmp_path / "checkout", tmp_path / "work"
+    root.mkdir()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    staged = harness.stage(root, work, model=False)
+    link = work / "pkg" / "specpilot"
+    assert staged.pkg == work / "pkg" and link.is_symlink() and Path(os.readlink(link)) == root
+    assert staged.site is None  # no wheels carried
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == str(work / "pkg") and sys.path[0] == str(work / "pkg")
+    assert harness.stage(root, work, model=False).pkg == staged.pkg and Path(os.readlink(link)) == root
+
+
+def test_cuda_only_experiment_refuses_without_cuda(runner, tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs it")
+    monkeypatch.setattr(runner.harness, "WORK", tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    assert runner.main(["lossless12_gemv", "--smoke", "--target", str(tmp_path / "none.gguf"),
+                        "--out", str(tmp_path / "out")]) == 3
+    assert "lossless12_gemv: needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
