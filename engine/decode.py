@@ -15,6 +15,7 @@ steps, so verification resumes as soon as it finds drafts again.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,27 @@ def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool
     and captured graphs (every shape change costs a recompile and a recapture). Attention reads all of it."""
     need = longest_prompt + max_new_tokens + (k + 1) * (2 if overlap else 1) + 1
     return max(512, 1 << (need - 1).bit_length())
+
+
+@contextmanager
+def capture(graph, pool=None):
+    """`torch.cuda.graph(graph, pool=pool)` whose captured GEMMs use a cuBLAS workspace that the graph owns.
+
+    cuBLAS takes its workspace from PyTorch's process-wide cache, one per (handle, stream); every graph captured on
+    torch.cuda.graph's one default capture stream bakes in that same pointer, allocated by whichever capture came
+    first (into that graph's private pool). Whoever clears the cache frees the workspace under every such graph:
+    torch.compile's CUDA-graph trees (mode "reduce-overhead", which HF's static-cache `generate` uses) clear it
+    before and after each warm-up and recording, and the next capture's `empty_cache` then unmaps it once its pool
+    is released: our graphs' next replay wrote into freed, then unmapped memory and faulted ("unspecified launch
+    failure", issue #20; tests/test_crash_regression.py reproduces it on a GPU). So, as the graph trees do: clear
+    before the capture, so that the capture allocates a fresh workspace into this graph's pool, and after it, so
+    that no later capture or clear shares or frees it. It then lives in the graph's pool as long as the graph does."""
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 class DecodeState:
@@ -294,7 +316,7 @@ class Decoder:
                 st.lengths.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capture(graph):
             self._step(st, sampling, None, verify)
         return graph
 
@@ -321,7 +343,7 @@ class Decoder:
             if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._prefill_pool):
+            with capture(graph, pool=self._prefill_pool):
                 logits = forward(*static)
             entry = self._prefill_graphs[tokens.shape] = (graph, static, logits)
         graph, static, logits = entry

@@ -158,6 +158,7 @@ class Transformer(nn.Module):
         self.attention_scaling = attention_scaling
         self.default_ops = resolve()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._retired_ropes: list[tuple[torch.Tensor, torch.Tensor]] = []  # see _ensure_rope
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,6 +176,10 @@ class Transformer(nn.Module):
     def _ensure_rope(self, max_len: int) -> None:
         if self._rope is not None and self._rope[0].shape[0] >= max_len and self._rope[0].device == self.device:
             return
+        if self._rope is not None:
+            # Kept alive: every decoder sharing this model (the bench runs several) has CUDA graphs that read the
+            # table they were captured with; freed, its memory goes to other tensors under those graphs (issue #20).
+            self._retired_ropes.append(self._rope)
         pos = torch.arange(max_len, device=self.device).float()
         freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -12,6 +12,9 @@ per token where the drafter finds little.
   (e = start + n). For d = 1..max_ngram it loads history[e - d] once and compares it with the row's d-th last
   token, keeping a running AND: an n-gram ends just before e exactly when the AND holds through d = n. So all n
   are searched in max_ngram loads a block, and each n keeps the latest e that matches.
+* Every load stays inside the row's first min(length, S) tokens: the masks bound each block of candidates by the
+  row's length, not only by 0 (a block is BLOCK_S wide whatever S is, so without that a row of S = 512 read 4 KB
+  past its end, and the last row past the history tensor's).
 * The output is the reference's exactly, filler included: tokens at history[clamp(start + i, 0, S - 1)] with start
   = -1 when nothing matched, valid = min(length - start, k) for a match and 0 otherwise.
 """
@@ -42,8 +45,10 @@ def _ngram_kernel(history_ptr, lengths_ptr, tokens_ptr, valid_ptr, S, history_st
         e = e0 + tl.arange(0, BLOCK_S)
         run = e < L  # still matching at every distance so far (and a next token exists: e < L)
         for d in tl.static_range(1, MAX_N + 1):
-            before = tl.load(hist + e - d, mask=e - d >= 0, other=-1)
-            tail = tl.load(hist + L - d, mask=L - d >= 0, other=-2)
+            # Only candidates e < L load: the block runs BLOCK_S past the row's end, and for the last row of the
+            # history past the tensor's end (a read that faults when no allocation follows it: issue #20).
+            before = tl.load(hist + e - d, mask=(e - d >= 0) & (e < L) & (e - d < S), other=-1)
+            tail = tl.load(hist + L - d, mask=(L - d >= 0) & (L - d < S), other=-2)
             run = run & (e - d >= 0) & (before == tail)
             if d >= MIN_N:  # an n-gram of n = d ends before e; the tail itself needs L >= n + 1
                 best = tl.max(tl.where(run & (L >= d + 1), e, -1), axis=0)
