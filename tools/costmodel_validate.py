@@ -28,6 +28,7 @@ from ..engine.recipe import parse
 from ..engine.workloads import load_workload
 from .calibrate import load_or_measure
 from .costmodel import KERNELS_BOOKKEEPING, Deployment, ModelShape, predict
+from .native_stderr import quiet_profile
 
 TOLERANCE = 0.25
 
@@ -37,7 +38,7 @@ def measure(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> di
     engine.generate(prompts, max_new_tokens, ignore_eos=True)
     dec, stats = engine.decoder, engine.decoder.last_stats
     replay_s = dec.time_graph_replay()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with quiet_profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         dec.replay_once()
     kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     return {"replay_s": replay_s, "loop_s": stats.decode_s / stats.steps, "kernels": kernels,

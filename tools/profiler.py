@@ -28,6 +28,7 @@ from ..engine.workloads import load_workload
 from . import calibrate
 from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
 from .kernel_stats import phase_events, top_kernels
+from .native_stderr import quiet_profile
 from .phase_timer import DEVICE_PHASES, PHASES, PhaseTimer, loop_steps, trimmed_mean
 
 SCHEMA_VERSION = 1
@@ -55,11 +56,20 @@ class Profile:
                  f"{replay} (eager {s['eager_s'] * 1e3:.3f} ms), tau {self.acceptance['tau']:.2f}, "
                  f"{s['tokens_per_s']:.1f} tok/s",
                  "phases (eager step): " + ", ".join(f"{p} {ph[p] * 1e3:.3f}" for p in PHASES) + " ms",
+                 self.prediction_line(),
                  f"{'rank':>4}  {'gap':<28} {'measured':>10} {'floor':>10} {'gain':>7}  agent"]
         for i, g in enumerate(self.gaps, 1):
             lines.append(f"{i:>4}  {g['component'][:28]:<28} {g['measured_s'] * 1e3:>8.3f}ms "
                          f"{g['floor_s'] * 1e3:>8.3f}ms {g['gain'] * 100:>6.1f}%  {g['agent']}: {g['reason']}")
         return "\n".join(lines)
+
+    def prediction_line(self) -> str:
+        """The cost model's step on the calibrated ceilings against the measured one: how far to trust its numbers."""
+        pred, s = self.prediction["graphed"], self.step
+        measured = s.get("replay_s") or s["loop_s"]
+        return (f"cost model on the calibrated ceilings: step {pred['step_s'] * 1e3:.3f} ms, "
+                f"{pred['tokens_per_s']:.1f} tok/s predicted; measured {measured * 1e3:.3f} ms "
+                f"(predicted / measured {pred['step_s'] / measured:.2f})")
 
 
 def _acceptance(rows_by_batch: list[list], k: int) -> dict:
@@ -175,16 +185,18 @@ def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload:
     """Profile one deployment (a target under a recipe at a batch size) on a workload's first turns."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
+    # What was typed (recipe, workload) is read before the model loads: a bad one fails at once.
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    questions = load_workload(workload, limit or batch_size) if prompts is None else None
     if isinstance(target, LoadedModel):
         name = target.source
     else:
         name, target = target, loader.load(target, dtype or ("bf16" if cuda else "fp32"), device)
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     engine = Engine(target, recipe)
     dec, k, B = engine.decoder, recipe.k, batch_size
     source = workload if prompts is None else "token ids given"
     if prompts is None:
-        prompts = [engine.encode(q.turns[0]) for q in load_workload(workload, limit or B)]
+        prompts = [engine.encode(q.turns[0]) for q in questions]
     prompts = (prompts * B)[: max(len(prompts), B)]
     batches = [prompts[i: i + B] for i in range(0, len(prompts) - B + 1, B)]
     stop = StopCondition(max_new_tokens)
@@ -201,7 +213,7 @@ def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload:
     replay = dec.time_graph_replay() if cuda and dec.cuda_graphs else None
     ranges = PhaseTimer(device, k, ranges=True)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+    with quiet_profile(activities=acts, record_shapes=True) as prof:  # kineto's log lines filtered
         _timed_run(dec, batches[:1], StopCondition(min(max_new_tokens, profiled_tokens)), ranges)
     psteps = len(ranges.steps)
     kernels, kernel_s, inside = phase_events(prof.events(), cuda, psteps)

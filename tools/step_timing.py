@@ -17,6 +17,7 @@ import torch
 from ..engine import loader
 from ..engine.engine import Engine
 from ..engine.recipe import parse
+from .native_stderr import quiet_profile
 
 _L12 = {"weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
 _NGRAM = {"drafter": {"kind": "ngram"}, "k": 4}
@@ -48,7 +49,7 @@ def measure(engine: Engine, name: str, B: int, max_new_tokens: int) -> None:
     rows = engine.generate(prompts, max_new_tokens, ignore_eos=True)
     stats, dec = engine.decoder.last_stats, engine.decoder
     replay_ms = dec.time_graph_replay(40) * 1e3
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with quiet_profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         dec.replay_once()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     tokens = sum(len(r.tokens) for r in rows)
