@@ -5,6 +5,9 @@ import argparse
 import json
 import sys
 
+from .argtypes import (non_negative_float, non_negative_int, positive_float, positive_int, positive_int_list,
+                       probability)
+from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
 
 
@@ -23,8 +26,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser, limit_help: str) -> None:
     p.add_argument("--workload", default="code", help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
-    p.add_argument("--limit", type=int, default=None, help=limit_help)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=positive_int, default=None, help=limit_help)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
 
 
 def cmd_generate(args) -> int:
@@ -70,13 +73,15 @@ def add_bench_parser(sub) -> None:
                    help="recipe JSON file to measure besides ar and stock (repeatable)")
     b.add_argument("--workload", default="code",
                    help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
-    b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--limit", type=int, default=None, help="first K questions of each workload")
-    b.add_argument("--cell-requests", type=int, default=None,
+    b.add_argument("--batch-sizes", type=positive_int_list, default=[1],
+                   help="comma-separated batch sizes, e.g. 1,8,32")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128)
+    b.add_argument("--limit", type=positive_int, default=None, help="first K questions of each workload")
+    b.add_argument("--cell-requests", type=positive_int, default=None,
                    help="each (workload, batch size) cell decodes only its first max(N, batch size) requests: "
                         "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
-    b.add_argument("--repeats", type=int, default=1, help="times each batch is measured per system (median kept)")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="times each batch is measured per system (median kept)")
     b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -122,8 +127,9 @@ def add_costmodel_parsers(sub) -> None:
                                    "python -m specpilot.tools.costmodel_validate")
     add_target_args(p)
     add_workload_args(p, "questions to decode (default: one batch)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="interleaved timed runs; the fastest of each is kept")
+    p.add_argument("--batch-size", type=positive_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="interleaved timed runs; the fastest of each is kept")
     p.add_argument("--out", default=None, help="output directory (default: runs/profile-<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the profile JSON instead of the table")
     p.set_defaults(func=cmd_profile)
@@ -159,8 +165,9 @@ def add_check_parser(sub) -> None:
     add_workload_args(c, "first K questions")
     c.add_argument("--salt", default=None, help="nonce in the prompts' system turn (default: a fresh one)")
     c.add_argument("--patch", default=None, help="Python file the candidate process runs before decoding")
-    c.add_argument("--batch-size", type=int, default=None, help="overrides the recipe's batch.max_batch_size")
-    c.add_argument("--timeout", type=float, default=600.0, help="seconds the gate waits on the candidate in all")
+    c.add_argument("--batch-size", type=positive_int, default=None, help="overrides the recipe's batch.max_batch_size")
+    c.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="seconds the gate waits on the candidate in all")
     c.add_argument("--cache-dir", default=None, help="reference cache (default: $SPECPILOT_CACHE/gate)")
     c.add_argument("--out", required=True, help="output directory for report.json and summary.txt")
     c.set_defaults(func=cmd_check)
@@ -201,16 +208,18 @@ def add_optimize_parsers(sub) -> None:
     o.add_argument("--provider", default=D["provider"], help="policy (deterministic, offline) or openai")
     o.add_argument("--model", default=None, help="the openai provider's model")
     o.add_argument("--base-url", default=None, help="an OpenAI-compatible endpoint (vLLM, Ollama, llama.cpp, ...)")
-    o.add_argument("--budget-rounds", type=int, default=D["budget_rounds"])
-    o.add_argument("--budget-minutes", type=float, default=D["budget_minutes"], help="wall minutes of work")
-    o.add_argument("--budget-gpu-minutes", type=float, default=D["budget_gpu_minutes"],
+    o.add_argument("--budget-rounds", type=positive_int, default=D["budget_rounds"])
+    o.add_argument("--budget-minutes", type=positive_float, default=D["budget_minutes"], help="wall minutes of work")
+    o.add_argument("--budget-gpu-minutes", type=positive_float, default=D["budget_gpu_minutes"],
                    help="minutes the measurements hold the device (on a CPU, the CPU)")
-    o.add_argument("--batch-size", type=int, default=D["batch_size"], help="the deployment's batch size")
+    o.add_argument("--batch-size", type=positive_int, default=D["batch_size"], help="the deployment's batch size")
     o.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     o.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
-    o.add_argument("--max-new-tokens", type=int, default=D["max_new_tokens"])
-    o.add_argument("--limit", type=int, default=D["limit"], help="prompts of the workload (at least the batch size)")
-    o.add_argument("--max-candidates", type=int, default=D["max_candidates"], help="candidates per agent per round")
+    o.add_argument("--max-new-tokens", type=positive_int, default=D["max_new_tokens"])
+    o.add_argument("--limit", type=positive_int, default=D["limit"],
+                   help="prompts of the workload (at least the batch size)")
+    o.add_argument("--max-candidates", type=positive_int, default=D["max_candidates"],
+                   help="candidates per agent per round")
     o.add_argument("--memory", default=None,
                    help="memory: a Chroma store directory, FILE.jsonl (a plain JSON-lines file: no chromadb needed), "
                         "or http://HOST:PORT of a Chroma server (default: $SPECPILOT_MEMORY or "
@@ -230,19 +239,32 @@ def add_optimize_parsers(sub) -> None:
     h.set_defaults(func=cmd_history)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a bad argument reported like every other bad input: one line `specpilot: error: ...` and exit
+    code 2 (argparse's usage block would bury the line that says what is wrong). Subcommands' parsers are built
+    from this class too (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"specpilot: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__)
+    parser = Parser(prog="specpilot", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt with a recipe")
     add_target_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="0: no top-k cut")
+    g.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1]; 1: no cut")
+    g.add_argument("--seed", type=non_negative_int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -255,21 +277,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .engine.errors import SpecPilotError
+# Errors that mean "what was typed cannot be used": a flag's value, a recipe, workload, target or file. All exit 2,
+# as argparse's own errors do; `check` keeps 1 for its verdict "the candidate failed the gate".
+BAD_INPUT = (SpecPilotError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]  # recorded by bench in its results header
-    if "--debug" in (argv if argv is not None else sys.argv[1:]):
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad argument (2, the line is printed) or --help (0): returned like any other exit
+        return e.code if isinstance(e.code, int) else 2
+    args.argv = argv  # recorded by bench in its results header
+    if "--debug" in argv:
         args.debug = True
     try:
         return args.func(args)
-    except (SpecPilotError, ValueError, FileNotFoundError) as e:
+    except BAD_INPUT as e:
         if args.debug:
             raise
-        print(f"specpilot: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, SpecPilotError) else 1
+        print(f"specpilot: error: {one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from ..argtypes import positive_int
+
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default=None, metavar="PATH",
@@ -99,7 +101,7 @@ def add_memory_parser(sub) -> None:
     p.set_defaults(func=cmd_memory_list)
     p = msub.add_parser("search", parents=[common], help="records whose mechanism matches TEXT, best first")
     p.add_argument("text", metavar="TEXT")
-    p.add_argument("-k", type=int, default=10, help="how many hits (default 10)")
+    p.add_argument("-k", type=positive_int, default=10, help="how many hits (default 10)")
     p.add_argument("--json", action="store_true", help="print the hits as one JSON list")
     p.set_defaults(func=cmd_memory_search)
     p = msub.add_parser("show", parents=[common], help="one record as JSON, with its flags")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..argtypes import check, positive_int, positive_int_list
 from ..engine import loader
 from ..engine.errors import SpecPilotError
 from ..engine.recipe import BUILTIN as BUILTIN_RECIPES
@@ -32,14 +33,11 @@ SCHEMA = "specpilot-bench/1"
 BASELINES = ("hf", "none")
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecPilotError(f"--batch-sizes {text!r}: expected comma-separated positive integers") from None
-    if not sizes or any(b < 1 for b in sizes):
-        raise SpecPilotError(f"--batch-sizes {text!r}: expected comma-separated positive integers")
-    return list(dict.fromkeys(sizes))
+def parse_batch_sizes(value: str | list[int]) -> list[int]:
+    """The CLI's --batch-sizes arrives parsed (argtypes.positive_int_list); a caller in code may give the text."""
+    if isinstance(value, str):
+        return check(positive_int_list, "--batch-sizes", value)
+    return [check(positive_int, "--batch-sizes", b) for b in dict.fromkeys(value)]
 
 
 def load_workloads(text: str, limit: int | None) -> dict[str, list[Question]]:
@@ -168,9 +166,11 @@ def run_bench(args) -> int:
     # Everything the user typed is checked before the (slow) model load.
     if args.baselines not in BASELINES:
         raise SpecPilotError(f"--baselines {args.baselines!r}: expected one of {', '.join(BASELINES)}")
-    if args.max_new_tokens < 1 or args.repeats < 1 or any(v is not None and v < 1 for v in (args.limit,
-                                                                                            args.cell_requests)):
-        raise SpecPilotError("--max-new-tokens, --repeats, --limit and --cell-requests must be positive")
+    # The CLI's parser has checked these already; a caller that builds `args` in code gets the same words and exit.
+    for flag in ("--max-new-tokens", "--repeats", "--limit", "--cell-requests"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            check(positive_int, flag, value)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     workloads = load_workloads(args.workload, args.limit)
     recipes = recipes_to_measure(args.recipe or [])

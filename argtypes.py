@@ -1,0 +1,86 @@
+"""argparse `type=` validators shared by every `specpilot` subcommand, so that a number is checked the same way
+wherever it is typed and a bad one is rejected by the parser, before anything slow (a model load) starts.
+
+Each raises argparse.ArgumentTypeError, which argparse reports as `argument --flag: <message>`; cli.main turns that
+into one line on stderr and exit code 2, like every other bad input. `check` applies a validator to a value that
+did not come through argparse (run_bench's callers build their arguments in code).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from .engine.errors import SpecPilotError
+
+
+def _int(text) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {str(text)!r}") from None
+
+
+def _float(text) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # nan and inf pass float() but are no budget, timeout or temperature
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {str(text)!r}")
+    return value
+
+
+def positive_int(text) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {str(text)!r}")
+    return value
+
+
+def non_negative_int(text) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {str(text)!r}")
+    return value
+
+
+def positive_float(text) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {str(text)!r}")
+    return value
+
+
+def non_negative_float(text) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {str(text)!r}")
+    return value
+
+
+def probability(text) -> float:
+    """A nucleus (top-p) mass: in (0, 1]; 0 would keep no token at all."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {str(text)!r}")
+    return value
+
+
+def positive_int_list(text) -> list[int]:
+    """"1,8,32" -> [1, 8, 32]: comma-separated positive integers, repeats dropped, order kept."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    try:
+        values = [positive_int(p) for p in parts]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {str(text)!r}")
+    return list(dict.fromkeys(values))
+
+
+def check(validator, flag: str, value):
+    """`validator(value)` for a value set in code, its complaint as argparse would word it, as a SpecPilotError."""
+    try:
+        return validator(value)
+    except argparse.ArgumentTypeError as e:
+        raise SpecPilotError(f"argument {flag}: {e}") from None
