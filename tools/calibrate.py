@@ -9,11 +9,16 @@ What is measured (docs/COSTMODEL.md):
 - graph node: one tiny kernel as a node of a replayed CUDA graph of many (CPU: = launch);
 - GEMM node: one GEMV as a node of a replayed graph, its weights coming from DRAM (the chain's weights exceed L2, as
   a model's do), less its own transfer time at copy bandwidth: the latency a graphed GEMM pays on top of moving its
-  bytes (CPU: a tiny matmul op).
-The cache is $SPECPILOT_CACHE/calibration/<device name slug>.json; the CPU calibration takes about a second.
+  bytes (CPU: a tiny matmul op);
+- GEMM curve (CPU only): the weight bytes per second of an fp32 linear layer over DRAM-resident weights at 1, 2, 4
+  ... 256 activation rows. A CPU BLAS runs a decode step's skinny GEMMs far below copy bandwidth and far below its
+  square-matmul FLOP rate, and how far depends on the rows (tokens of the forward): without this curve the cost model
+  put SmolLM2-135M's CPU step at a third of its measured time.
+The cache is $SPECPILOT_CACHE/calibration/<device name slug>.json; the CPU calibration takes a few seconds.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from ..engine.loader import cache_root
 from .costmodel import DeviceCeilings
 
-CALIBRATION_VERSION = 2  # 2: GEMM node on DRAM-resident weights, net of its transfer
+CALIBRATION_VERSION = 3  # 2: GEMM node on DRAM-resident weights, net of its transfer; 3: the CPU's GEMM curve
 
 
 def device_name(device: str) -> str:
@@ -156,6 +161,39 @@ def tiny_gemm_cpu() -> float:
         torch.set_num_threads(threads)
 
 
+GEMM_CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a decode step's tokens: B x (k + 1), from AR at B=1 up
+CPU_GEMM_SHAPE = (2048, 1024)  # fp32 weights of 8 MiB: a small model's per-layer matrix (the curve barely moves with
+# the shape: 3072x576 and 576x1536, SmolLM2's, were within 10% of it at every row count on the 2-core Xeon)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (0 when it reports none)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except ValueError:
+            pass
+    return max(sizes, default=0)
+
+
+def gemm_curve_cpu() -> tuple[tuple[int, float], ...]:
+    """(rows, weight bytes per second) of F.linear at each of GEMM_CURVE_ROWS rows, cycling through weight matrices
+    that together exceed the last-level cache, so that each call reads its weights from DRAM as a model's do."""
+    out_f, in_f = CPU_GEMM_SHAPE
+    size = out_f * in_f * 4
+    span = min(1 << 30, max(256 << 20, last_level_cache_bytes() * 5 // 4))
+    weights = [torch.empty(out_f, in_f).fill_(0.5) for _ in range(-(-span // size))]  # values do not change the time
+    curve = []
+    for rows in GEMM_CURVE_ROWS:
+        x, cycle = torch.ones(rows, in_f), itertools.cycle(weights)
+        seconds = _best(_timer("cpu"), lambda: F.linear(x, next(cycle)), len(weights), 2)  # one pass over them
+        curve.append((rows, size / seconds))
+    return tuple(curve)
+
+
 def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
     """The ceilings of `device`, and notes on how they were measured."""
     name = device_name(device)
@@ -163,13 +201,15 @@ def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
     rate, mm_dtype = matmul_rate(device)
     launch = launch_overhead(device)
     if device.startswith("cuda"):
-        node, gemm = graph_node(device, False), graph_node(device, True, bw)
+        node, gemm, curve = graph_node(device, False), graph_node(device, True, bw), None
     else:
-        node, gemm = launch, tiny_gemm_cpu()
+        node, gemm, curve = launch, tiny_gemm_cpu(), gemm_curve_cpu()
     notes = {"device": device, "matmul_dtype": mm_dtype, "torch": torch.__version__,
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "version": CALIBRATION_VERSION,
-             "graphs": device.startswith("cuda")}
-    return DeviceCeilings(name, bw, rate, launch, node, gemm), notes
+             "graphs": device.startswith("cuda"), "threads": torch.get_num_threads()}
+    if curve:
+        notes["gemm_curve"] = f"fp32 {CPU_GEMM_SHAPE[0]}x{CPU_GEMM_SHAPE[1]} weights from DRAM, rows {GEMM_CURVE_ROWS}"
+    return DeviceCeilings(name, bw, rate, launch, node, gemm, curve), notes
 
 
 def load_or_measure(device: str = "cpu", force: bool = False) -> DeviceCeilings:
@@ -202,4 +242,9 @@ def describe(c: DeviceCeilings) -> str:
         f"launch            {c.launch_s * 1e6:.2f} us per eager kernel",
         f"graph node        {c.graph_node_s * 1e6:.2f} us per node",
         f"GEMM node         {(c.gemm_node_s or c.graph_node_s) * 1e6:.2f} us per graphed GEMM, beyond its bytes",
-    ])
+    ] + ([_describe_curve(c.gemm_curve)] if c.gemm_curve else []))
+
+
+def _describe_curve(curve) -> str:
+    rates = ", ".join(f"{b / 1e9:.1f}" for _, b in curve)
+    return f"GEMM weights      {rates} GB/s at {', '.join(str(r) for r, _ in curve)} rows (fp32, from DRAM)"

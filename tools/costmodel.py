@@ -8,6 +8,9 @@ forward is a list of kernels, and each kernel costs the largest of its three lim
     floor    = per-node time of a CUDA graph (gemm_node_s for a GEMM, graph_node_s otherwise) when graphed,
                max(launch_s, that) when launched eagerly
 
+(on a CPU a weight GEMM's bytes move at the rate calibrated for its number of rows, DeviceCeilings.gemm_curve,
+not at copy bandwidth; the floors stay at copy bandwidth)
+
 and a forward's time is the sum over its kernels. Summing per-kernel maxima (rather than taking one max over the
 whole forward) is what makes small-batch steps come out launch-bound, as measured: a decode GEMV's bytes take
 well under its node floor, so the step costs ~kernels x floor, while a large-batch verify turns the big GEMMs
@@ -41,10 +44,32 @@ class DeviceCeilings:
     # chain's weights exceed L2, as a model's do): a GEMM moving b bytes costs gemm_node_s + b / copy bandwidth in a
     # graph, since a chain of dependent small kernels pays each one's latency and transfer in turn. None: graph_node_s.
     gemm_node_s: float | None = None
+    # CPU: (rows, weight bytes per second) of a GEMM whose weights come from DRAM, at each measured number of
+    # activation rows (tokens of a forward). A CPU BLAS streams a decode step's weights well below copy bandwidth,
+    # and ever slower as rows grow (on the 2-core Xeon: 24 GB/s at 1 row, 13 at 4, 7 at 32, against a 42 GB/s copy).
+    # None (CUDA, or a calibration from before it was measured): a GEMM moves its bytes at copy bandwidth.
+    gemm_curve: tuple[tuple[int, float], ...] | None = None
+
+    def __post_init__(self):
+        if self.gemm_curve is not None:  # JSON gives lists; a frozen dataclass compares and hashes tuples
+            object.__setattr__(self, "gemm_curve", tuple((int(r), float(b)) for r, b in self.gemm_curve))
 
     def kernel_floor(self, graphs: bool, gemm: bool = False) -> float:
         node = (self.gemm_node_s or self.graph_node_s) if gemm else self.graph_node_s
         return node if graphs else max(self.launch_s, node)
+
+    def gemm_bytes_per_s(self, rows: int) -> float:
+        """The rate at which a GEMM over `rows` activation rows moves its bytes: gemm_curve interpolated linearly in
+        seconds per byte between measured rows (extended along its last segment beyond them, where the time grows
+        with the rows, compute-bound); copy bandwidth without a curve."""
+        curve = self.gemm_curve
+        if not curve:
+            return self.copy_bytes_per_s
+        if rows <= curve[0][0] or len(curve) == 1:
+            return curve[0][1]
+        (r0, b0), (r1, b1) = next(((a, b) for a, b in zip(curve, curve[1:]) if rows <= b[0]), curve[-2:])
+        per_byte = 1 / b0 + (rows - r0) * (1 / b1 - 1 / b0) / (r1 - r0)
+        return 1 / max(per_byte, 1 / self.copy_bytes_per_s)  # never above copy bandwidth
 
 
 @dataclass(frozen=True)
@@ -153,15 +178,19 @@ def _values(c: Cost) -> tuple:
     return (c.time_s, c.memory_s, c.compute_s, c.launch_s, c.bytes, c.flops, c.kernels)
 
 
-def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple[float, float, bool]]) -> Cost:
-    """Cost of kernels given as (bytes, flops, is_gemm); memory_s/compute_s count every byte and FLOP."""
+def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple]) -> Cost:
+    """Cost of kernels given as (bytes, flops, is_gemm) or, for a GEMM over weights, (bytes, flops, True, rows);
+    memory_s/compute_s count every byte and FLOP at copy bandwidth and the matmul rate (the physical floors)."""
     bw, rate = dev.copy_bytes_per_s, dev.matmul_flops_per_s
     out = Cost()
-    for b, f, gemm in items:
+    for b, f, gemm, *rows in items:
         floor = dev.kernel_floor(graphs, gemm)
+        # A weight GEMM streams at the rate calibrated for its rows where one was measured (CPU: DeviceCeilings.
+        # gemm_curve), else at copy bandwidth.
+        stream = b / dev.gemm_bytes_per_s(rows[0]) if rows else b / bw
         # In a graph a GEMM's latency and its weight transfer add up (see DeviceCeilings.gemm_node_s); elsewhere the
         # floor (a launch, or a tiny node) overlaps the transfer.
-        move = floor + b / bw if graphs and gemm else max(floor, b / bw)
+        move = floor + stream if graphs and gemm else max(floor, stream)
         out += Cost(max(move, f / rate), b / bw, f / rate, floor, b, f, 1)
     return out
 
@@ -177,7 +206,7 @@ def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: Model
     L = m.layers if n_layers is None else n_layers
     bpp = dep.bytes_per_param if bytes_per_param is None else bytes_per_param
     B, S, d, M = dep.batch, dep.context_len, dep.dtype_bytes, dep.batch * tokens
-    gemms = [(o * i * bpp + M * (i + o) * d, 2.0 * M * i * o, True) for o, i in m.matrices()]
+    gemms = [(o * i * bpp + M * (i + o) * d, 2.0 * M * i * o, True, M) for o, i in m.matrices()]
     kv = B * S * m.kv_heads * m.head_dim * d  # K (or V) of one layer
     q = M * m.heads * m.head_dim * d  # queries (or attention output)
     sc = M * m.heads * S  # attention scores
@@ -189,7 +218,7 @@ def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: Model
     layer = _kernels(dev, dep.cuda_graphs, gemms + attn)
     logits = M * m.vocab * d
     head = _kernels(dev, dep.cuda_graphs, [(m.vocab * m.hidden * bpp + M * m.hidden * d + logits,
-                                           2.0 * M * m.hidden * m.vocab, True)])
+                                           2.0 * M * m.hidden * m.vocab, True, M)])
     cost = layer * L + head
     # The remaining kernels (norms, rotary, cache writes, activations, embedding, masks) are fused elementwise work
     # on activations of a few (token x hidden) vectors: node floors, unless their traffic is larger.
