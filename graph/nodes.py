@@ -262,7 +262,10 @@ def agent_node(agent: str):
         emit(f"round {n}: {agent} proposing")
         proposal = cached_json(round_dir(out, n) / f"proposals-{agent}-{p}.json", ask_provider)
         who = proposal["who"]
-        trail = [decision(n, agent, who, f"proposed {len(proposal['candidates'])} candidate(s)", proposal["note"])]
+        why = proposal["note"]
+        if not proposal["candidates"] and not why:  # a provider that says nothing still leaves a why in the trail
+            why = f"the {who} provider returned no candidates and gave no reason"
+        trail = [decision(n, agent, who, f"proposed {len(proposal['candidates'])} candidate(s)", why)]
         # what memory kept out (it failed on a similar deployment): one entry each, for history and the report
         for skipped in proposal.get("memory_skipped", []):
             trail.append(decision(n, agent, "memory", f"{skipped['candidate']} not proposed: "

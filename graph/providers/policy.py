@@ -174,7 +174,8 @@ def _shape(data: dict | None) -> ModelShape | None:
 
 def _ceilings(data: dict | None) -> DeviceCeilings | None:
     fields = DeviceCeilings.__dataclass_fields__
-    if not isinstance(data, dict) or any(k not in data for k in fields if k != "gemm_node_s"):
+    optional = ("gemm_node_s", "gemm_curve")  # absent from older calibrations
+    if not isinstance(data, dict) or any(k not in data for k in fields if k not in optional):
         return None
     return DeviceCeilings(**{k: v for k, v in data.items() if k in fields})
 
@@ -208,7 +209,8 @@ class CostView:
         """None when the profile has no cost-model deployment (nothing can be predicted then)."""
         pred = (profile or {}).get("prediction") or {}
         dep = pred.get("deployment")
-        dev = _ceilings((deployment or {}).get("ceilings")) or _ceilings((profile or {}).get("ceilings"))
+        # The deployment's ceilings (memory's copy) override the profile's, which alone carry the CPU's GEMM curve.
+        dev = _ceilings({**((profile or {}).get("ceilings") or {}), **((deployment or {}).get("ceilings") or {})})
         if not dep or dev is None:
             return None
         fields = Deployment.__dataclass_fields__
@@ -269,6 +271,15 @@ def _ngram_kernels(orders: int) -> int:
     return KERNELS_PER_NGRAM_ORDER * orders + KERNELS_NGRAM_FIXED
 
 
+class Skips(list):
+    """Why catalog entries were not proposed, in the catalog's order, each said once: what an agent that proposes
+    nothing gives as its reason (the trail shows it next to "proposed 0 candidate(s)")."""
+
+    def add(self, text: str) -> None:
+        if text not in self:
+            self.append(text)
+
+
 def _phases(p: Prediction) -> str:
     return (f"step {ms(p.step_s)} (draft {ms(p.draft.time_s)}, verify {ms(p.verify.time_s)}, "
             f"bookkeeping {ms(p.bookkeeping.time_s)})")
@@ -314,9 +325,10 @@ def _describe_current(recipe: Recipe) -> str:
     return f"draft model {d.model} k={recipe.k}"
 
 
-def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
+def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = None) -> list[Option]:
     """Drafter and k ranked by the cost model's tokens/s: from the measured acceptance where the profiled drafter's
     acceptance applies, else by the acceptance each option needs to break even with the current recipe."""
+    skipped = Skips() if skipped is None else skipped
     cur = view.current()
     cur_tps, dep = cur.tokens_per_s, view.dep
     now = _describe_current(recipe)
@@ -328,14 +340,18 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
         if gain >= MIN_GAIN:
             options.append(Option(
                 {"drafter": {"kind": "none"}, "k": 0},
-                f"turn speculation off (AR): the cost model predicts {cur.ar_tokens_per_s:.0f} tok/s against "
-                f"{cur_tps:.0f} tok/s with {now} (+{gain:.0%}); at {measured_note} the draft "
+                f"turn speculation off (AR): the calibrated cost model predicts {cur.ar_tokens_per_s:.0f} tok/s "
+                f"against {cur_tps:.0f} tok/s with {now} (+{gain:.0%}); at {measured_note} the draft "
                 f"({ms(cur.draft.time_s)}) and the {dep.k + 1}-token verify ({ms(cur.verify.time_s)}) cost more than "
                 f"the {cur.tokens_per_step - 1:.2f} extra tokens a step bring (AR step {ms(cur.ar_step_s)})",
                 (1, -gain)))
+        else:
+            skipped.add(f"AR: the cost model predicts {gain:+.0%} tok/s against {now} (below {MIN_GAIN:.0%})")
 
     min_ngram = recipe.drafter.min_ngram if recipe.drafter.kind == "ngram" else 1
     stock = BUILTIN["stock"]
+    best_ngram: tuple[float, str] | None = None  # the best n-gram option left out, for the reason
+    unreachable = 0  # n-gram options that no acceptance rate below 1 makes pay
     for k in NGRAM_K_CHOICES:
         for max_ngram in NGRAM_MAX_CHOICES:
             if min_ngram > max_ngram:
@@ -351,6 +367,7 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
                 p = view.predict(ndep, acc)
                 gain = p.tokens_per_s / cur_tps - 1.0
                 if gain < MIN_GAIN:
+                    best_ngram = max(best_ngram or (gain, name), (gain, name))
                     continue
                 extra = (f", positions {len(view.per_position) + 1}-{k} taken at the worst measured "
                          f"{min(view.per_position, default=0.0):.2f}" if k > len(view.per_position) else "")
@@ -358,23 +375,31 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
                               f"; acceptance as measured with max_ngram={recipe.drafter.max_ngram} (another "
                               f"max_ngram changes it: the evaluation measures it)")
                 options.append(Option(patch, (
-                    f"{name}: the cost model predicts {p.tokens_per_s:.0f} tok/s against {cur_tps:.0f} tok/s with "
-                    f"{now} (+{gain:.0%}): {p.tokens_per_step:.2f} tokens a step from {measured_note}{extra}; "
-                    f"{_phases(p)}{ngram_note}"), (1, -gain, k, max_ngram)))
+                    f"{name}: the calibrated cost model predicts {p.tokens_per_s:.0f} tok/s against {cur_tps:.0f} "
+                    f"tok/s with {now} (+{gain:.0%}): {p.tokens_per_step:.2f} tokens a step from "
+                    f"{measured_note}{extra}; {_phases(p)}{ngram_note}"), (1, -gain, k, max_ngram)))
             else:
                 p = view.predict(ndep, 0.0)
                 need = cur_tps * p.step_s / p.batch
                 rate = break_even_rate(k, need)
                 if rate is None or rate >= 1.0:
+                    unreachable += 1
                     continue
                 first = k == stock.k and max_ngram == stock.drafter.max_ngram and min_ngram == stock.drafter.min_ngram
                 options.append(Option(patch, (
                     f"{name}{' (the built-in stock configuration)' if first else ''}: no n-gram acceptance measured "
-                    f"yet (the profile ran {now}); the cost model's {_phases(p)} against {ms(cur.step_s)} now, so "
-                    f"it beats the current {cur_tps:.0f} tok/s once drafts are accepted at a per-token rate above "
-                    f"{rate:.2f} (tau above {need:.2f})"), (2, 0 if first else 1, rate, k, max_ngram)))
+                    f"yet (the profile ran {now}); the calibrated cost model's {_phases(p)} against "
+                    f"{ms(cur.step_s)} now, so it beats the current {cur_tps:.0f} tok/s once drafts are accepted "
+                    f"at a per-token rate above {rate:.2f} (tau above {need:.2f})"),
+                    (2, 0 if first else 1, rate, k, max_ngram)))
 
-    options += _layerskip_options(recipe, view, cur, now)
+    if best_ngram is not None:
+        skipped.add(f"n-gram drafters: none is predicted to gain {MIN_GAIN:.0%} over {cur_tps:.0f} tok/s with {now} "
+                    f"at {measured_note} (best: {best_ngram[1]}, {best_ngram[0]:+.0%})")
+    if unreachable:
+        skipped.add(f"{unreachable} n-gram option(s) would not beat {cur_tps:.0f} tok/s even with every draft accepted "
+                    f"(the calibrated cost model's draft and verify cost more than the extra tokens bring)")
+    options += _layerskip_options(recipe, view, cur, now, skipped)
     if recipe.drafter.kind != "none" and not recipe.drafter.adaptive and view.per_position:
         # Not priced by the cost model (it verifies k drafts a step): after every option it predicts a gain for.
         options.append(Option({"drafter": {"adaptive": True}}, (
@@ -383,6 +408,8 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
             f"and one fewer after a rejection, and the fused layer skips the slots past them (with the modular layer "
             f"only the acceptance changes); the cost model does not price this, the evaluation measures it"),
             (2, -1)))
+    elif recipe.drafter.kind != "none" and not recipe.drafter.adaptive:
+        skipped.add("adaptive draft length: no acceptance measured per position to justify it")
     d = recipe.drafter
     if d.kind == "ngram" and d.adaptive and not d.ar_after_miss and view.per_position:
         # Also not priced: how often the drafter finds nothing is not in the profile.
@@ -394,14 +421,14 @@ def algorithm_options(recipe: Recipe, view: CostView) -> list[Option]:
     return sorted(options, key=lambda o: o.rank)
 
 
-def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str) -> list[Option]:
+def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
     """Layer-skip only where the profile shows it can pay: with the profiled layer-skip drafter's measured acceptance,
     or, for another drafter, when it breaks even at a per-token acceptance no higher than the current drafter's."""
     layers = view.dep.model.layers
     choices = sorted({max(1, int(layers * f)) for f in LAYERSKIP_FRACTIONS} | {1})
     choices = [n for n in choices if n < layers]
     current_rate = view.per_token_acceptance()
-    out = []
+    out, left_out = [], 0
     for n in choices:
         for k in NGRAM_K_CHOICES:
             if recipe.drafter.kind == "layerskip" and recipe.drafter.layers == n and recipe.k == k:
@@ -414,21 +441,28 @@ def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str
                 gain = p.tokens_per_s / cur.tokens_per_s - 1.0
                 if gain >= MIN_GAIN:
                     out.append(Option(patch, (
-                        f"{name}: the cost model predicts {p.tokens_per_s:.0f} tok/s against "
+                        f"{name}: the calibrated cost model predicts {p.tokens_per_s:.0f} tok/s against "
                         f"{cur.tokens_per_s:.0f} now (+{gain:.0%}) from the measured per-position acceptance "
                         f"{positions(view.per_position)}; {_phases(p)}"), (1, -gain, k, n)))
+                else:
+                    left_out += 1
                 continue
             if view.dep.drafter_kind == "none":
+                skipped.add("layer-skip drafters: no acceptance is measured yet (the profile ran without a drafter)")
                 continue  # nothing measured says how often any drafter's tokens are accepted here
             p = view.predict(ldep, 0.0)
             need = cur.tokens_per_s * p.step_s / p.batch
             rate = break_even_rate(k, need)
             if rate is None or rate > current_rate:
+                left_out += 1
                 continue
             out.append(Option(patch, (
-                f"{name}: the cost model's {_phases(p)} breaks even with the current {cur.tokens_per_s:.0f} tok/s at "
-                f"a per-token acceptance of {rate:.2f}, no higher than the {current_rate:.2f} the current {now} "
-                f"measured (tau {view.tau:.2f})"), (3, rate, k, n)))
+                f"{name}: the calibrated cost model's {_phases(p)} breaks even with the current "
+                f"{cur.tokens_per_s:.0f} tok/s at a per-token acceptance of {rate:.2f}, no higher than the "
+                f"{current_rate:.2f} the current {now} measured (tau {view.tau:.2f})"), (3, rate, k, n)))
+    if left_out:
+        skipped.add(f"{left_out} layer-skip option(s): predicted below {MIN_GAIN:.0%} over {cur.tokens_per_s:.0f} "
+                    f"tok/s, or breaking even only above the per-token acceptance {current_rate:.2f} measured now")
     return out
 
 
@@ -442,13 +476,17 @@ def _gap_text(g: dict) -> str:
     return f"{g['component']} {ms(g.get('measured_s', 0.0))} (gain {g.get('gain', 0.0):.1%}: {g.get('reason', '')})"
 
 
-def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict], skipped: Skips | None = None) -> list[Option]:
     """CUDA graphs, compile (and its autotuning mode), overlap: CUDA-only switches, proposed only on CUDA; the batch
     size limit wherever the deployment's batch is split."""
+    skipped = Skips() if skipped is None else skipped
     out: list[Option] = []
     dep = view.dep
     launch_gaps = [g for g in _gaps_of(gaps, "verify", "bookkeeping") if agent_name(g.get("agent", "")) == "scheduler"]
     launch_gain = max((g.get("gain", 0.0) for g in launch_gaps), default=0.0)
+    if not view.cuda:
+        skipped.add(f"CUDA graphs, torch.compile, autotuned GEMMs and overlap are proposed on CUDA only (this "
+                    f"deployment runs on {view.device})")
     if view.cuda and not recipe.cuda_graphs:
         eager, graphed = view.predict(replace(dep, cuda_graphs=False), list(view.per_position)), \
             view.predict(replace(dep, cuda_graphs=True), list(view.per_position))
@@ -456,13 +494,18 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[
         kernels = eager.draft.kernels + eager.verify.kernels + eager.bookkeeping.kernels
         if gain >= MIN_GAIN:
             out.append(Option({"cuda_graphs": True}, (
-                f"CUDA graphs: the cost model's step drops from {ms(eager.step_s)} eager to {ms(graphed.step_s)} "
-                f"replayed (+{gain:.0%} tok/s): {kernels} kernels a step at {view.dev.launch_s * 1e6:.1f} us "
-                f"launched against {view.dev.graph_node_s * 1e6:.1f} us as graph nodes (calibrated)"), (-gain,)))
+                f"CUDA graphs: the calibrated cost model's step drops from {ms(eager.step_s)} eager to "
+                f"{ms(graphed.step_s)} replayed (+{gain:.0%} tok/s): {kernels} kernels a step at "
+                f"{view.dev.launch_s * 1e6:.1f} us launched against {view.dev.graph_node_s * 1e6:.1f} us as graph "
+                f"nodes (calibrated)"), (-gain,)))
+        else:
+            skipped.add(f"CUDA graphs: the cost model predicts {gain:+.0%} tok/s (below {MIN_GAIN:.0%})")
     if view.cuda and not recipe.compile and launch_gain >= MIN_GAIN:
         out.append(Option({"compile": True}, (
             "torch.compile fuses each layer's elementwise kernels: the step is launch-bound, "
             + "; ".join(_gap_text(g) for g in launch_gaps)), (-launch_gain,)))
+    elif view.cuda and not recipe.compile:
+        skipped.add(f"torch.compile: no launch-bound gap of {MIN_GAIN:.0%} (largest {launch_gain:.1%})")
     if view.cuda and recipe.compile_mode == "default":
         # GEMMs below their memory or compute floor (the kernel-writer's gaps): what autotuned templates address
         gemm_gaps = [g for g in gaps or [] if agent_name(g.get("agent", "")) == "kernel_writer"
@@ -472,6 +515,8 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[
             out.append(Option({"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}, (
                 "autotuned GEMM templates (compile_mode max-autotune-no-cudagraphs) for the step's small GEMMs: "
                 + "; ".join(_gap_text(g) for g in gemm_gaps[:3])), (-gain,)))
+        else:
+            skipped.add(f"autotuned GEMMs: no GEMM gap of {MIN_GAIN:.0%} (largest {gain:.1%})")
     if view.cuda and not recipe.overlap:
         idle = _gaps_of(gaps, "idle", "host_sync")
         gain = max((g.get("gain", 0.0) for g in idle), default=0.0)
@@ -479,6 +524,13 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[
             out.append(Option({"overlap": True}, (
                 "overlap: the host reads step i's tokens while the device runs step i+1, hiding "
                 + "; ".join(_gap_text(g) for g in idle)), (-gain,)))
+        else:
+            skipped.add(f"overlap: idle and host-sync gaps below {MIN_GAIN:.0%} (largest {gain:.1%})")
+    if view.cuda:
+        on = [name for name, is_on in (("CUDA graphs", recipe.cuda_graphs), ("torch.compile", recipe.compile),
+                                       ("overlap", recipe.overlap)) if is_on]
+        if on:
+            skipped.add(f"already on: {', '.join(on)}")
     if recipe.batch.max_batch_size < view.batch:
         n, b = recipe.batch.max_batch_size, view.batch
         split = view.predict(replace(dep, batch=n), list(view.per_position))
@@ -487,8 +539,14 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[
         if gain >= MIN_GAIN:
             out.append(Option({"batch": {"max_batch_size": b}}, (
                 f"batch.max_batch_size {n} splits the deployment's {b} requests into {math.ceil(b / n)} sequential "
-                f"batches: the cost model predicts {whole.tokens_per_s:.0f} tok/s decoding all {b} together against "
-                f"{split.tokens_per_s:.0f} tok/s at {n} (+{gain:.0%})"), (-gain,)))
+                f"batches: the calibrated cost model predicts {whole.tokens_per_s:.0f} tok/s decoding all {b} "
+                f"together against {split.tokens_per_s:.0f} tok/s at {n} (+{gain:.0%})"), (-gain,)))
+        else:
+            skipped.add(f"batch.max_batch_size: the cost model predicts {gain:+.0%} tok/s decoding all {b} requests "
+                        f"together (below {MIN_GAIN:.0%})")
+    else:
+        skipped.add(f"batch.max_batch_size {recipe.batch.max_batch_size} already covers the deployment's batch of "
+                    f"{view.batch}")
     return sorted(out, key=lambda o: o.rank)
 
 
@@ -500,28 +558,46 @@ def needs_triton(slot: str, impl: str) -> bool:
     return isinstance(IMPLEMENTATIONS[slot][impl], str)
 
 
-def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skipped: Skips | None = None) \
+        -> list[Option]:
     """Alternative built-ins per slot: where the cost model distinguishes them (attention math vs fused, 12-bit
     weights) ranked by its predicted gain; the others by the measured gap they address."""
+    skipped = Skips() if skipped is None else skipped
     out: list[Option] = []
     dep, acc = view.dep, list(view.per_position)
     cur = view.current()
     verify = _gaps_of(gaps, "verify")
     book = _gaps_of(gaps, "bookkeeping")
+    verify_gain = max((g.get("gain", 0.0) for g in verify), default=0.0)
     shape = dep.model
     tokens = view.batch * (dep.k + 1)
-    if view.cuda and recipe.layer == "modular" and recipe.weights.format == "native" \
-            and tokens <= FUSED_LAYER_MAX_TOKENS:
-        gain = max((g.get("gain", 0.0) for g in verify), default=0.0)
-        if gain >= MIN_GAIN:
-            out.append(Option({"layer": "fused"}, (
-                f"layer fused: each layer of the {tokens}-token step in five Triton kernels (norms, RoPE, cache "
-                f"write, attention merge and SwiGLU folded into the GEMVs) instead of ~13; "
-                + "; ".join(_gap_text(g) for g in verify)), (0, -gain)))
+    cuda_only: list[str] = []  # what exists but runs only on CUDA (Triton), named once in the reason
+    only_choice: list[str] = []  # slots whose implementation in use is the only one that runs here
+    if recipe.layer != "modular":
+        skipped.add(f"layer already {recipe.layer}")
+    elif not view.cuda:
+        cuda_only.append("layer fused")
+    elif recipe.weights.format != "native":
+        skipped.add(f"layer fused: reads native weights only (this recipe's are {recipe.weights.format})")
+    elif tokens > FUSED_LAYER_MAX_TOKENS:
+        skipped.add(f"layer fused: up to {FUSED_LAYER_MAX_TOKENS} tokens a step, this step has {tokens}")
+    elif verify_gain < MIN_GAIN:
+        skipped.add(f"layer fused: the verify gap is {verify_gain:.1%} (below {MIN_GAIN:.0%})")
+    else:
+        out.append(Option({"layer": "fused"}, (
+            f"layer fused: each layer of the {tokens}-token step in five Triton kernels (norms, RoPE, cache "
+            f"write, attention merge and SwiGLU folded into the GEMVs) instead of ~13; "
+            + "; ".join(_gap_text(g) for g in verify)), (0, -verify_gain)))
     for slot in ("attention", "linear", "rmsnorm", "accept"):
         now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
+        runnable = [i for i in IMPLEMENTATIONS[slot] if view.cuda or not needs_triton(slot, i)]
+        if runnable == [now]:
+            only_choice.append(f"{slot} {now}")
         for impl in IMPLEMENTATIONS[slot]:
-            if impl == now or (needs_triton(slot, impl) and not view.cuda):
+            if impl == now:
+                continue
+            if needs_triton(slot, impl) and not view.cuda:
+                cuda_only.append(f"{slot} {impl}")
                 continue
             patch: dict = {"kernels": {slot: impl}}
             if slot == "attention":
@@ -529,26 +605,30 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> l
                 p = view.predict(replace(dep, attention="sdpa" if fused else "math"), acc)
                 gain = p.tokens_per_s / cur.tokens_per_s - 1.0
                 if gain < MIN_GAIN:
+                    skipped.add(f"attention {impl}: the cost model predicts {gain:+.1%} tok/s against {now} "
+                                f"(below {MIN_GAIN:.0%})")
                     continue
                 how = "one fused kernel per layer" if fused else "scores, softmax, weighted sum (3 kernels)"
                 model = " (modelled like sdpa)" if impl == "builtin:triton" else ""
                 out.append(Option(patch, (
-                    f"attention {impl}: {how}{model}; the cost model's {_phases(p)} against {ms(cur.step_s)} with "
-                    f"{now} (+{gain:.0%} tok/s)"), (0, -gain)))
+                    f"attention {impl}: {how}{model}; the calibrated cost model's {_phases(p)} against "
+                    f"{ms(cur.step_s)} with {now} (+{gain:.0%} tok/s)"), (0, -gain)))
             elif slot == "linear":
                 if impl == "builtin:lossless12":
                     if view.dtype != "bf16":
-                        continue  # the 12-bit format re-encodes bf16 weights only
+                        skipped.add(f"linear {impl}: re-encodes bf16 weights only (this deployment is {view.dtype})")
+                        continue
                     patch = {"kernels": {slot: impl}, "weights": {"format": "lossless12"}}
                     p = view.predict(replace(dep, bytes_per_param=LOSSLESS12_BYTES_PER_PARAM), acc)
                     gain = p.tokens_per_s / cur.tokens_per_s - 1.0
                     if gain < MIN_GAIN:
+                        skipped.add(f"linear {impl}: the cost model predicts {gain:+.1%} tok/s (below {MIN_GAIN:.0%})")
                         continue
                     out.append(Option(patch, (
                         f"12-bit lossless weights (linear {impl}, weights.format lossless12): "
-                        f"{LOSSLESS12_BYTES_PER_PARAM} instead of {dep.bytes_per_param:g} bytes a weight; the cost "
-                        f"model's memory floor {ms(cur.memory_floor_s)} -> {ms(p.memory_floor_s)}, {_phases(p)} "
-                        f"against {ms(cur.step_s)} (+{gain:.0%} tok/s)"), (0, -gain)))
+                        f"{LOSSLESS12_BYTES_PER_PARAM} instead of {dep.bytes_per_param:g} bytes a weight; the "
+                        f"calibrated cost model's memory floor {ms(cur.memory_floor_s)} -> {ms(p.memory_floor_s)}, "
+                        f"{_phases(p)} against {ms(cur.step_s)} (+{gain:.0%} tok/s)"), (0, -gain)))
                 elif recipe.weights.format == "native":
                     continue  # builtin:torch is what a native-weight recipe already reads its weights with
                 else:
@@ -556,27 +636,37 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict]) -> l
                     p = view.predict(replace(dep, bytes_per_param=2.0), acc)
                     gain = p.tokens_per_s / cur.tokens_per_s - 1.0
                     if gain < MIN_GAIN:
+                        skipped.add(f"native weights (linear {impl}): the cost model predicts {gain:+.1%} tok/s "
+                                    f"(below {MIN_GAIN:.0%})")
                         continue
                     out.append(Option(patch, (
-                        f"native bf16 weights (linear {impl}): the cost model's {_phases(p)} against "
+                        f"native bf16 weights (linear {impl}): the calibrated cost model's {_phases(p)} against "
                         f"{ms(cur.step_s)} with 12-bit weights (+{gain:.0%} tok/s)"), (0, -gain)))
             elif impl == "builtin:torch":
                 continue  # back to torch from a fused kernel is no speed mechanism
             elif slot == "rmsnorm":
-                gain = max((g.get("gain", 0.0) for g in verify), default=0.0)
-                if gain < MIN_GAIN:
+                if verify_gain < MIN_GAIN:
+                    skipped.add(f"rmsnorm {impl}: the verify gap is {verify_gain:.1%} (below {MIN_GAIN:.0%})")
                     continue
                 norms = 2 * shape.layers + 1 + (2 * shape.layers if shape.qk_norm else 0)
                 out.append(Option(patch, (
                     f"rmsnorm {impl}: one kernel per RMSNorm instead of torch's chain of elementwise ops, {norms} "
-                    f"norms a forward; " + "; ".join(_gap_text(g) for g in verify)), (1, -gain)))
+                    f"norms a forward; " + "; ".join(_gap_text(g) for g in verify)), (1, -verify_gain)))
             elif slot == "accept":
                 gain = max((g.get("gain", 0.0) for g in book), default=0.0)
-                if gain < MIN_GAIN or not dep.k:
+                if not dep.k:
+                    skipped.add(f"accept {impl}: no drafts to accept (k = 0)")
+                    continue
+                if gain < MIN_GAIN:
+                    skipped.add(f"accept {impl}: the bookkeeping gap is {gain:.1%} (below {MIN_GAIN:.0%})")
                     continue
                 out.append(Option(patch, (
                     f"accept {impl}: argmax over the {dep.k + 1}x{shape.vocab} verify logits, prefix match and "
                     f"count in one kernel; " + "; ".join(_gap_text(g) for g in book)), (1, -gain)))
+    if only_choice:
+        skipped.add(f"already at the only implementation that runs on {view.device}: {', '.join(only_choice)}")
+    if cuda_only:
+        skipped.add(f"Triton kernels need CUDA (this deployment runs on {view.device}): {', '.join(cuda_only)}")
     return sorted(out, key=lambda o: o.rank)
 
 
@@ -631,13 +721,19 @@ class PolicyProvider(Provider):
 
         picked: list[Candidate] = []
         effects: set[str] = set()
+        skipped = Skips()  # why nothing was proposed, when nothing is
 
         def admit(cand: Candidate) -> None:
             full = len(picked) >= ctx.max_candidates
-            if (full and not failed) or cand.id in ctx.tried:
+            if full and not failed:
                 return
-            if patch_error(ctx.recipe, cand.recipe_patch, kernel=cand.kernel):
-                return  # not a valid change of the current recipe, or already part of it
+            if cand.id in ctx.tried:
+                skipped.add(f"{_patch_text(cand.recipe_patch)}: already tried in this run")
+                return
+            error = patch_error(ctx.recipe, cand.recipe_patch, kernel=cand.kernel)
+            if error:  # not a valid change of the current recipe, or already part of it
+                skipped.add(f"{_patch_text(cand.recipe_patch)}: {error}")
+                return
             effect = self._effect(ctx.recipe, cand.recipe_patch, cand.kernel)
             if effect in effects:
                 return
@@ -648,6 +744,7 @@ class PolicyProvider(Provider):
             if veto is not None:
                 self._note(f"propose:{ctx.agent}", "memory", veto.why, candidate=cand.id,
                            recipe_patch=cand.recipe_patch)
+                skipped.add(f"{_patch_text(cand.recipe_patch)}: failed on a similar deployment (memory)")
                 return
             if not full:
                 picked.append(cand)
@@ -661,8 +758,14 @@ class PolicyProvider(Provider):
 
         view = CostView.from_context(ctx.deployment, ctx.profile)
         if view is not None:
-            for option in self.catalog(ctx.agent, recipe, view, ctx.gaps or (ctx.profile or {}).get("gaps") or []):
+            gaps = ctx.gaps or (ctx.profile or {}).get("gaps") or []
+            for option in self.catalog(ctx.agent, recipe, view, gaps, skipped):
                 admit(Candidate(ctx.agent, option.reason, option.patch, None, self.name))
+        else:
+            skipped.add("the profile has no cost-model deployment or calibrated ceilings: no catalog entry can be "
+                        "priced")
+        if not picked:
+            self._note(f"propose:{ctx.agent}", "policy", nothing_why(skipped))
         return picked
 
     def _note(self, step: str, source: str, why: str, **extra) -> None:
@@ -670,13 +773,15 @@ class PolicyProvider(Provider):
             self.trail.append({"step": step, "source": source, "why": why, **extra})
 
     @staticmethod
-    def catalog(agent: str, recipe: Recipe, view: CostView, gaps: list[dict]) -> list[Option]:
+    def catalog(agent: str, recipe: Recipe, view: CostView, gaps: list[dict], skipped: Skips | None = None) \
+            -> list[Option]:
+        """The agent's options, best first; why each other entry was left out goes to `skipped`."""
         if agent == "algorithm":
-            return algorithm_options(recipe, view)
+            return algorithm_options(recipe, view, skipped)
         if agent == "scheduler":
-            return scheduler_options(recipe, view, gaps)
+            return scheduler_options(recipe, view, gaps, skipped)
         if agent == "kernel_writer":
-            return kernel_writer_options(recipe, view, gaps)
+            return kernel_writer_options(recipe, view, gaps, skipped)
         raise ValueError(f"unknown agent {agent!r} (agents: {', '.join(AGENTS)})")
 
     @staticmethod
@@ -685,6 +790,21 @@ class PolicyProvider(Provider):
             return recipe_effect(apply_patch(recipe, checkable_patch(patch, kernel)), kernel)
         except RecipeError:
             return None
+
+
+WHY_SHOWN = 8  # reasons named when an agent proposes nothing; the rest are counted
+
+
+def nothing_why(skipped: list[str]) -> str:
+    """The reason an agent that proposes nothing gives: why each catalog entry was left out."""
+    if not skipped:
+        return "nothing to propose: every catalog entry is part of the current recipe already"
+    more = f"; and {len(skipped) - WHY_SHOWN} more" if len(skipped) > WHY_SHOWN else ""
+    return "nothing to propose: " + "; ".join(skipped[:WHY_SHOWN]) + more
+
+
+def _patch_text(patch: dict) -> str:
+    return json.dumps(patch, sort_keys=True, separators=(",", ":"))
 
 
 def _kernel(candidate: dict) -> KernelSource | None:

@@ -1,0 +1,90 @@
+"""An agent that proposes nothing says why: the policy's reason names what kept each catalog entry out, and the
+optimize trail's "proposed 0 candidate(s)" line carries it. On a profile shaped like the packaged SmolLM2's on a
+CPU (fp32, stock recipe, a 236% verify gap routed to the kernel-writer), as in the run the issue quotes."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from specpilot.engine.recipe import load_recipe
+from specpilot.graph.candidates import AgentContext
+from specpilot.graph.context import RunContext, propose
+from specpilot.graph.providers.policy import PolicyProvider
+from specpilot.tools.costmodel import Deployment, DeviceCeilings, ModelShape, expected_tokens
+
+SMOLLM2 = ModelShape(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
+CPU = DeviceCeilings("a 2-core CPU", 3.0e10, 3.2e11, 2e-6, 2e-6, 5e-6)
+
+
+def cpu_profile(per_position=(0.5, 1.0, 1.0, 0.5)) -> dict:
+    dep = Deployment(SMOLLM2, bytes_per_param=4, dtype_bytes=4, k=4, drafter_kind="ngram", cuda_graphs=False,
+                     kernels_per_target_forward=1962, kernels_per_draft_forward=97, kernels_bookkeeping=28)
+    gaps = [
+        {"component": "verify", "measured_s": 0.064, "floor_s": 0.018, "gap_s": 0.046, "gain": 2.36,
+         "agent": "kernel-writer", "reason": "at 28% of its memory floor"},
+        {"component": "bookkeeping", "measured_s": 0.00076, "floor_s": 0.00003, "gap_s": 0.00073, "gain": 0.011,
+         "agent": "kernel-writer", "reason": "at 4% of its memory floor"},
+        {"component": "idle", "measured_s": 0.00008, "floor_s": 0.0, "gap_s": 0.00008, "gain": 0.001,
+         "agent": "scheduler", "reason": "host work between steps"},
+    ]
+    tau = expected_tokens(4, list(per_position))
+    return {"meta": {"device": "cpu", "dtype": "float32", "batch_size": 1, "target": "smollm2-135m"},
+            "acceptance": {"k": 4, "per_position": list(per_position), "tau": tau},
+            "ceilings": asdict(CPU),
+            "prediction": {"deployment": asdict(dep) | {"model": asdict(SMOLLM2)}},
+            "gaps": gaps}
+
+
+def context(agent: str, prof: dict, tried=()) -> AgentContext:
+    deployment = {"device": "cpu", "dtype": "fp32", "batch_size": 1, "ceilings": prof["ceilings"]}
+    return AgentContext(agent, deployment, asdict(load_recipe("stock")), prof,
+                        [g for g in prof["gaps"] if g["agent"].replace("-", "_") == agent], [], list(tried), 3)
+
+
+def test_kernel_writer_on_cpu_says_why_it_proposes_nothing():
+    policy = PolicyProvider()
+    ctx = context("kernel_writer", cpu_profile())
+    found, who, note, kept_out = propose(RunContext(policy, None), ctx)
+    assert found == [] and who == "policy" and kept_out == []
+    assert note.startswith("policy: nothing to propose: ")
+    # what is actually true of the catalog on a CPU: the Triton kernels need CUDA, rmsnorm and accept have only
+    # their torch implementation here, and the one CPU alternative (sdpa attention) is priced below 2%
+    assert "Triton kernels need CUDA (this deployment runs on cpu)" in note
+    assert "rmsnorm builtin:triton" in note and "accept builtin:triton" in note and "layer fused" in note
+    assert "already at the only implementation that runs on cpu: " in note and "rmsnorm builtin:torch" in note
+    assert "attention builtin:sdpa: the cost model predicts" in note and "(below 2%)" in note
+
+
+def test_scheduler_on_cpu_says_its_switches_are_cuda_only():
+    found, who, note, _ = propose(RunContext(PolicyProvider(), None), context("scheduler", cpu_profile()))
+    assert found == []
+    assert "proposed on CUDA only (this deployment runs on cpu)" in note
+    assert "already covers the deployment's batch of 1" in note
+
+
+def test_everything_already_tried_is_the_reason():
+    """The algorithm agent, round after round, with every candidate it proposed before evaluated: once the catalog
+    is used up it proposes nothing, and says that what is left was tried."""
+    prof, tried, policy = cpu_profile(per_position=(0.9, 0.9, 0.9, 0.9)), [], PolicyProvider()
+    for _ in range(40):
+        found = policy.propose(context("algorithm", prof, tried=tried))
+        if not found:
+            break
+        assert not {c.id for c in found} & set(tried)
+        tried += [c.id for c in found]
+    assert tried and not found
+    note = policy.trail[-1]
+    assert note["source"] == "policy" and "already tried in this run" in note["why"]
+
+
+def test_a_profile_without_a_deployment_is_a_reason_too():
+    prof = cpu_profile()
+    del prof["prediction"]
+    policy = PolicyProvider()
+    assert policy.propose(context("kernel_writer", prof)) == []
+    assert "no cost-model deployment or calibrated ceilings" in policy.trail[-1]["why"]
+
+
+def test_proposing_something_adds_no_note():
+    policy = PolicyProvider()
+    assert policy.propose(context("algorithm", cpu_profile(per_position=(0.9, 0.9, 0.9, 0.9))))
+    assert not [n for n in policy.trail if n["source"] == "policy"]
