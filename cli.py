@@ -5,10 +5,9 @@ import argparse
 import json
 import sys
 
-from .argtypes import (non_negative_float, non_negative_int, positive_float, positive_int, positive_int_list,
-                       probability)
 from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
+from .tools.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, probability
 
 
 def _default_device() -> str:
@@ -59,40 +58,23 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import run_bench
+    from .tools.bench.run import run_bench
 
     return run_bench(args)
 
 
 def add_bench_parser(sub) -> None:
+    from .tools.bench.run import add_arguments
+
     b = sub.add_parser("bench", help="measure recipes side by side with the same engine's AR (and HF baselines)",
                        description="Measure ar, stock, each --recipe and optional HF baselines side by side on "
                                    "the same prompts; write DIR/results.json, DIR/report.md and plots.")
-    b.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
-    b.add_argument("--recipe", action="append", default=[],
-                   help="recipe JSON file to measure besides ar and stock (repeatable)")
-    b.add_argument("--workload", default="code",
-                   help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
-    b.add_argument("--batch-sizes", type=positive_int_list, default=[1],
-                   help="comma-separated batch sizes, e.g. 1,8,32")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128)
-    b.add_argument("--limit", type=positive_int, default=None, help="first K questions of each workload")
-    b.add_argument("--cell-requests", type=positive_int, default=None,
-                   help="each (workload, batch size) cell decodes only its first max(N, batch size) requests: "
-                        "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
-    b.add_argument("--repeats", type=positive_int, default=1,
-                   help="times each batch is measured per system (median kept)")
-    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
-    b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
-    b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
-    b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
+    add_arguments(b)
     b.set_defaults(func=cmd_bench)
 
 
 def cmd_calibrate(args) -> int:
-    from .tools.calibrate import cache_path, describe, load_or_measure
+    from .tools.profile.calibrate import cache_path, describe, load_or_measure
 
     ceilings = load_or_measure(args.device or _default_device(), args.force)
     print(describe(ceilings))
@@ -103,7 +85,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     import time
 
-    from .tools.profiler import profile
+    from .tools.profile.profiler import profile
 
     out = args.out or f"runs/profile-{time.strftime('%Y%m%d-%H%M%S')}"
     result = profile(args.target, args.recipe, args.workload, args.limit, args.max_new_tokens, args.batch_size,
@@ -124,7 +106,7 @@ def add_costmodel_parsers(sub) -> None:
                        description="Measure step phases, top kernels and acceptance of a target under a recipe, "
                                    "compare them with the cost model's floors and write DIR/profile.json with the "
                                    "gaps ranked by end-to-end gain. The cost model's GPU validation table: "
-                                   "python -m specpilot.tools.costmodel_validate")
+                                   "python -m specpilot.tools.profile.costmodel_validate")
     add_target_args(p)
     add_workload_args(p, "questions to decode (default: one batch)")
     p.add_argument("--batch-size", type=positive_int, default=1)
@@ -139,7 +121,7 @@ def cmd_check(args) -> int:
     from pathlib import Path
 
     from .engine.errors import SpecPilotError
-    from .tools.gate import check
+    from .tools.gate.check import check
 
     device = args.device or _default_device()
     try:

@@ -159,7 +159,7 @@ def environment(device: str) -> dict:
 
     import torch
 
-    from specpilot.tools.bench_env import device_facts, git_commit
+    from specpilot.tools.bench.env import device_facts, git_commit
 
     def version(name):
         try:
@@ -285,13 +285,13 @@ def alternate(variants: dict, reps: int, before=None) -> list[dict]:
 
 def engine_bench(ctx: Context, label: str, systems: list[str], workloads: list[str], limit: int, tokens: int,
                  hf: str = "", search: str | None = None, timeout: float = 560) -> dict:
-    """One engine_bench process (tools/engine_bench.py: our systems and HF side by side, rotated per prompt); its
+    """One engine_bench process (tools/bench/engine_bench.py: our systems and HF side by side, rotated per prompt); its
     engine_bench.json. `search` 'kernel' or 'torch' picks the n-gram drafter's search (NgramDrafter.use_kernel)."""
     out = ctx.scratch / label
     argv = ["--target", ctx.target, "--device", ctx.device, "--max-new-tokens", tokens, "--limit", limit,
             "--workloads", ",".join(workloads), "--hf", hf, "--systems", ",".join(systems), "--out", out]
     if search is None:
-        step = ctx.module(label, "specpilot.tools.engine_bench", argv, timeout)
+        step = ctx.module(label, "specpilot.tools.bench.engine_bench", argv, timeout)
     else:
         code = ("import sys\nfrom specpilot.engine.drafters import NgramDrafter\n"
                 "NgramDrafter.use_kernel = sys.argv[1] == 'kernel'\n"
@@ -311,7 +311,7 @@ def bench_cells(results: dict) -> dict[tuple, dict]:
 def engine_bench_arguments(p, systems: str, hf: str = "") -> None:
     """The flags of an experiment built on engine_bench, with its defaults: 5 prompts of code and summarization,
     256 new tokens (the figures of docs/BENCHMARKS.md)."""
-    p.add_argument("--systems", default=systems, help="engine_bench systems (tools/engine_bench.py SYSTEMS)")
+    p.add_argument("--systems", default=systems, help="engine_bench systems (tools/bench/engine_bench.py SYSTEMS)")
     p.add_argument("--hf", default=hf, help="HF baselines: dynamic, static, prompt-lookup ('' for none)")
     p.add_argument("--workloads", default="code,summarize")
     p.add_argument("--limit", type=int, default=5, help="prompts a workload")

@@ -192,7 +192,7 @@ class Decoder:
         self._prefill_graphs: dict = {}  # (B, padded length) -> (graph, static inputs, logits)
         self._prefill_pool = None
         self.last_stats = BatchStats()
-        # Profiling hook (specpilot.tools.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
+        # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
         # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
         self.phase_timer = None
 

@@ -1,6 +1,6 @@
-"""Every measurement the graph makes, through the tools only: the token-forcing gate (tools/gate.check), the
-side-by-side benchmark (tools/bench.run_bench), the sandboxed kernel check (tools/kernel_tools.benchmark_kernel)
-and the profiler (tools/profiler.profile). Each returns a plain dict (state and checkpoints hold JSON) and the
+"""Every measurement the graph makes, through the tools only: the token-forcing gate (tools/gate/check.check), the
+side-by-side benchmark (tools/bench/run.run_bench), the sandboxed kernel check (tools/agent_tools.benchmark_kernel)
+and the profiler (tools/profile/profiler.profile). Each returns a plain dict (state and checkpoints hold JSON) and the
 seconds it held the device.
 
 One measurement at a time on the device: a lock in this process (parallel nodes, threads) and, on CUDA, the
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..engine.errors import SpecPilotError
-from ..tools.sandbox import gpu_lock
+from ..tools.sandbox.process import gpu_lock
 
 _DEVICE = threading.Lock()
 
@@ -33,7 +33,7 @@ def gate(settings: dict, recipe: str, out_dir: Path, batch_size: int) -> tuple[d
     """The candidate's greedy tokens against the stock system's on the run's salted prompts (docs/GATE.md).
     A check that cannot run for this recipe (e.g. a draft model that is not there) is a failed check: the
     candidate has not shown the stock system's tokens."""
-    from ..tools.gate import check
+    from ..tools.gate.check import check
 
     t0 = time.perf_counter()
     with device_turn(settings, flock=False):
@@ -55,8 +55,7 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
     """`specpilot bench` of the given recipe files next to ar and stock, in one process, on the deployment's
     workload and batch size. Systems are named after their recipes' `name`; speedups over stock are derived from
     the same cell's tok/s. {"ok", "error", "systems": {name: run}, "errors", "dir"}."""
-    from ..cli import build_parser
-    from ..tools.bench import run_bench
+    from ..tools.bench.run import parse_args, run_bench
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,8 +65,7 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
             f"--dtype={settings['dtype']}", f"--out={out_dir}"]
     argv += [f"--limit={settings['limit']}"] if settings["limit"] else []
     argv += [f"--recipe={r}" for r in recipes]
-    args = build_parser().parse_args(argv)
-    args.argv = argv
+    args = parse_args(argv[1:])
     t0 = time.perf_counter()
     with device_turn(settings):
         try:
@@ -90,7 +88,7 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
 
 def kernel_check(settings: dict, slot: str, source: str, out_path: Path) -> tuple[dict, float]:
     """The slot's contract in the sandbox (docs/TOOLS.md): values, the anti-cheating defenses, timing on CUDA."""
-    from ..tools.kernel_tools import benchmark_kernel
+    from ..tools.agent_tools import benchmark_kernel
 
     t0 = time.perf_counter()
     with device_turn(settings, flock=False):
@@ -101,8 +99,8 @@ def kernel_check(settings: dict, slot: str, source: str, out_path: Path) -> tupl
 
 
 def profile(settings: dict, recipe: str, out_dir: Path) -> tuple[dict, float]:
-    """tools.profiler.profile of a recipe on the deployment: phases, floors and gaps ranked by end-to-end gain."""
-    from ..tools.profiler import profile as run_profile
+    """tools.profile.profiler.profile of a recipe on the deployment: phases, floors and gaps ranked by end-to-end gain."""
+    from ..tools.profile.profiler import profile as run_profile
 
     t0 = time.perf_counter()
     with device_turn(settings):

@@ -75,7 +75,7 @@ class OptimizeState(TypedDict, total=False):
     baselines: dict                   # round 1's side-by-side measurement of ar and stock
     best: dict                        # {recipe, path, source, round, measured, gate}: gated, measured, the fastest
     progression: Annotated[list, operator.add]   # per round: the best's speedups after the round
-    profile: dict                     # tools.profiler Profile.to_dict() of the best recipe this round
+    profile: dict                     # tools.profile.profiler Profile.to_dict() of the best recipe this round
     gaps: list                        # the profile's gaps, ranked by end-to-end gain
     memory_hits: list                 # memory.Hit.to_dict() of similar deployments' outcomes, best first
     route: dict                       # {round, agents, reason, who}: the router's decision this round

@@ -596,7 +596,7 @@ def _graph_time(fn, n_sets: int, calls: int, replays: int = 5) -> float:
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, (read + write) bytes / s: the fastest of 7 eager copies timed with CUDA
-    events, as tools/calibrate.py measures it. (Captured in a CUDA graph, the same copy ran at 2.6-2.8 TB/s on the
+    events, as tools/profile/calibrate.py measures it. (Captured in a CUDA graph, the same copy ran at 2.6-2.8 TB/s on the
     H200 in the eighth lease, below what the GEMVs read, so it is timed eagerly.)"""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

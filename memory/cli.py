@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from ..argtypes import positive_int
+from ..tools.argtypes import positive_int
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ Profile dict by `deployment_from_profile`):
     target, architecture, params, layers, hidden, intermediate, heads, kv_heads, vocab,
     dtype (fp32|bf16|fp16|…), weight_format (native|lossless12), drafter (none|ngram|layerskip|model),
     device (device class: cpu|cuda|…), device_name,
-    ceilings {copy_bytes_per_s, matmul_flops_per_s, launch_s, graph_node_s, gemm_node_s}  (tools/calibrate.py),
+    ceilings {copy_bytes_per_s, matmul_flops_per_s, launch_s, graph_node_s, gemm_node_s}  (tools/profile/calibrate.py),
     batch_size, workload_mix {workload: fraction}   (fractions sum to 1; {} when unknown)
 
 The deployment embedding (`deployment_vector`, version EMBEDDING_VERSION) turns a descriptor into numbers such that
@@ -55,7 +55,7 @@ import subprocess
 from dataclasses import asdict, fields
 
 from ..engine.workloads import BUILTIN as WORKLOADS
-from ..tools.costmodel import DRAFTER_KINDS, DeviceCeilings, ModelShape
+from ..tools.profile.costmodel import DRAFTER_KINDS, DeviceCeilings, ModelShape
 from .outcome import Outcome
 
 EMBEDDING_VERSION = 1
@@ -150,7 +150,7 @@ def describe_deployment(*, target: str, architecture: str, shape: ModelShape | d
 
 
 def deployment_from_profile(profile: dict, *, architecture: str, weight_format: str, workload_mix=None) -> dict:
-    """The descriptor of a profiled deployment, from tools/profiler.py `profile(...).to_dict()`.
+    """The descriptor of a profiled deployment, from tools/profile/profiler.py `profile(...).to_dict()`.
 
     The profile does not carry the target's architecture (model_type) or the recipe's weight format: the caller,
     which loaded both, passes them. The workload mix defaults to the profiled workload (meta.workload)."""
@@ -262,7 +262,7 @@ def _distribution_version(name: str) -> str | None:
 
 
 def _nvidia_driver() -> str | None:
-    """The driver version as tools/bench_env.py records it (nvidia-smi), None without an NVIDIA GPU."""
+    """The driver version as tools/bench/env.py records it (nvidia-smi), None without an NVIDIA GPU."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:

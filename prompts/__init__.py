@@ -57,7 +57,7 @@ def render(name: str, **context) -> str:
 
 
 def profile_summary(profile: dict) -> dict:
-    """What an agent needs of a profile (schema 1, tools/profiler.py): the deployment measured, the step, its phases,
+    """What an agent needs of a profile (schema 1, tools/profile/profiler.py): the deployment measured, the step, its phases,
     acceptance, floors and the cost model's prediction; not the raw kernel table."""
     if not profile:
         return {}
@@ -80,8 +80,8 @@ def profile_summary(profile: dict) -> dict:
 
 
 def tool_list() -> list[dict]:
-    """The sandboxed tools the graph evaluates candidates with (tools/kernel_tools.py), by name and the first
+    """The sandboxed tools the graph evaluates candidates with (tools/agent_tools.py), by name and the first
     sentence of their description (the agent does not call them: the graph does, on its candidates)."""
-    from ..tools.kernel_tools import TOOLS
+    from ..tools.agent_tools import TOOLS
 
     return [{"name": t.name, "purpose": t.description.split(". ")[0].rstrip(".") + "."} for t in TOOLS.values()]

@@ -14,11 +14,11 @@ import pytest
 from conftest import tiny_smol_vocab_dir
 from specpilot import cli
 from specpilot.engine.workloads import Question
-from specpilot.tools.bench_metrics import accepted_histogram, token_latencies
-from specpilot.tools.bench_prompts import build_requests, conversation, encode_conversation
-from specpilot.tools.bench_report import PLOTS
+from specpilot.tools.bench.metrics import accepted_histogram, token_latencies
+from specpilot.tools.bench.prompt_requests import build_requests, conversation, encode_conversation
+from specpilot.tools.bench.report import PLOTS
 
-SCHEMA = json.loads((Path(cli.__file__).parent / "tools" / "bench_schema.json").read_text())
+SCHEMA = json.loads((Path(cli.__file__).parent / "tools" / "bench" / "schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +125,8 @@ def test_smollm2_bench(tmp_path):
 
 @pytest.mark.parametrize("broken", ["load", "decode"])
 def test_failing_hf_baseline_costs_only_itself(tiny_smol_dir, tmp_path, monkeypatch, broken):
-    from specpilot.tools import bench as bench_module
-    from specpilot.tools import hf_baselines
+    from specpilot.tools.bench import run as bench_module
+    from specpilot.tools.bench import hf_baselines
 
     def fail(*args, **kwargs):
         raise RuntimeError("no such kernel for this architecture")
@@ -202,7 +202,7 @@ def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):
     speculative and HF systems give the AR tokens, and the table's numbers are the rows' numbers (never a speed)."""
     import statistics
 
-    from specpilot.tools import engine_bench
+    from specpilot.tools.bench import engine_bench
 
     engine_bench.main(["--target", str(tiny_smol_dir), "--device", "cpu", "--max-new-tokens", "8", "--limit", "2",
                        "--workloads", "code", "--systems", "ar,ngram-k4", "--hf", "dynamic", "--out", str(tmp_path)])
@@ -226,7 +226,7 @@ def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):
 def test_engine_bench_without_our_ar(tiny_smol_dir, tmp_path, capsys):
     """Without the `ar` system (and without HF) the table is relative to the first system, and nothing is compared
     with AR tokens it did not decode."""
-    from specpilot.tools import engine_bench
+    from specpilot.tools.bench import engine_bench
 
     engine_bench.main(["--target", str(tiny_smol_dir), "--device", "cpu", "--max-new-tokens", "4", "--limit", "1",
                        "--workloads", "code", "--systems", "ngram-k4", "--hf", "", "--out", str(tmp_path)])

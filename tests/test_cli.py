@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from specpilot import argtypes, cli
+from specpilot import cli
+from specpilot.tools import argtypes
 from specpilot.engine import loader
 from specpilot.engine.errors import SpecPilotError
 
@@ -125,7 +126,7 @@ def test_unknown_flag_and_help(capsys):
 
 def test_run_bench_checks_arguments_built_in_code():
     """run_bench's callers in the graph build `args` themselves: they get argparse's words, as a SpecPilotError."""
-    from specpilot.tools.bench import parse_batch_sizes, run_bench
+    from specpilot.tools.bench.run import parse_batch_sizes, run_bench
 
     args = cli.build_parser().parse_args(["bench", *NO_MODEL])
     args.repeats = 0

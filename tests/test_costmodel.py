@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from specpilot.tools import calibrate
-from specpilot.tools.costmodel import (Deployment, DeviceCeilings, ModelShape, bookkeeping_cost, draft_cost,
+from specpilot.tools.profile import calibrate
+from specpilot.tools.profile.costmodel import (Deployment, DeviceCeilings, ModelShape, bookkeeping_cost, draft_cost,
                                        expected_tokens, forward_cost, predict)
 
 INF = 1e30

@@ -9,8 +9,8 @@ from dataclasses import asdict, replace
 import pytest
 
 from specpilot.graph.providers.policy import CostView
-from specpilot.tools import calibrate
-from specpilot.tools.costmodel import Deployment, DeviceCeilings, ModelShape, forward_cost, predict
+from specpilot.tools.profile import calibrate
+from specpilot.tools.profile.costmodel import Deployment, DeviceCeilings, ModelShape, forward_cost, predict
 
 CURVE = ((1, 20e9), (4, 10e9), (16, 5e9))
 CPU = DeviceCeilings("cpu", 30e9, 3e11, 2e-6, 2e-6, 5e-6, CURVE)

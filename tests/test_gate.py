@@ -16,9 +16,9 @@ import torch
 from conftest import SMOLLM2_VOCAB, build_tiny_hf
 from specpilot.engine.decode import cache_length
 from specpilot.cli import main
-from specpilot.tools import gate_reference as gr
-from specpilot.tools.gate import Verdict, _compare, check, judge
-from specpilot.tools.gate_report import GateReport
+from specpilot.tools.gate import reference as gr
+from specpilot.tools.gate.check import Verdict, _compare, check, judge
+from specpilot.tools.gate.report import GateReport
 
 BROKEN = Path(__file__).parent / "broken_candidates"
 SALT = "0123456789abcdef"  # shared by the tiny matrix: one reference, read from the cache by every other check

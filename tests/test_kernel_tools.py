@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specpilot.kernels.slots import CONTRACTS
-from specpilot.tools.kernel_tools import TOOLS, benchmark_kernel, call_tool, compile_triton, tool_specs
+from specpilot.tools.agent_tools import TOOLS, benchmark_kernel, call_tool, compile_triton, tool_specs
 
 KERNELS = Path(__file__).parent / "cheating_kernels"
 # Small shapes: the checks are the same at any size; the contract's own shapes take seconds per slot on 2 cores.
@@ -81,6 +81,13 @@ def results() -> dict:
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(fn, *args) for name, (fn, *args) in jobs.items()}
         return {name: f.result() for name, f in futures.items()}
+
+
+def test_slot_contracts_verify_the_stock_recipes_draft_count():
+    from specpilot.engine.recipe import BUILTIN
+    from specpilot.kernels import slots
+
+    assert slots.K == BUILTIN["stock"].k
 
 
 @pytest.mark.parametrize("name", list(CHEATS))

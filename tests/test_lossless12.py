@@ -10,7 +10,7 @@ import torch
 from specpilot.kernels.lossless12_format import (ESCAPE, MAX_WINDOW_BASE, Packed12, choose_window, decode, encode,
                                                  exponent_histogram, window_base)
 
-# Measured with `python -m specpilot.tools.weight_stats --target smollm2-135m` (docs/LOSSLESS12.md), window
+# Measured with `python -m specpilot.tools.profile.weight_stats --target smollm2-135m` (docs/LOSSLESS12.md), window
 # encoding: overall escape rate 1.17e-04 (top-15 table: 1.12e-04), worst tensor layers.21.mlp_norm 1.74e-03 (1 of 576),
 # worst matrix a wqkv; overall 12.058 bits/weight, max 12.472 (a norm vector).
 SMOLLM2_ESCAPE_RATE_BOUND = 2e-4

@@ -333,7 +333,7 @@ def test_engine_lossless12_tokens_equal_native(tiny_model_dir):
 
 
 def test_smollm2_lossless12_passes_the_gate(tmp_path):
-    from specpilot.tools.gate import check
+    from specpilot.tools.gate.check import check
 
     recipe = tmp_path / "lossless12.json"
     recipe.write_text(_lossless12_recipe().to_json())

@@ -32,8 +32,8 @@ from specpilot.memory import open_memory
 from specpilot.memory.base import Outcome
 from specpilot.memory.chroma_store import ChromaMemory, MemoryStoreError
 from specpilot.memory import records, text_embedding
-from specpilot.tools import calibrate
-from specpilot.tools.costmodel import DeviceCeilings, ModelShape
+from specpilot.tools.profile import calibrate
+from specpilot.tools.profile.costmodel import DeviceCeilings, ModelShape
 
 SMOLLM2 = ModelShape(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
 LLAMA3_8B = ModelShape(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
@@ -135,7 +135,7 @@ def test_weight_formats_match_the_recipe_schema():
 
 def test_descriptor_from_a_real_profile(tiny_model_dir, cpu_ceilings):
     from specpilot.engine.loader import load
-    from specpilot.tools.profiler import profile
+    from specpilot.tools.profile.profiler import profile
 
     target = load(str(tiny_model_dir("llama")), "fp32", "cpu")
     prof = profile(target, "stock", prompts=[list(range(3, 40))], max_new_tokens=8, ceilings=cpu_ceilings,

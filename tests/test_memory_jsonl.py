@@ -13,7 +13,7 @@ from specpilot.graph.candidates import Candidate
 from specpilot.memory import JsonlMemory, MemoryStoreError, open_memory
 from specpilot.memory.base import Outcome
 from specpilot.memory import records
-from specpilot.tools.costmodel import DeviceCeilings, ModelShape
+from specpilot.tools.profile.costmodel import DeviceCeilings, ModelShape
 
 SMOLLM2 = ModelShape(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
 H200 = DeviceCeilings("NVIDIA H200", 4.13e12, 775e12, 9.09e-6, 1.06e-6, 2.59e-6)

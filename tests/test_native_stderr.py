@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from specpilot.tools.native_stderr import filtered_stderr, harmless, kept_lines
+from specpilot.tools.profile.native_stderr import filtered_stderr, harmless, kept_lines
 
 USDT_START = b"USDT:2026-12-01 14:55:05 4532:4532 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
 USDT_STOP = b"USDT:2026-12-01 14:55:06 4532:4533 SyncActivityProfilerHandler.cpp:59] profiler_stop\n"
@@ -37,7 +37,7 @@ def test_patterns_are_narrow():
 
 SCRIPT = textwrap.dedent("""
     import os, sys, threading, torch
-    from specpilot.tools.native_stderr import quiet_profile
+    from specpilot.tools.profile.native_stderr import quiet_profile
 
     def run():  # the first profiled session on another thread than torch's import: kineto's ERROR line
         context = quiet_profile if sys.argv[1] == "quiet" else torch.profiler.profile

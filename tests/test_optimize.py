@@ -43,7 +43,7 @@ CLI_SMALL = ["--workload", "code", "--limit", "2", "--max-new-tokens", "16", "--
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     """A random 2-layer Llama (hidden 64) with SmolLM2's vocabulary and tokenizer, as in test_gate.py."""
-    from specpilot.tools import gate_reference as gr
+    from specpilot.tools.gate import reference as gr
 
     path = tmp_path_factory.mktemp("optimize") / "tiny"
     model = build_tiny_hf("LlamaConfig", seed=0, std=0.1, vocab_size=SMOLLM2_VOCAB, hidden_size=64,
@@ -399,9 +399,9 @@ def test_combine_keeps_the_fastest_change_of_each_field():
 
 
 def test_optimize_summary_gives_the_found_recipe_over_ar_and_stock_per_workload(tmp_path, capsys):
-    """tools/optimize_summary.py: the table issue #6's H200 run reports, from the run's recipe.json and a bench of it
+    """tools/bench/optimize_summary.py: the table issue #6's H200 run reports, from the run's recipe.json and a bench of it
     beside ar and stock (ratios of tok/s measured in the same cell)."""
-    from specpilot.tools import optimize_summary
+    from specpilot.tools.bench import optimize_summary
 
     run, bench = tmp_path / "run", tmp_path / "bench"
     run.mkdir(), bench.mkdir()

@@ -41,7 +41,7 @@ class FixedCatalogPolicy(PolicyProvider):
     name = "policy-fixed-catalog"
 
     @staticmethod
-    def catalog(agent, recipe, view, gaps):
+    def catalog(agent, recipe, view, gaps, skipped=None):
         if agent != "algorithm":
             return []
         return [Option(ONE_DRAFT, "self-draft with the first layer, 1 draft a step", (0,)),

@@ -9,7 +9,7 @@ from specpilot.engine.recipe import load_recipe
 from specpilot.graph.candidates import AgentContext
 from specpilot.graph.context import RunContext, propose
 from specpilot.graph.providers.policy import PolicyProvider
-from specpilot.tools.costmodel import Deployment, DeviceCeilings, ModelShape, expected_tokens
+from specpilot.tools.profile.costmodel import Deployment, DeviceCeilings, ModelShape, expected_tokens
 
 SMOLLM2 = ModelShape(vocab=49152, hidden=576, intermediate=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
 CPU = DeviceCeilings("a 2-core CPU", 3.0e10, 3.2e11, 2e-6, 2e-6, 5e-6)

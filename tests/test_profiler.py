@@ -12,10 +12,10 @@ from specpilot.engine.decode import StopCondition
 from specpilot.engine.engine import Engine
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import load_recipe
-from specpilot.tools import calibrate
-from specpilot.tools.kernel_stats import GEMM_OPS
-from specpilot.tools.phase_timer import PHASES, PhaseTimer
-from specpilot.tools.profiler import profile
+from specpilot.tools.profile import calibrate
+from specpilot.tools.profile.kernel_stats import GEMM_OPS
+from specpilot.tools.profile.phase_timer import PHASES, PhaseTimer
+from specpilot.tools.profile.profiler import profile
 
 AGENTS = {"kernel-writer", "algorithm", "scheduler"}
 

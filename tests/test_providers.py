@@ -32,8 +32,8 @@ from specpilot.graph.providers.policy import MIN_GAIN, CostView, PolicyProvider,
 from specpilot.kernels import IMPLEMENTATIONS
 from specpilot.memory import JsonlMemory, Outcome
 from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
-from specpilot.tools import calibrate
-from specpilot.tools.profiler import profile
+from specpilot.tools.profile import calibrate
+from specpilot.tools.profile.profiler import profile
 
 SECRET = "sk-test-do-not-leak-8c1f2e"
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from specpilot.tools import sandbox
-from specpilot.tools.sandbox import SandboxLimits, run_python
+from specpilot.tools.sandbox import process as sandbox
+from specpilot.tools.sandbox.process import SandboxLimits, run_python
 
 QUICK = SandboxLimits(wall_s=20, memory_bytes=1 << 30)
 

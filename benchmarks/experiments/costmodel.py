@@ -1,6 +1,6 @@
 """The cost model against measured steps: predicted vs replayed step time at B = 1, 8, 32.
 
-What it measures: `python -m specpilot.tools.costmodel_validate --batch-sizes 1,8,32 --ks 0,1,4,16` on SmolLM2-135M
+What it measures: `python -m specpilot.tools.profile.costmodel_validate --batch-sizes 1,8,32 --ks 0,1,4,16` on SmolLM2-135M
 bf16: the device's ceilings (copy bandwidth, matmul, launch, graph node, GEMM node; calibrated anew with
 `--recalibrate`), then for each (B, k) the engine's captured step replayed between CUDA events and its real loop,
 against the cost model's prediction from the step's kernel count and bytes; how many predictions fall within 25%.
@@ -28,7 +28,7 @@ def run(out_dir, args):
     ctx = args.ctx
     sizes, ks = ("1", "0,4") if args.smoke else (args.batch_sizes, args.ks)
     out = ctx.scratch / "costmodel_validate.json"
-    step = ctx.module("costmodel_validate", "specpilot.tools.costmodel_validate", [
+    step = ctx.module("costmodel_validate", "specpilot.tools.profile.costmodel_validate", [
         "--target", ctx.target, "--batch-sizes", sizes, "--ks", ks, "--out", out,
         *(["--recalibrate"] if args.recalibrate else [])], timeout=300)
     result = json.loads(ctx.need(out, step).read_text())

@@ -1,6 +1,6 @@
 """Our engine beside HF transformers at B = 1: our AR and drafters against HF's caches and prompt lookup.
 
-What it measures: one engine_bench process (tools/engine_bench.py), SmolLM2-135M bf16, B = 1, 256 new tokens (EOS
+What it measures: one engine_bench process (tools/bench/engine_bench.py), SmolLM2-135M bf16, B = 1, 256 new tokens (EOS
 ignored), 5 code and 5 summarization prompts; median tok/s of each system, each prompt timed from the call to the
 last token (prefill included), systems rotated per prompt: our modular AR (cuBLAS), our fastest AR (fused layer with
 host/device overlap), chain decoding with the n-gram drafter (stock; adaptive min-2; with ar_after_miss), the

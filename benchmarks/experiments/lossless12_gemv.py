@@ -38,7 +38,7 @@ def arguments(p) -> None:
 
 
 def copy_bandwidth(L) -> dict:
-    """1 GiB copy, (read + write) TB/s: eager, timed with CUDA events (tools/calibrate.py's way, what "of copy" is
+    """1 GiB copy, (read + write) TB/s: eager, timed with CUDA events (tools/profile/calibrate.py's way, what "of copy" is
     read against) and captured in a CUDA graph (what the benchmark reported until the eighth lease)."""
     import torch
 

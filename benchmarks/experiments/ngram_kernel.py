@@ -57,7 +57,7 @@ def run(out_dir, args):
     from specpilot.engine.model import compiled
     from specpilot.engine.recipe import parse
     from specpilot.kernels import triton_ngram
-    from specpilot.tools.engine_bench import SYSTEMS
+    from specpilot.tools.bench.engine_bench import SYSTEMS
 
     out = {}
     search = compiled(NgramDrafter(4, 2)._search)

@@ -4,7 +4,7 @@ What it measures. `specpilot optimize --target T --workload code --device cuda -
 (2 rounds / 4 minutes of work at most, 4 prompts of 128 tokens, 2 candidates an agent), then one `specpilot bench`
 of the found recipe beside ar, stock and the best recipe found by hand (the adaptive min-2 n-gram with
 ar_after_miss on the fused layer, with overlap) on code, chat, math, summarize and rag at B = 1 (4 prompts, 128
-tokens), then tools/optimize_summary.py's table: the found recipe's tok/s and its ratios per workload, and the
+tokens), then tools/bench/optimize_summary.py's table: the found recipe's tok/s and its ratios per workload, and the
 run's device minutes. Added here: the found recipe over the hand-found best in the same cell (issue #23's "62%").
 
 Needs on the H200 the graph's wheels (.gpu/whl-graph: LangGraph, pydantic, ...; benchmarks/README.md), carried and
@@ -35,8 +35,8 @@ def arguments(p) -> None:
 
 
 def run(out_dir, args):
-    from specpilot.tools import optimize_summary
-    from specpilot.tools.engine_bench import SYSTEMS
+    from specpilot.tools.bench import optimize_summary
+    from specpilot.tools.bench.engine_bench import SYSTEMS
 
     ctx = args.ctx
     run_dir, bench_dir, memory = ctx.scratch / "optimize", ctx.scratch / "bench", ctx.scratch / "memory.jsonl"

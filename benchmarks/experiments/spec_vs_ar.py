@@ -1,6 +1,6 @@
 """Speculative vs AR per workload: the adaptive min-2 n-gram drafter with ar_after_miss against our fastest AR.
 
-What it measures. At B = 1 (the default): engine_bench (tools/engine_bench.py) without HF, SmolLM2-135M bf16, 256
+What it measures. At B = 1 (the default): engine_bench (tools/bench/engine_bench.py) without HF, SmolLM2-135M bf16, 256
 new tokens, 5 code and 5 summarization prompts, systems rotated per prompt: ar-fused-overlap (our fastest AR), the
 adaptive min-2 n-gram, and the same with ar_after_miss (the shipped speculative recipe); tok/s and the ratio to our
 fastest AR in the same process. `--search kernel,torch` runs it once per n-gram search (the Triton kernel, the
@@ -56,7 +56,7 @@ def run(out_dir, args):
 
 def batched(args):
     """`specpilot bench` of the fused AR and the recipe beside ar and stock, at the given batch sizes."""
-    from specpilot.tools.engine_bench import SYSTEMS as S
+    from specpilot.tools.bench.engine_bench import SYSTEMS as S
 
     ctx = args.ctx
     sizes = args.batch_sizes.split(",")

@@ -1,7 +1,7 @@
 """The policy provider: deterministic, no LLM, the offline default.
 
 It proposes from a built-in mechanism catalog per agent and picks the parameters with the cost model
-(tools/costmodel.py) on the profile's own deployment: its calibrated ceilings, model shape, measured kernel counts and
+(tools/profile/costmodel.py) on the profile's own deployment: its calibrated ceilings, model shape, measured kernel counts and
 measured acceptance per draft position. Memory comes first: a change that passed the gate and sped things up on a
 similar deployment is proposed before the catalog; one that failed there is not proposed at all. Every candidate's
 reason carries the numbers that justified it. docs/PROVIDERS.md describes the catalog.
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
-from ...tools.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
+from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
 from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
 from .base import Provider

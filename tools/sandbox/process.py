@@ -9,7 +9,7 @@ for the whole run. The payload is the child's stdin as JSON; the child's last st
 behaviour (hang, signal, OOM, exception, garbage output) comes back as a SandboxResult; nothing is raised.
 
 The pieces (`child_env`, `command`, `limiter`, `gpu_lock`) are public so that long-lived workers
-(tools/candidate_client.py) can be launched the same way.
+(tools/sandbox/candidate_client.py) can be launched the same way.
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.engine import Engine
-from ..engine.loader import LoadedModel
-from ..engine.recipe import Recipe
+from ...engine.engine import Engine
+from ...engine.loader import LoadedModel
+from ...engine.recipe import Recipe
 
 
 @dataclass

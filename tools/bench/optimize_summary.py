@@ -1,6 +1,6 @@
 """What an optimize run found and what it cost, per workload: the found recipe's speedup over `ar` and over `stock`.
 
-    python -m specpilot.tools.optimize_summary RUN_DIR|RECIPE BENCH_DIR [--json FILE]
+    python -m specpilot.tools.bench.optimize_summary RUN_DIR|RECIPE BENCH_DIR [--json FILE]
 
 RUN_DIR is a `specpilot optimize` output directory (its recipe.json: the speedups measured during the run on the
 run's workload, and `device_minutes`, the minutes its measurements held the device); BENCH_DIR a `specpilot bench
@@ -82,7 +82,7 @@ def markdown(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specpilot.tools.optimize_summary", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m specpilot.tools.bench.optimize_summary", description=__doc__.split("\n")[0])
     p.add_argument("run_dir")
     p.add_argument("bench_dir")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")

@@ -14,7 +14,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from .bench_systems import BatchRun
+from .systems import BatchRun
 
 QUANTILES = tuple(range(101))  # percentiles stored for latency CDFs
 

@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from ..engine import loader
-from ..engine.decode import cache_length
-from ..engine.engine import Engine
-from ..engine.errors import SpecPilotError
-from ..engine.loader import LoadedModel
-from ..engine.recipe import load_recipe
-from ..engine.workloads import Question
-from ..kernels import resolve as resolve_kernels
-from ..kernels.builtin import attention_sdpa
+from ...engine import loader
+from ...engine.decode import cache_length
+from ...engine.engine import Engine
+from ...engine.errors import SpecPilotError
+from ...engine.loader import LoadedModel
+from ...engine.recipe import load_recipe
+from ...engine.workloads import Question
+from ...kernels import resolve as resolve_kernels
+from ...kernels.builtin import attention_sdpa
 
 FORMAT = 1  # bump when the cached content or its meaning changes
 TOP = 8  # logits kept per position

@@ -8,6 +8,7 @@ becomes an error entry; the others are still measured. results.json is rewritten
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -17,20 +18,57 @@ from pathlib import Path
 import torch
 
 from ..argtypes import check, positive_int, positive_int_list
-from ..engine import loader
-from ..engine.errors import SpecPilotError
-from ..engine.recipe import BUILTIN as BUILTIN_RECIPES
-from ..engine.recipe import Recipe, load_recipe
-from ..engine.workloads import Question, load_workload
-from . import bench_report
-from .bench_env import header
-from .bench_metrics import compare_to_ar, summarize
-from .bench_prompts import BenchRequest, build_requests
-from .bench_systems import BatchRun, BenchSkip, EngineSystem, System, memory_kind
+from ...engine import loader
+from ...engine.errors import SpecPilotError
+from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
+from ...engine.recipe import Recipe, load_recipe
+from ...engine.workloads import Question, load_workload
+from . import report as bench_report
+from .env import header
+from .metrics import compare_to_ar, summarize
+from .prompt_requests import BenchRequest, build_requests
+from .systems import BatchRun, BenchSkip, EngineSystem, System, memory_kind
 from .hf_baselines import HF_SYSTEMS, HFSystem, load_hf_model
 
 SCHEMA = "specpilot-bench/1"
 BASELINES = ("hf", "none")
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    """`specpilot bench`'s flags: the CLI's subcommand and `parse_args` (callers in code) share them."""
+    b.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    b.add_argument("--recipe", action="append", default=[],
+                   help="recipe JSON file to measure besides ar and stock (repeatable)")
+    b.add_argument("--workload", default="code",
+                   help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
+    b.add_argument("--batch-sizes", type=positive_int_list, default=[1],
+                   help="comma-separated batch sizes, e.g. 1,8,32")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128)
+    b.add_argument("--limit", type=positive_int, default=None, help="first K questions of each workload")
+    b.add_argument("--cell-requests", type=positive_int, default=None,
+                   help="each (workload, batch size) cell decodes only its first max(N, batch size) requests: "
+                        "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="times each batch is measured per system (median kept)")
+    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
+    b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
+    b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The bench's arguments from flags, as `specpilot bench FLAGS` would parse them (for the agent tools and the
+    graph, which must not import the CLI); a bad value raises SpecPilotError naming it."""
+    parser = argparse.ArgumentParser(prog="specpilot bench", exit_on_error=False)
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise SpecPilotError(f"bench arguments {argv}: {e}") from None
+    args.argv = ["bench", *argv]
+    return args
 
 
 def parse_batch_sizes(value: str | list[int]) -> list[int]:

@@ -1,11 +1,11 @@
 """The gate's handle on a candidate process: launch it, send it jobs, read its answers under a time budget.
 
-The candidate runs `specpilot.tools.candidate_worker` in its own process, with a scrubbed environment (no variable
+The candidate runs `specpilot.tools.sandbox.candidate_worker` in its own process, with a scrubbed environment (no variable
 whose name contains KEY, TOKEN, SECRET or PASSWORD), its own temporary directory as working directory, stderr
 captured to a file, and a wall-clock budget for the time the gate waits on it. By default the process is forked from
 a fork server that has imported torch and transformers once (a worker then starts in about a second instead of
 five or more); SPECPILOT_GATE_LAUNCH=subprocess starts a fresh `python -m` process in the sandbox instead
-(tools/sandbox.py: network namespace, allow-listed environment, process group; docs/SANDBOX.md). The fork-server
+(tools/sandbox/process.py: network namespace, allow-listed environment, process group; docs/SANDBOX.md). The fork-server
 path is not network-isolated yet. `launch` is the one place a process starts. Anything that goes wrong on the candidate's side raises
 CandidateFailure.
 """
@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..engine.loader import cache_root
-from . import sandbox
+from ...engine.loader import cache_root
+from . import process as sandbox
 
 SCRUBBED = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 STDERR_TAIL = 2000
@@ -47,11 +47,11 @@ _server = None
 
 
 class _ForkServer:
-    """The gate's end of tools/candidate_forkserver.py: one per gate process, started on first use."""
+    """The gate's end of tools/sandbox/candidate_forkserver.py: one per gate process, started on first use."""
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot.tools.candidate_forkserver",
+        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot.tools.sandbox.candidate_forkserver",
                                       str(theirs.fileno())], pass_fds=[theirs.fileno()], env=scrubbed_env(),
                                      stdin=subprocess.DEVNULL)
         theirs.close()
@@ -91,13 +91,13 @@ class _Lines:
 
 
 class _Subprocess:
-    """`python -m specpilot.tools.candidate_worker` in the sandbox (tools/sandbox.py): its own process group, a
+    """`python -m specpilot.tools.sandbox.candidate_worker` in the sandbox (tools/sandbox/process.py): its own process group, a
     network namespace where the OS allows one, the allow-listed environment, no core dumps, bounded file writes.
     No address-space limit: torch reserves far more virtual memory than it uses. JSON lines on stdin and stdout."""
 
     def __init__(self, worker_args: list[str], cwd: Path, env: dict, stderr_path: Path):
         limits = sandbox.SandboxLimits(memory_bytes=None)
-        argv, isolated = sandbox.command([sys.executable, "-m", "specpilot.tools.candidate_worker", *worker_args],
+        argv, isolated = sandbox.command([sys.executable, "-m", "specpilot.tools.sandbox.candidate_worker", *worker_args],
                                          limits)
         # HOME becomes the temp dir, so the model caches are named explicitly
         caches = {"SPECPILOT_CACHE": str(cache_root()),
@@ -126,7 +126,7 @@ class _Subprocess:
 
 
 class _Forked:
-    """The same worker, forked from the fork server (tools/candidate_forkserver.py) with pipes as stdin and stdout."""
+    """The same worker, forked from the fork server (tools/sandbox/candidate_forkserver.py) with pipes as stdin and stdout."""
 
     def __init__(self, worker_args: list[str], cwd: Path, env: dict, stderr_path: Path):
         self.server = _fork_server()

@@ -1,13 +1,13 @@
 """A fork server for candidate workers: imports torch and transformers once, then forks a fresh worker per request.
 
-    python -m specpilot.tools.candidate_forkserver FD
+    python -m specpilot.tools.sandbox.candidate_forkserver FD
 
-Started by the gate (tools/candidate_client.py) with a scrubbed environment and one end of a Unix datagram socket
+Started by the gate (tools/sandbox/candidate_client.py) with a scrubbed environment and one end of a Unix datagram socket
 pair as FD. Requests are JSON datagrams:
 
     {"spawn": [worker args], "cwd": DIR, "env": {...}, "stderr": FILE}  + two file descriptors (stdin, stdout)
         -> {"pid": N}: a forked child with those as fd 0 and 1, FILE as fd 2, DIR as cwd and exactly `env`, running
-           candidate_worker.main(worker args): the same worker `python -m specpilot.tools.candidate_worker` runs
+           candidate_worker.main(worker args): the same worker `python -m specpilot.tools.sandbox.candidate_worker` runs
     {"release": N, "grace": S}
         -> {"status": exit status, negative for a signal}: waits up to S seconds for child N to exit, kills it if
            it has not, and reaps it. Children are reaped only here, so a pid the gate holds is never reused.
@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-PRELOAD = ["torch", "transformers", "specpilot.engine.engine", "specpilot.tools.candidate_worker",
+PRELOAD = ["torch", "transformers", "specpilot.engine.engine", "specpilot.tools.sandbox.candidate_worker",
            "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            *[f"transformers.models.{a}.modeling_{a}" for a in ("llama", "mistral", "qwen2", "qwen3")]]
 
@@ -43,9 +43,9 @@ def _child(req: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         sys.stdin = open(0, closefd=False)
-        sys.argv = ["candidate_worker", *req["spawn"]]  # as `python -m specpilot.tools.candidate_worker ...` sees it
+        sys.argv = ["candidate_worker", *req["spawn"]]  # as `python -m specpilot.tools.sandbox.candidate_worker ...` sees it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        from specpilot.tools import candidate_worker
+        from . import candidate_worker
 
         code = candidate_worker.main(req["spawn"])
     except SystemExit as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .engine.errors import SpecPilotError
+from ..engine.errors import SpecPilotError
 
 
 def _int(text) -> int:

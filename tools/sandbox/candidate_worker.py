@@ -1,6 +1,6 @@
 """The candidate's side of the gate: a process that decodes what it is asked to with the recipe under test.
 
-    python -m specpilot.tools.candidate_worker --target T --recipe R --dtype D --device DEV [--patch FILE] [--batch-size B]
+    python -m specpilot.tools.sandbox.candidate_worker --target T --recipe R --dtype D --device DEV [--patch FILE] [--batch-size B]
 
 It loads the target and the recipe, runs the patch file if one is given (untrusted code: tests' deliberately broken
 candidates, agents' changes), builds the engine, then answers JSON lines on stdin, one line each on stdout:
@@ -12,7 +12,7 @@ Prompts are decoded in order, in batches of the recipe's batch size. If the targ
 writes {"error": "..."} and exits with 3. stdout carries the protocol only: file descriptor 1 is pointed at stderr
 before anything else runs, and the protocol is written to a private duplicate of the original stdout.
 The gate normally forks this worker from a fork server that has torch and transformers imported already
-(tools/candidate_forkserver.py calls `main` in the forked child, with pipes as stdin and stdout).
+(tools/sandbox/candidate_forkserver.py calls `main` in the forked child, with pipes as stdin and stdout).
 """
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def serve(engine, lines, out) -> None:
 
 def run(args: argparse.Namespace, lines, out) -> int:
     """Load, patch, build, then answer jobs from `lines` on `out` until the input ends; the exit status."""
-    from ..engine import loader
-    from ..engine.engine import Engine
-    from ..engine.errors import SpecPilotError
-    from ..engine.recipe import load_recipe
+    from ...engine import loader
+    from ...engine.engine import Engine
+    from ...engine.errors import SpecPilotError
+    from ...engine.recipe import load_recipe
 
     try:
         target = loader.load(args.target, args.dtype, args.device)

@@ -6,7 +6,7 @@ and JSON schema; `tool_specs()` gives them in the OpenAI `tools=[...]` format an
 validates an agent's arguments against the schema and calls the tool, answering a structured error instead of
 raising on bad input.
 
-Candidate kernel code only ever runs in the sandbox child (tools/sandbox.py, the harness in tools/kernel_check.py).
+Candidate kernel code only ever runs in the sandbox child (tools/sandbox/process.py, the harness in tools/sandbox/kernel_check.py).
 benchmark_recipe and profile run the recipe in this process, as `specpilot bench` and `specpilot profile` do (a
 recipe may name kernel source files: check those with benchmark_kernel first); the gate runs its candidate in its
 own process.
@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..engine.errors import SpecPilotError
 from ..kernels import SLOTS
-from .sandbox import SandboxLimits, SandboxResult, run_python
+from .sandbox.process import SandboxLimits, SandboxResult, run_python
 
-HARNESS = ["specpilot.tools.kernel_check"]
+HARNESS = ["specpilot.tools.sandbox.kernel_check"]
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 KERNEL_TIMEOUT_S = 600  # wall-clock limit of a kernel tool's sandboxed child: the default and the most allowed
@@ -176,9 +177,8 @@ def benchmark_recipe(recipe: str, target: str = "smollm2-135m", workload: str = 
                      batch_sizes: list[int] | tuple[int, ...] = (1,),
                      max_new_tokens: int = 128, limit: int | None = None, repeats: int = 1, baselines: str = "none",
                      device: str = "auto", dtype: str = "auto", out_dir: str | None = None) -> RecipeBenchResult:
-    """`specpilot bench` (tools/bench.run_bench) for one recipe next to `ar` and `stock`."""
-    from ..cli import build_parser
-    from .bench import run_bench
+    """`specpilot bench` (tools/bench/run.run_bench) for one recipe next to `ar` and `stock`."""
+    from .bench.run import parse_args, run_bench
 
     out = _out_dir(out_dir, "specpilot-bench-")
     # --flag=value: a value starting with "-" stays a value
@@ -189,10 +189,9 @@ def benchmark_recipe(recipe: str, target: str = "smollm2-135m", workload: str = 
     argv += [f"--device={device}"] if device != "auto" else []
     argv += [f"--dtype={dtype}"] if dtype != "auto" else []
     try:
-        args = build_parser().parse_args(argv)
-    except SystemExit:  # argparse has printed why to stderr
-        return RecipeBenchResult(False, f"bench rejected its arguments: {argv[1:]}", str(out))
-    args.argv = argv
+        args = parse_args(argv[1:])
+    except SpecPilotError as e:
+        return RecipeBenchResult(False, str(e), str(out))
     try:
         with contextlib.redirect_stdout(sys.stderr):  # its summary table: the result is what the caller reads
             run_bench(args)
@@ -224,9 +223,9 @@ def token_force_check(recipe: str, target: str = "smollm2-135m", workload: str =
                       max_new_tokens: int = 64, device: str = "auto", dtype: str = "auto", patch: str | None = None,
                       batch_size: int | None = None, timeout_s: float = 600.0, out_dir: str | None = None
                       ) -> TokenForceResult:
-    """`specpilot check` (tools/gate.check): are the recipe's greedy tokens the stock system's, on salted prompts,
+    """`specpilot check` (tools/gate/check.check): are the recipe's greedy tokens the stock system's, on salted prompts,
     forcing the reference token only at numerical ties?"""
-    from .gate import check
+    from .gate.check import check
 
     device = resolve_device(device)
     out = _out_dir(out_dir, "specpilot-check-")
@@ -257,10 +256,10 @@ class ProfileResult:
 def profile(recipe: str = "stock", target: str = "smollm2-135m", workload: str = "code", limit: int | None = None,
             max_new_tokens: int = 64, batch_size: int = 1, device: str = "auto", dtype: str = "auto",
             repeats: int = 2, out_dir: str | None = None) -> ProfileResult:
-    """`specpilot profile` (tools/profiler.profile): step phases and top kernels against the cost model's floors,
+    """`specpilot profile` (tools/profile/profiler.profile): step phases and top kernels against the cost model's floors,
     as gaps ranked by the end-to-end gain closing each would bring."""
-    from .phase_timer import PHASES
-    from .profiler import profile as run_profile
+    from .profile.phase_timer import PHASES
+    from .profile.profiler import profile as run_profile
 
     device = resolve_device(device)
     out = _out_dir(out_dir, "specpilot-profile-")

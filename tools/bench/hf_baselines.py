@@ -11,8 +11,8 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..engine.loader import LoadedModel
-from .bench_systems import BatchRun, BenchSkip, System
+from ...engine.loader import LoadedModel
+from .systems import BatchRun, BenchSkip, System
 
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value; the most drafts one step verifies
 HF_SYSTEMS = ("hf-static", "hf-prompt-lookup")

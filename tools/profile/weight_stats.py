@@ -1,6 +1,6 @@
 """Exponent statistics of a model's bf16 weights and what the lossless 12-bit format (kernels/lossless12_format.py) costs.
 
-    python -m specpilot.tools.weight_stats --target smollm2-135m [--per-tensor] [--no-random]
+    python -m specpilot.tools.profile.weight_stats --target smollm2-135m [--per-tensor] [--no-random]
 
 Prints, per tensor kind (layers.N.wqkv -> wqkv) and overall: element count, distinct exponents (max over tensors),
 fraction covered by the 15/16 most frequent exponents of each tensor, the fraction of exact zeros (free: code 15),
@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from ..kernels.lossless12_format import exponent_histogram, tensor_stats
+from ...kernels.lossless12_format import exponent_histogram, tensor_stats
 
 RANDOM_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (1024, 4096))
 HEADER = f"{'tensor':<24}{'count':>6}{'weights':>12}{'distinct':>9}{'top15':>10}{'top16':>10}{'zeros':>10}" \
@@ -42,7 +42,7 @@ def _row(label: str, rows: list[dict]) -> str:
 
 def model_tensors(target: str):
     """(name, bf16 tensor) of every parameter of the target loaded in bf16, the tied embedding once."""
-    from ..engine.loader import load
+    from ...engine.loader import load
     model = load(target, "bf16", "cpu").model
     seen = set()
     for name, p in model.named_parameters():

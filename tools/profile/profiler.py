@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from ..engine import loader
-from ..engine.decode import StopCondition
-from ..engine.engine import Engine
-from ..engine.loader import LoadedModel
-from ..engine.recipe import Recipe, load_recipe
-from ..engine.workloads import load_workload
+from ...engine import loader
+from ...engine.decode import StopCondition
+from ...engine.engine import Engine
+from ...engine.loader import LoadedModel
+from ...engine.recipe import Recipe, load_recipe
+from ...engine.workloads import load_workload
 from . import calibrate
 from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
 from .kernel_stats import phase_events, top_kernels

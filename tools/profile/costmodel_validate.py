@@ -1,6 +1,6 @@
 """The cost model's predicted step time against the engine's measured one on a GPU, as one markdown table.
 
-    python -m specpilot.tools.costmodel_validate [--target smollm2-135m] [--batch-sizes 1,8,32]
+    python -m specpilot.tools.profile.costmodel_validate [--target smollm2-135m] [--batch-sizes 1,8,32]
         [--ks 0,1,2,4,8,16] [--max-new-tokens 128] [--recalibrate] [--out FILE.json]
 
 For each batch size B and k (0 = AR; k >= 1 = chain verification with the n-gram drafter) it builds the engine
@@ -22,10 +22,10 @@ from dataclasses import asdict, replace
 
 import torch
 
-from ..engine import loader
-from ..engine.engine import Engine
-from ..engine.recipe import parse
-from ..engine.workloads import load_workload
+from ...engine import loader
+from ...engine.engine import Engine
+from ...engine.recipe import parse
+from ...engine.workloads import load_workload
 from .calibrate import load_or_measure
 from .costmodel import KERNELS_BOOKKEEPING, Deployment, ModelShape, predict
 from .native_stderr import quiet_profile
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     shape = ModelShape.from_config(target.model.cfg)
     ks = [int(k) for k in args.ks.split(",")]
     questions = load_workload(args.workload)
-    print(f"<!-- {' '.join(['python -m specpilot.tools.costmodel_validate'] + (argv or sys.argv[1:]))} -->")
+    print(f"<!-- {' '.join(['python -m specpilot.tools.profile.costmodel_validate'] + (argv or sys.argv[1:]))} -->")
     print(f"<!-- {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {dev.name}: copy "
           f"{dev.copy_bytes_per_s / 1e12:.2f} TB/s, matmul {dev.matmul_flops_per_s / 1e12:.0f} TFLOP/s, launch "
           f"{dev.launch_s * 1e6:.2f} us, graph node {dev.graph_node_s * 1e6:.2f} us, GEMM node "

@@ -3,8 +3,8 @@
     specpilot check --target T --recipe R --workload W [--limit K] [--max-new-tokens N] --out DIR
 
 The stock system (same engine, `ar` recipe, batch 1, same dtype and device) decodes every salted prompt once; its
-tokens, top-8 logits per position and numerical noise are cached (tools/gate_reference.py). The candidate decodes
-the same prompts in its own process (tools/candidate_client.py) and never sees the reference. Its tokens are compared
+tokens, top-8 logits per position and numerical noise are cached (tools/gate/reference.py). The candidate decodes
+the same prompts in its own process (tools/sandbox/candidate_client.py) and never sees the reference. Its tokens are compared
 one by one; where it differs from the reference on a numerical tie (logit_ref(r) - logit_ref(c) <= epsilon) the
 reference token is forced: the candidate continues from the prompt plus the reference up to and including that
 token, and the comparison goes on. Any other difference fails the check. docs/GATE.md has the details.
@@ -16,13 +16,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine import loader
-from ..engine.errors import SpecPilotError
-from ..engine.recipe import load_recipe
-from ..engine.workloads import WorkloadError, load_workload
-from . import gate_reference as gr
-from .candidate_client import Candidate, CandidateFailure
-from .gate_report import GateReport
+from ...engine import loader
+from ...engine.errors import SpecPilotError
+from ...engine.recipe import load_recipe
+from ...engine.workloads import WorkloadError, load_workload
+from . import reference as gr
+from ..sandbox.candidate_client import Candidate, CandidateFailure
+from .report import GateReport
 
 SAFETY = 4.0  # epsilon = SAFETY x measured noise; docs/GATE.md has the measurement behind the factor
 FLOOR = 1e-6  # epsilon >= FLOOR x max |logit|, so a bit-exact stock system still tolerates last-bit differences

@@ -10,7 +10,7 @@ warnings filters nor contextlib.redirect_stderr can catch it. Every profiling ro
 The USDT lines mark each start and stop (tracing probes' log lines, no problem at all). The ERROR line comes once a
 process, when the first profiled session starts on another thread than the one that imported torch (the optimize
 graph runs its nodes in worker threads): kineto then initializes on the profiling thread instead, and the profile
-is complete (tools/profiler.py reads its events every round). Both alarm a reader for nothing.
+is complete (tools/profile/profiler.py reads its events every round). Both alarm a reader for nothing.
 
 `filtered_stderr()` points fd 2 at a temporary file for the duration of a block and afterwards writes back every
 line that matches none of HARMLESS, so a real error inside the block still reaches the terminal, only later. Keep

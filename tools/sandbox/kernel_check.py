@@ -1,8 +1,8 @@
 """The harness that checks a candidate kernel against its slot's contract (kernels/slots.py), inside the sandbox.
 
-    python -m specpilot.tools.kernel_check      (payload JSON on stdin; the result is the last line on stdout)
+    python -m specpilot.tools.sandbox.kernel_check      (payload JSON on stdin; the result is the last line on stdout)
 
-tools/kernel_tools.py starts it through tools/sandbox.run_python. Modes:
+tools/agent_tools.py starts it through tools/sandbox/process.run_python. Modes:
 - check: load the candidate source (a file defining a function named after the slot), call it on fresh random
   inputs of every shape, compare each output with the reference computed afterwards, and on CUDA time it.
 - compile: import a Triton source and, when it defines `_launch_example()`, launch it once; report the compiled
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional
 
-from .. import kernels
-from ..engine.loader import DTYPES
-from ..kernels import builtin, slots
+from ... import kernels
+from ...engine.loader import DTYPES
+from ...kernels import builtin, slots
 
 TRACE_TAIL = 1500  # characters of a candidate's traceback kept in a reason
 CALLS = 4  # checked calls per shape: two sets of fresh inputs, then each set's buffers refilled with new values

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..engine.loader import cache_root
+from ...engine.loader import cache_root
 from .costmodel import DeviceCeilings
 
 CALIBRATION_VERSION = 3  # 2: GEMM node on DRAM-resident weights, net of its transfer; 3: the CPU's GEMM curve
@@ -215,7 +215,7 @@ def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
 def load_or_measure(device: str = "cpu", force: bool = False) -> DeviceCeilings:
     """The cached ceilings of this device, measuring (and caching) them when absent, stale or forced."""
     if device.startswith("cuda") and not torch.cuda.is_available():
-        from ..engine.errors import SpecPilotError
+        from ...engine.errors import SpecPilotError
 
         raise SpecPilotError(f"device {device!r} was asked for but CUDA is not available on this machine")
     path = cache_path(device_name(device))

@@ -28,7 +28,7 @@ def _specpilot_version() -> str | None:
     try:
         return importlib.metadata.version("specpilot")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout on the path, not installed (the H200)
-        from .. import __version__
+        from ... import __version__
 
         return __version__
 

@@ -1,6 +1,6 @@
 """GPU time of one captured decoding step, against the whole loop, per attention kernel and batch size.
 
-    python -m specpilot.tools.step_timing --target T [--batch-sizes 1,8] [--variants ar,ar-sdpa,...] [--layer-bench]
+    python -m specpilot.tools.profile.step_timing --target T [--batch-sizes 1,8] [--variants ar,ar-sdpa,...] [--layer-bench]
 
 For each (batch size, variant) it decodes N tokens twice (the first run compiles and
 captures), then replays the step's CUDA graph 40 times between CUDA events (`replay` = device time of one step),
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from ..engine import loader
-from ..engine.engine import Engine
-from ..engine.recipe import parse
+from ...engine import loader
+from ...engine.engine import Engine
+from ...engine.recipe import parse
 from .native_stderr import quiet_profile
 
 _L12 = {"weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
@@ -83,8 +83,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     target = loader.load(args.target, "bf16", "cuda")
     if args.layer_bench or args.layer_check:
-        from ..engine.model import Block, compiled
-        from ..kernels import triton_fused_layer
+        from ...engine.model import Block, compiled
+        from ...kernels import triton_fused_layer
 
         with torch.inference_mode():
             for model in (loader.load(args.target, "fp32", "cuda").model, target.model):

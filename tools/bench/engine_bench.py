@@ -1,6 +1,6 @@
 """Single-request speed of our engine beside HF transformers, in one process, systems alternating per prompt.
 
-    python -m specpilot.tools.engine_bench --device cuda --max-new-tokens 256 --limit 4 --out DIR
+    python -m specpilot.tools.bench.engine_bench --device cuda --max-new-tokens 256 --limit 4 --out DIR
 
 Every system decodes the same chat-templated prompts for exactly N new tokens (EOS ignored, so all do the same work).
 Reports tok/s per (system, workload), milliseconds per target step, tau, and the weight-read floor (parameter bytes
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine import loader
-from ..engine.engine import Engine
-from ..engine.recipe import load_recipe, parse
-from ..engine.workloads import load_workload
+from ...engine import loader
+from ...engine.engine import Engine
+from ...engine.recipe import load_recipe, parse
+from ...engine.workloads import load_workload
 
 _AUTOTUNE = "max-autotune-no-cudagraphs"
 SYSTEMS = {
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "engine_bench.json").write_text(json.dumps({
-            "command": "python -m specpilot.tools.engine_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m specpilot.tools.bench.engine_bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "copy_bandwidth": bw,
             "weight_bytes": weight_bytes, "floor_s": floor_s, "table": table,
             "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]}, indent=1))

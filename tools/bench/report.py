@@ -1,6 +1,6 @@
 """report.md and the plots of a benchmark, from its results.json alone.
 
-    python -m specpilot.tools.bench_report DIR      # (re)write DIR/report.md and DIR/*.png from DIR/results.json
+    python -m specpilot.tools.bench.report DIR      # (re)write DIR/report.md and DIR/*.png from DIR/results.json
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def write_report(out: Path, results: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m specpilot.tools.bench_report DIR (a bench output directory with results.json)")
+        sys.exit("usage: python -m specpilot.tools.bench.report DIR (a bench output directory with results.json)")
     directory = Path(sys.argv[1])
     write_report(directory, json.loads((directory / "results.json").read_text()))
     print(f"wrote {directory / 'report.md'}" + (f" and {', '.join(PLOTS)}" if (directory / PLOTS[0]).is_file() else ""))

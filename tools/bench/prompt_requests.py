@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.errors import SpecPilotError
-from ..engine.workloads import Question
+from ...engine.errors import SpecPilotError
+from ...engine.workloads import Question
 
 
 @dataclass(frozen=True)
