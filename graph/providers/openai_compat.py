@@ -11,7 +11,9 @@ endpoint cannot be reached, the policy provider decides that step. `trail` recor
 
 The API key comes from the environment (SPECPILOT_API_KEY, else OPENAI_API_KEY, else "none" for local servers that
 ignore it). It lives only inside the openai client: it is never logged, and every text this module keeps or raises
-is scrubbed of it.
+is scrubbed of it. Every message sent to the endpoint passes through tools/scrub.py on its way out (`_request`, the
+one place a request body is built): the key in use becomes `***` and the value of every secret-looking environment
+variable `[redacted:NAME]`, wherever it came from (a tool's reason, an exception message, a memory hit, a trail).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import openai
 from ...engine.recipe import COMPILE_MODES, DRAFTER_KINDS, VERIFICATION_KINDS, WEIGHT_FORMATS, Recipe
 from ...kernels import IMPLEMENTATIONS, SLOTS
 from ...prompts import profile_summary, render, tool_list
+from ...tools.scrub import scrub, scrub_messages
 from ..candidates import AGENTS, AgentContext, Candidate, CandidateError, RouteDecision
 from .base import Provider
 from .policy import AGENT_FIELDS, MIN_GAIN, PolicyProvider, describe_deployment, patch_error
@@ -303,13 +306,17 @@ class OpenAIProvider(Provider):
         with self._lock:
             self.trail.append(entry)
 
-    def _scrub(self, text: str) -> str:
-        """`text` without the API key, wherever a server or an exception may have echoed it."""
+    def _secrets(self) -> dict[str, str]:
+        """{value: replacement} of what this provider knows is secret beyond the environment: the API key in use.
+        Every key from the environment is a secret, however short; only our own placeholder is not (replacing the
+        word "none" would garble the text)."""
         key = self._client.api_key
-        text = str(text)
-        # every key from the environment is a secret, however short; only our own placeholder is not (replacing the
-        # word "none" would garble the text)
-        return text.replace(key, "***") if key and key != NO_KEY else text
+        return {key: "***"} if key and key != NO_KEY else {}
+
+    def _scrub(self, text: str) -> str:
+        """`text` without the API key and the environment's secrets, wherever a server, a tool or an exception may
+        have put them."""
+        return scrub(text, self._secrets())
 
     # ---- transport: request modes and retries
 
@@ -332,7 +339,8 @@ class OpenAIProvider(Provider):
         raise EndpointError(self._scrub("no request mode accepted (" + "; ".join(refused or known) + ")"))
 
     def _request(self, mode: str, messages: list[dict], function: str, schema: dict) -> dict:
-        kw = {"model": self.model, "messages": messages}
+        # the one place a request body is built: nothing reaches the endpoint unscrubbed
+        kw = {"model": self.model, "messages": scrub_messages(messages, self._secrets())}
         if self.temperature is not None:
             kw["temperature"] = self.temperature
         if self.max_tokens:
