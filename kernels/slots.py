@@ -86,6 +86,8 @@ LINEAR_SHAPES = (
     _linear(1, 1, S["hidden"], (S["heads"] + 2 * S["kv_heads"]) * S["head_dim"]),  # decode, fused qkv
     _linear(1, K + 1, S["hidden"], 2 * S["intermediate"]),                          # verify, fused gate/up
     _linear(1, K + 1, S["hidden"], S["vocab"]),                                     # verify, LM head
+    _linear(4, K + 1, S["hidden"], (S["heads"] + 2 * S["kv_heads"]) * S["head_dim"]),  # batch 4 (3..7: between 1
+    # and 8, where a kernel may switch tiles; tests/test_verdicts.py has a kernel 1% off only there)
     _linear(8, K + 1, L["hidden"], (L["heads"] + 2 * L["kv_heads"]) * L["head_dim"], bias=True),  # batched qkv
     _linear(1, 1, L["intermediate"], L["hidden"]),                                  # decode, down projection
 )
@@ -98,9 +100,11 @@ LINEAR = SlotContract(
     make_inputs=linear_inputs,
     shapes=LINEAR_SHAPES,
     dtypes=(torch.bfloat16, torch.float16, torch.float32),
-    # against the exact reference: the output's rounding, with slack of one more ulp, and an fp32 accumulation over
-    # `in` products (so an fp32 candidate must not round its inputs to TF32, nor a bf16 one accumulate in bf16)
-    tolerance=rounding_tolerance(2, max(s["in"] for s in LINEAR_SHAPES)),
+    # against the exact (fp64) reference: one ulp = two roundings of half an ulp (the output's, and a bias added
+    # after it), and an fp32 accumulation over `in` products (so an fp32 candidate must not round its inputs to
+    # TF32, nor a bf16 one accumulate in bf16). fp32: 1.4e-5 relative, so a 1% error fails everywhere; bf16: 0.79%
+    # (+ the same atol), so a 1% error fails wherever |out| > 3.6 (3 in 10,000 elements of outputs of order one)
+    tolerance=rounding_tolerance(1, max(s["in"] for s in LINEAR_SHAPES)),
 )
 
 

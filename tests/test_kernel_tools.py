@@ -38,7 +38,7 @@ CHEATS = {  # file -> (failure code, words the reason must contain)
     "patches_checker": ("tampered", "torch.allclose"),
     "patches_timer": ("tampered", "time.perf_counter"),
     "skips_calls": ("reused_output", "call 1 of"),
-    "forges_result": ("forged_result", "nonce"),
+    "forges_result": ("no_result", "the verdict is the verifier's"),
 }
 HONEST = {  # name -> (slot, source)
     "honest_rmsnorm_torch": ("rmsnorm", (KERNELS / "honest_rmsnorm_torch.py").read_text()),

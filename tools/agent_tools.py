@@ -6,16 +6,22 @@ and JSON schema; `tool_specs()` gives them in the OpenAI `tools=[...]` format an
 validates an agent's arguments against the schema and calls the tool, answering a structured error instead of
 raising on bad input.
 
-Candidate kernel code only ever runs in the sandbox child (tools/sandbox/process.py, the harness in tools/sandbox/kernel_check.py).
+Candidate kernel code only ever runs in the sandbox child (tools/sandbox/process.py, the harness in
+tools/sandbox/kernel_check.py); benchmark_kernel's verdict is computed here, from the outputs the child returns
+(kernel_check.verify: this process never loads candidate code).
 benchmark_recipe and profile run the recipe in this process, as `specpilot bench` and `specpilot profile` do (a
 recipe may name kernel source files: check those with benchmark_kernel first); the gate runs its candidate in its
 own process.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
+import os
 import secrets
+import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -54,8 +60,9 @@ def sandbox_for(device: str, timeout_s: float) -> tuple[SandboxLimits, dict]:
     return SandboxLimits(wall_s=timeout_s, gpu=cuda), ({} if cuda else {"TRITON_INTERPRET": "1"})
 
 
-def sandbox_failure(r: SandboxResult, nonce: str) -> tuple[str, str] | None:
-    """(failure code, reason) when the child gave no trustworthy answer, else None."""
+def sandbox_failure(r: SandboxResult, nonce: str | None = None) -> tuple[str, str] | None:
+    """(failure code, reason) when the child gave no answer, else None. With a nonce (compile_triton), an answer
+    without it was not written by the harness."""
     if r.kind == "timeout":
         return "timeout", f"the child did not finish within its {r.seconds:.0f} s budget (a hang or a very slow " \
                           f"kernel)\n{r.stderr_tail}"
@@ -66,10 +73,47 @@ def sandbox_failure(r: SandboxResult, nonce: str) -> tuple[str, str] | None:
     if r.kind != "ok" or not isinstance(r.output, dict):
         return "no_result", (f"the child ended without a result ({r.kind}, exit status {r.returncode}): did the "
                              f"candidate end the process?\n{r.stderr_tail}")
-    if r.output.get("nonce") != nonce:
+    if nonce is not None and r.output.get("nonce") != nonce:
         return "forged_result", "the result line does not carry this run's nonce: written by the candidate, not " \
                                 "the harness"
     return None
+
+
+RESULT_FILE_MAX = 1 << 30  # the most the verifier reads back from the child's result file
+
+
+def child_result(r: SandboxResult, out_dir: Path) -> dict | None:
+    """The child's result: its last stdout line, or the file in `out_dir` that the line names (a regular file, not
+    a link: the candidate can write that directory too)."""
+    o = r.output
+    if not (isinstance(o, dict) and o.get("result_file") == "result.json"):
+        return o if isinstance(o, dict) else None
+    try:
+        fd = os.open(out_dir / "result.json", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > RESULT_FILE_MAX:
+                return None
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def triton_kernel_defined(source: str, entry: str) -> str | None:
+    """Why `source` defines no top-level function `entry` decorated with a Triton jit (read from the source's
+    syntax in this process, never run here), or None. A source that does not parse is left to the child, which
+    reports the SyntaxError with its message."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry:
+            names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+            if any(n == "jit" or n.endswith(".jit") for n in names):
+                return None
+            return f"{entry}() is not decorated with @triton.jit (decorators: {names or 'none'})"
+    return f"the source defines no top-level @triton.jit function named {entry!r}"
 
 
 # -- compile_triton -----------------------------------------------------------------------------------------------
@@ -106,9 +150,13 @@ def compile_triton(source: str, entry: str, device: str = "auto", timeout_s: flo
         return CompileResult(False, entry, device, not device.startswith("cuda"), "sandbox", [failure[1]], False,
                              None, "the child gave no result", r.seconds)
     o = r.output
-    return CompileResult(bool(o.get("ok")), entry, device, bool(o.get("interpreted")), o.get("stage"),
-                         list(o.get("messages", [])), bool(o.get("launched")), o.get("resources"),
-                         o.get("resources_reason"), r.seconds)
+    result = CompileResult(bool(o.get("ok")), entry, device, bool(o.get("interpreted")), o.get("stage"),
+                           list(o.get("messages", [])), bool(o.get("launched")), o.get("resources"),
+                           o.get("resources_reason"), r.seconds)
+    no_kernel = triton_kernel_defined(source, entry)
+    if no_kernel and result.ok:  # whatever the child said: ok needs a kernel, read from the source here
+        result.ok, result.stage, result.messages = False, "import", [no_kernel]
+    return result
 
 
 # -- benchmark_kernel ---------------------------------------------------------------------------------------------
@@ -136,19 +184,30 @@ def benchmark_kernel(slot: str, source: str, device: str = "auto", dtype: str = 
     """Check `source` (defining a function named after `slot`) against the slot's contract in the sandbox: several
     calls per shape on fresh and refilled inputs, every defense of docs/TOOLS.md, the error per shape; on CUDA also
     its median time against the built-in's. `shapes` replaces the contract's shapes (same keys)."""
+    from .sandbox import kernel_check
+
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     limits, env = sandbox_for(device, timeout_s)
-    nonce = secrets.token_hex(16)
+    # the verifier's own copies: nothing the child does can change what it checks against
+    shapes = json.loads(json.dumps(shapes)) if shapes else None
+    out_dir = Path(tempfile.mkdtemp(prefix="specpilot-kernel-out-"))
     payload = {"mode": "check", "slot": slot, "source": source, "dtype": dtype, "device": device, "shapes": shapes,
-               "timing": timing, "nonce": nonce}
-    r = run_python(HARNESS, payload, limits, env)
-    failure = sandbox_failure(r, nonce)
+               "timing": timing, "seed": secrets.randbelow(1 << 31), "calls": kernel_check.CALLS}
+    try:
+        r = run_python(HARNESS, {**payload, "out_dir": str(out_dir)}, limits, env)
+        failure = sandbox_failure(r)
+        child = None if failure else child_result(r, out_dir)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     if failure:
         return KernelBenchResult(slot, dtype, device, False, *failure, seconds=r.seconds)
-    o = r.output
-    return KernelBenchResult(slot, dtype, device, bool(o.get("passed")), o.get("failure"), o.get("reason"),
-                             list(o.get("shapes", [])), o.get("timing"), o.get("timing_reason"), r.seconds)
+    if child is None:
+        return KernelBenchResult(slot, dtype, device, False, "no_result", "the child's result could not be read "
+                                 f"back\n{r.stderr_tail}", seconds=r.seconds)
+    o = kernel_check.verify(payload, child)
+    return KernelBenchResult(slot, dtype, device, bool(o["passed"]), o["failure"], o["reason"], list(o["shapes"]),
+                             o["timing"], o["timing_reason"], r.seconds)
 
 
 # -- wrappers over the measuring tools ----------------------------------------------------------------------------

@@ -1,21 +1,29 @@
-"""The harness that checks a candidate kernel against its slot's contract (kernels/slots.py), inside the sandbox.
+"""The harness that checks a candidate kernel against its slot's contract (kernels/slots.py): the candidate's side,
+which runs in the sandbox, and the verifier's side, which runs in the caller and never loads candidate code.
 
-    python -m specpilot.tools.sandbox.kernel_check      (payload JSON on stdin; the result is the last line on stdout)
+    python -m specpilot.tools.sandbox.kernel_check      (payload JSON on stdin; the result is the last line on stdout,
+                                                         or a file in the payload's out_dir that the line names)
 
 tools/agent_tools.py starts it through tools/sandbox/process.run_python. Modes:
-- check: load the candidate source (a file defining a function named after the slot), call it on fresh random
-  inputs of every shape, compare each output with the reference computed afterwards, and on CUDA time it.
+- check (run_check, in the sandbox): load the candidate source (a file defining a function named after the slot),
+  call it on inputs generated from the payload's seed, with the defenses that must run next to the kernel (poison
+  left in memory, plain tensors, fresh memory, inputs untouched, nothing written after return, nobody replacing
+  the harness's functions), and on CUDA time it. It returns the OUTPUTS (and the hashes of the inputs after each
+  call); it computes no reference, knows no tolerance and gives no verdict.
+- verify (in the caller): regenerate the same inputs from the seed, compute the contract's reference (fp64 / fp32),
+  apply the contract's tolerance and decide. Nothing the candidate's process says can make a candidate pass: only
+  outputs that are right for the verifier's own inputs do.
 - compile: import a Triton source and, when it defines `_launch_example()`, launch it once; report the compiled
   kernels' registers, spills and shared memory.
 
-The candidate runs in this process, so the harness keeps its own handles on everything it relies on (taken at import,
-before any candidate code runs) and checks after loading and after every call that nobody replaced them. Each
-defense, and the failure code it reports, is listed in docs/TOOLS.md.
+Each defense, and the failure code it reports, is listed in docs/TOOLS.md.
 """
 from __future__ import annotations
 
+import base64
 import builtins
 import ctypes
+import hashlib
 import inspect
 import json
 import math
@@ -26,6 +34,7 @@ import sys
 import time
 import traceback
 import types
+import zlib
 from pathlib import Path
 
 import torch
@@ -52,12 +61,14 @@ Event, cuda_synchronize = torch.cuda.Event, torch.cuda.synchronize
 _getattr, _vars, _type, _isinstance = builtins.getattr, builtins.vars, builtins.type, builtins.isinstance
 function_modes, dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
 gettrace, getprofile = sys.gettrace, sys.getprofile
+_sha256, _compress = hashlib.sha256, zlib.compress
 
 # Namespaces whose callables the harness, the references and the timer use (time.perf_counter, torch.allclose,
 # torch.testing.assert_close, torch.equal, torch.isfinite, torch.cuda.Event and .synchronize among them): every
 # callable in them is recorded by identity, and Python functions also by their code object.
 GUARDED_NAMESPACES = (time, json, builtins, math, torch, torch.nn.functional, torch.Tensor, torch._C.TensorBase,
-                      torch.testing, torch.cuda, torch.cuda.Event, sys.modules[__name__], slots, builtin, kernels)
+                      torch.testing, torch.cuda, torch.cuda.Event, sys.modules[__name__], slots, builtin, kernels,
+                      hashlib, zlib, base64)
 # Importing torch._dynamo (a candidate using torch.compile does) wraps torch.manual_seed; the harness seeds its own
 # generators and never calls it.
 UNGUARDED = {(torch, "manual_seed")}
@@ -245,11 +256,33 @@ def compare(outs: list[torch.Tensor], refs: list[torch.Tensor], tol: tuple[float
     return report
 
 
-def checked_call(fn, contract: slots.SlotContract, inputs: tuple, dtype: torch.dtype, device: torch.device,
-                 where: str, held: list, tampered, settle_s: float = SETTLE_S, refilled: bool = False) -> dict:
-    """Call the candidate once and check everything about the result; returns the comparison, or raises Rejected.
-    The reference is computed only after the candidate's output was taken, from clones of the inputs made before
-    the call."""
+def wrong_values(where: str, result: dict, refilled: bool = False) -> tuple[str, str]:
+    err = (f"{result['mismatches']} elements outside atol {result['atol']:.3g} + rtol {result['rtol']:.3g} |ref|, "
+           f"max |error| {result['max_abs_err']:.3g}")
+    if refilled:
+        return "wrong_after_refill", (f"{where}: wrong values after the same input buffers were refilled with new "
+                                      f"values, right on fresh buffers (a result cached by input address or "
+                                      f"shape?): {err}")
+    return "wrong_values", f"{where}: wrong values: {err}"
+
+
+# -- the candidate's side: run it near the kernel, return its outputs ---------------------------------------------
+
+def tensor_sha(t: torch.Tensor) -> str:
+    """sha256 of a tensor's values (its elements in order, bit for bit), whatever its strides or device."""
+    return _sha256(as_bits(t.detach().contiguous()).cpu().numpy().tobytes()).hexdigest()
+
+
+def input_shas(inputs: tuple) -> list[str | None]:
+    return [tensor_sha(t) if isinstance(t, Tensor) else None for t in inputs]
+
+
+def checked_call(fn, contract: slots.SlotContract, inputs: tuple, device: torch.device, where: str, held: list,
+                 tampered, record: dict) -> dict:
+    """Call the candidate once, with the checks that must run next to the kernel (poison left in memory, plain
+    tensors of the contract's shape, fresh memory, inputs untouched), and return `record` with the output as the
+    caller saw it when the call returned and the hashes of the inputs after the call. No reference is computed
+    here: the verifier, in another process, decides."""
     names = list(inspect.signature(contract.builtin).parameters)
     expected = expected_outputs(contract, inputs)
     pristine = tuple(t.clone() if isinstance(t, Tensor) else t for t in inputs)
@@ -266,32 +299,8 @@ def checked_call(fn, contract: slots.SlotContract, inputs: tuple, dtype: torch.d
     snapshot = [o.clone() for o in outs]  # what the caller sees when the call returns
     check_fresh_memory(outs, held, where)
     check_inputs_untouched(inputs, pristine, names, where)
-    refs = [r.to(device) for r in as_outputs(contract.reference(*pristine))]
-    result = compare(snapshot, refs, contract.tolerance(dtype))
-    poison = any(holds_poison(s) for s in snapshot)
-    finite = all(bool(isfinite(s).all()) for s in snapshot if s.dtype.is_floating_point)
-    if poison or not finite or not result["ok"]:
-        settle(device, settle_s)
-        check_unchanged_after_return(outs, snapshot, where)
-        if poison:
-            raise Rejected("uninitialized", f"{where}: the output holds the poison the harness puts in memory before "
-                                            f"each call: the kernel returned memory it never wrote (torch.empty "
-                                            f"hoping to find a freed reference result there?)")
-        if not finite:
-            raise Rejected("nonfinite", f"{where}: the output contains NaN or Inf")
-        raise Rejected(*wrong_values(where, result, refilled))
     held.append({"outputs": outs, "snapshot": snapshot, "where": where})
-    return result
-
-
-def wrong_values(where: str, result: dict, refilled: bool = False) -> tuple[str, str]:
-    err = (f"{result['mismatches']} elements outside atol {result['atol']:.3g} + rtol {result['rtol']:.3g} |ref|, "
-           f"max |error| {result['max_abs_err']:.3g}")
-    if refilled:
-        return "wrong_after_refill", (f"{where}: wrong values after the same input buffers were refilled with new "
-                                      f"values, right on fresh buffers (a result cached by input address or "
-                                      f"shape?): {err}")
-    return "wrong_values", f"{where}: wrong values: {err}"
+    return {**record, "where": where, "snapshot": snapshot, "outs": outs, "input_sha": input_shas(inputs)}
 
 
 def check_unchanged_after_return(outs: list[torch.Tensor], snapshot: list[torch.Tensor], where: str) -> None:
@@ -300,11 +309,10 @@ def check_unchanged_after_return(outs: list[torch.Tensor], snapshot: list[torch.
                                    f"another stream or thread: the call's time does not include it)")
 
 
-# -- the check ----------------------------------------------------------------------------------------------------
-
 def call_plan(calls: int) -> list[tuple[int, bool, str]]:
     """(input set, refill in place first, description) per call: two sets of fresh inputs in turn, then the same
-    buffers again holding new values (a kernel that caches by pointer or shape returns the old answer)."""
+    buffers again holding new values (a kernel that caches by pointer or shape returns the old answer). Call i
+    gets the i-th draw of the shape's input generator."""
     plan = []
     for i in range(calls):
         refill = i >= 2
@@ -328,20 +336,28 @@ def refill(inputs: tuple, fresh: tuple) -> None:
             t.copy_(f)
 
 
-def check_shapes(fn, contract, shapes, dtype, device, calls, seed, tampered, settle_s, held) -> list[dict]:
-    per_shape = []
+def check_seed(seed: int, n: int) -> int:
+    """The seed of shape n's checked calls (the verifier regenerates the same inputs from it)."""
+    return seed + n
+
+
+def timing_seed(seed: int, n: int) -> int:
+    return seed + 1000 + n
+
+
+def check_shapes(fn, contract, shapes, dtype, device, calls, seed, tampered, held) -> list[dict]:
+    records = []
     for n, shape in enumerate(shapes):
-        gen = torch.Generator().manual_seed(seed + n)
+        gen = torch.Generator().manual_seed(check_seed(seed, n))
         sets = [contract.make_inputs(shape, dtype, device, gen) for _ in range(2)]
-        worst = None
         for i, (s, refill_first, what) in enumerate(call_plan(calls)):
             if refill_first:
                 refill(sets[s], contract.make_inputs(shape, dtype, device, gen))
             where = f"call {i + 1} of {calls} on shape {shape} ({what})"
-            r = checked_call(fn, contract, sets[s], dtype, device, where, held, tampered, settle_s, refill_first)
-            worst = r if worst is None or r["worst_ratio"] > worst["worst_ratio"] else worst
-        per_shape.append({"shape": shape, "calls": calls, **worst})
-    return per_shape
+            records.append(checked_call(fn, contract, sets[s], device, where, held, tampered,
+                                        {"shape": n, "seed": check_seed(seed, n), "draw": i,
+                                         "refilled": refill_first}))
+    return records
 
 
 def recheck_held(held: list, device: torch.device, settle_s: float) -> None:
@@ -401,28 +417,23 @@ def wall_per_call(fn, sets: list[tuple], runs: int, device: torch.device) -> flo
     return (perf_counter() - t0) / runs * 1e6
 
 
-def check_timed_output(contract, out, inputs: tuple, pristine: tuple, dtype, device, where: str,
-                       timed_held: list) -> None:
+def timed_record(contract, out, inputs: tuple, pristine: tuple, device, where: str, timed_held: list,
+                 record: dict) -> dict:
     expected = expected_outputs(contract, inputs)
     outs = check_types(out, expected, device, where)
     check_fresh_memory(outs, timed_held, where)
     check_inputs_untouched(inputs, pristine, list(inspect.signature(contract.builtin).parameters), where)
-    if any(holds_poison(o) for o in outs):
-        raise Rejected("uninitialized", f"{where}: the output holds poison (memory the kernel never wrote)")
-    if not all(bool(isfinite(o).all()) for o in outs if o.dtype.is_floating_point):
-        raise Rejected("nonfinite", f"{where}: the output contains NaN or Inf")
-    result = compare(outs, [r.to(device) for r in as_outputs(contract.reference(*pristine))],
-                     contract.tolerance(dtype))
-    if not result["ok"]:
-        raise Rejected(*wrong_values(where, result))
     timed_held.append({"outputs": outs, "where": where})
+    return {**record, "where": where, "snapshot": [o.clone() for o in outs], "outs": outs,
+            "input_sha": input_shas(inputs)}
 
 
-def time_shape(fn, contract, shape, dtype, device, seed, opts, tampered, held, settle_s) -> dict:
+def time_shape(fn, contract, shape, n, dtype, device, seed, opts, tampered, held) -> tuple[dict, list[dict]]:
     """Median time of the candidate and of the built-in, each call on its own input set and no set still in the
     L2 cache from its last use (the sets together exceed L2 `l2_multiple` times, or L2 is overwritten before each
-    call); the outputs of calls at the start, middle and end of the loop are checked afterwards, and one more fully
-    checked call follows the loop."""
+    call); the outputs of calls at the start, middle and end of the loop, and of one more call after the loop, go
+    to the verifier with the rest. Input set j is draw j of the generator seeded with `seed`; the call after the
+    loop gets draw `input_sets`."""
     gen = torch.Generator().manual_seed(seed)
     first = contract.make_inputs(shape, dtype, device, gen)
     warmup, runs = opts["warmup"], opts["runs"]
@@ -443,21 +454,59 @@ def time_shape(fn, contract, shape, dtype, device, seed, opts, tampered, held, s
         raise Rejected("raised", f"timing loop on shape {shape}: the candidate raised {_type(e).__name__}: {e}")
     check_guards(tampered, f"after the timing loop on shape {shape}")
     timed_held: list = []
-    for i in sorted(kept):
-        check_timed_output(contract, kept[i], sets[set_of[i]], pristine[set_of[i]], dtype, device,
-                           f"timed call {i + 1} of {runs} on shape {shape}", timed_held)
+    records = [timed_record(contract, kept[i], sets[set_of[i]], pristine[set_of[i]], device,
+                            f"timed call {i + 1} of {runs} on shape {shape}", timed_held,
+                            {"shape": n, "seed": seed, "draw": set_of[i], "refilled": False, "timed": True})
+               for i in sorted(kept)]
     refill(sets[0], contract.make_inputs(shape, dtype, device, gen))
-    checked_call(fn, contract, sets[0], dtype, device, f"the call after the timing loop on shape {shape}", held,
-                 tampered, settle_s, refilled=True)
+    records.append(checked_call(fn, contract, sets[0], device, f"the call after the timing loop on shape {shape}",
+                                held, tampered, {"shape": n, "seed": seed, "draw": n_sets, "refilled": True,
+                                                 "timed": True}))
     base_times, _ = timed_loop(contract.builtin, sets, warmup, runs, set(), device, scratch)
     median, base_median = statistics.median(times), statistics.median(base_times)
-    return {"shape": shape, "median_us": median, "min_us": min(times), "runs": runs, "warmup": warmup,
-            "wall_us_per_call": wall_us, "input_sets": n_sets, "bytes_rotated": n_sets * input_bytes(first),
-            "l2_bytes": l2, "l2_overwritten_between_calls": scratch is not None,
-            "builtin_median_us": base_median, "speedup_vs_builtin": base_median / median}
+    return ({"shape": shape, "median_us": median, "min_us": min(times), "runs": runs, "warmup": warmup,
+             "wall_us_per_call": wall_us, "input_sets": n_sets, "bytes_rotated": n_sets * input_bytes(first),
+             "l2_bytes": l2, "l2_overwritten_between_calls": scratch is not None,
+             "builtin_median_us": base_median, "speedup_vs_builtin": base_median / median}, records)
 
 
-# -- entry points -------------------------------------------------------------------------------------------------
+# -- encoding outputs for the verifier ----------------------------------------------------------------------------
+
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def encode_tensor(t: torch.Tensor) -> dict:
+    raw = as_bits(t.detach().contiguous()).cpu().numpy().tobytes()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(_compress(raw, 1)).decode("ascii")}
+
+
+def decode_tensor(d: dict) -> torch.Tensor:
+    """The inverse of encode_tensor, without pickle (a candidate may have written this): raises ValueError on
+    anything malformed."""
+    dtype = WIRE_DTYPES.get(d.get("dtype")) if isinstance(d, dict) else None
+    shape = d.get("shape") if dtype is not None else None
+    if dtype is None or not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise ValueError("malformed tensor")
+    numel = math.prod(shape)
+    raw = zlib.decompressobj().decompress(base64.b64decode(d["data"], validate=True), numel * dtype.itemsize + 1)
+    if len(raw) != numel * dtype.itemsize:
+        raise ValueError("tensor data of the wrong size")
+    bits = BITS_VIEW[dtype.itemsize]
+    flat = torch.frombuffer(bytearray(raw), dtype=bits) if raw else torch.empty(0, dtype=bits)
+    return flat.view(dtype).reshape(shape)
+
+
+def encode_records(records: list[dict]) -> list[dict]:
+    """The outputs as the caller saw them at return, and the hashes of the live outputs now (after everything
+    settled: the verifier compares them with the snapshot's)."""
+    return [{k: v for k, v in r.items() if k not in ("snapshot", "outs")}
+            | {"outputs": [encode_tensor(s) for s in r["snapshot"]], "final_sha": [tensor_sha(o) for o in r["outs"]]}
+            for r in records]
+
+
+# -- entry points (the candidate's process) -----------------------------------------------------------------------
 
 def write_candidate(source: str, name: str) -> Path:
     """A real file: Triton reads a @triton.jit function's source back from it."""
@@ -467,10 +516,12 @@ def write_candidate(source: str, name: str) -> Path:
 
 
 def run_check(payload: dict) -> dict:
+    """Load the candidate, call it on the inputs regenerated from the payload's seed, return its outputs. `passed`
+    is never set here: a result from this process is what the candidate's process said; verify() decides."""
     t0 = perf_counter()
     slot, dtype_name, device_name = payload["slot"], payload.get("dtype", "fp32"), payload.get("device", "cpu")
-    result = {"mode": "check", "slot": slot, "dtype": dtype_name, "device": device_name, "passed": False,
-              "failure": None, "reason": None, "shapes": [], "timing": None, "timing_reason": None}
+    result = {"mode": "check", "slot": slot, "dtype": dtype_name, "device": device_name, "failure": None,
+              "reason": None, "records": [], "timing": None, "timing_reason": None}
     contract = slots.CONTRACTS.get(slot)
     dtype = DTYPES.get(dtype_name)
     if contract is None or dtype not in (contract.dtypes if contract else ()):
@@ -486,8 +537,10 @@ def run_check(payload: dict) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the candidate can import triton
         result["cpu_memory_poisoned"] = poison_fresh_cpu_memory()
     shapes = payload.get("shapes") or contract.shapes
+    seed, calls, settle_s = payload.get("seed", 0), payload.get("calls", CALLS), payload.get("settle_s", SETTLE_S)
     tampered = Guard(contract).tampered  # a bound method: replacing Guard.tampered later does not reach it
     held: list = []
+    records: list = []
     try:
         try:
             path = write_candidate(payload["source"], f"candidate_{slot}.py")
@@ -496,24 +549,146 @@ def run_check(payload: dict) -> dict:
             tail = "".join(traceback.format_exception(e))[-TRACE_TAIL:]
             raise Rejected("load_error", f"loading the candidate failed: {_type(e).__name__}: {e}\n{tail}") from None
         check_guards(tampered, "after loading")
-        settle_s = payload.get("settle_s", SETTLE_S)
-        result["shapes"] = check_shapes(fn, contract, shapes, dtype, device, payload.get("calls", CALLS),
-                                        payload.get("seed", 0), tampered, settle_s, held)
+        records += check_shapes(fn, contract, shapes, dtype, device, calls, seed, tampered, held)
         recheck_held(held, device, settle_s)
         check_guards(tampered, "at the end of the correctness checks")
         refusal = timing_refusal(device) if payload.get("timing", True) else "timing not asked for"
         result["timing_reason"] = refusal
         if refusal is None:
             opts = {**TIMING, **payload.get("timing_options", {})}
-            result["timing"] = [time_shape(fn, contract, shape, dtype, device, payload.get("seed", 0) + 1000 + n,
-                                           opts, tampered, held, settle_s) for n, shape in enumerate(shapes)]
+            timing = []
+            for n, shape in enumerate(shapes):
+                t, recs = time_shape(fn, contract, shape, n, dtype, device, timing_seed(seed, n), opts, tampered,
+                                     held)
+                timing.append(t)
+                records += recs
+            result["timing"] = timing
             recheck_held(held, device, settle_s)
             check_guards(tampered, "after timing")
-        result["passed"] = True
+        settle(device, 0.0)
+        result["records"] = encode_records(records)
     except Rejected as r:
         result.update(failure=r.code, reason=r.reason)
     result["seconds"] = perf_counter() - t0
     return result
+
+
+# -- the verifier's side: never loads candidate code --------------------------------------------------------------
+
+def regenerate(contract: slots.SlotContract, shape: dict, dtype: torch.dtype, seed: int, draws: set[int]
+               ) -> dict[int, tuple]:
+    """The inputs of the given draws of the generator seeded with `seed`, made on the CPU: make_inputs draws its
+    values on the generator's device (the CPU) and then casts them, so they are the candidate's, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    cpu = torch.device("cpu")
+    return {d: inputs for d in range(max(draws) + 1)
+            for inputs in [contract.make_inputs(shape, dtype, cpu, gen)] if d in draws}
+
+
+def expected_records(payload: dict, shapes: list[dict], child: dict) -> list[tuple[int, int, int, bool]]:
+    """(shape, seed, draw, timed) of every output the verifier insists on: every checked call of every shape, and
+    on a timed run the call after each shape's timing loop."""
+    seed, calls = payload["seed"], payload.get("calls", CALLS)
+    want = [(n, check_seed(seed, n), i, False) for n in range(len(shapes)) for i in range(calls)]
+    if child.get("timing") is not None:
+        timing = child["timing"]
+        if not isinstance(timing, list) or len(timing) != len(shapes):
+            raise Rejected("no_result", "the candidate's process returned timing for other shapes than asked")
+        for n, t in enumerate(timing):
+            sets = t.get("input_sets") if isinstance(t, dict) else None
+            if type(sets) is not int or not 1 <= sets <= 10_000:
+                raise Rejected("no_result", "the candidate's process returned a malformed timing entry")
+            want.append((n, timing_seed(seed, n), sets, True))
+    return want
+
+
+def verify_record(contract, rec: dict, inputs: tuple, dtype: torch.dtype, tol: tuple[float, float]) -> dict:
+    where = str(rec.get("where"))[:300]
+    expected = expected_outputs(contract, inputs)
+    try:
+        outs = [decode_tensor(o) for o in rec["outputs"]]
+    except (ValueError, KeyError, TypeError, zlib.error, base64.binascii.Error) as e:
+        raise Rejected("no_result", f"{where}: the candidate's process returned an unreadable output ({e})") from None
+    if len(outs) != len(expected) or any(o.shape != s or o.dtype != d for o, (s, d) in zip(outs, expected)):
+        got = [(tuple(o.shape), str(o.dtype)) for o in outs]
+        raise Rejected("bad_shape", f"{where}: outputs {got}, expected {[(tuple(s), str(d)) for s, d in expected]}")
+    if rec.get("final_sha") != [tensor_sha(o) for o in outs]:
+        raise Rejected("deferred", f"{where}: the output changed after the call returned (work left running on "
+                                   f"another stream or thread: the call's time does not include it)")
+    names = list(inspect.signature(contract.builtin).parameters)
+    mine = input_shas(inputs)
+    for name, theirs, ours in zip(names, rec.get("input_sha") or [None] * len(mine), mine):
+        if ours is not None and theirs != ours:
+            raise Rejected("wrote_input", f"{where}: the candidate modified its input {name}, or was not given the "
+                                          f"verifier's inputs (their hash after the call differs from the "
+                                          f"verifier's)")
+    if any(holds_poison(o) for o in outs):
+        raise Rejected("uninitialized", f"{where}: the output holds the poison the harness puts in memory before "
+                                        f"each call: the kernel returned memory it never wrote (torch.empty "
+                                        f"hoping to find a freed reference result there?)")
+    if not all(bool(torch.isfinite(o).all()) for o in outs if o.dtype.is_floating_point):
+        raise Rejected("nonfinite", f"{where}: the output contains NaN or Inf")
+    result = compare(outs, [r.cpu() for r in as_outputs(contract.reference(*inputs))], tol)
+    if not result["ok"]:
+        raise Rejected(*wrong_values(where, result, bool(rec.get("refilled")) and not rec.get("timed")))
+    return result
+
+
+def verify(payload: dict, child: dict) -> dict:
+    """The verdict on what the candidate's process returned, computed here from inputs regenerated from the seed,
+    the contract's reference (fp64 / fp32) and tolerance: every checked call must be there and right. What the
+    candidate's process says about itself counts only against it (a failure it reports stands)."""
+    slot, dtype_name = payload["slot"], payload.get("dtype", "fp32")
+    result = {"mode": "check", "slot": slot, "dtype": dtype_name, "device": payload.get("device", "cpu"),
+              "passed": False, "failure": None, "reason": None, "shapes": [], "timing": None, "timing_reason": None}
+    contract, dtype = slots.CONTRACTS.get(slot), DTYPES.get(dtype_name)
+    if contract is None or dtype not in contract.dtypes:
+        result.update(failure="bad_request", reason=f"unknown slot {slot!r} or dtype {dtype_name!r} for it")
+        return result
+    if not isinstance(child, dict) or not isinstance(child.get("records", []), list):
+        result.update(failure="no_result", reason="the candidate's process returned no readable result")
+        return result
+    if child.get("failure") is not None:
+        result.update(failure=str(child["failure"])[:40], reason=str(child.get("reason"))[:4 * TRACE_TAIL])
+        return result
+    shapes = payload.get("shapes") or [dict(s) for s in contract.shapes]
+    tol = contract.tolerance(dtype)
+    try:
+        want = expected_records(payload, shapes, child)
+        by_key = {}
+        for rec in child.get("records", []):
+            key = (rec.get("shape"), rec.get("seed"), rec.get("draw"), bool(rec.get("timed"))) \
+                if isinstance(rec, dict) else None
+            if key and all(type(v) is int for v in key[:3]):
+                by_key.setdefault(key, rec)
+        missing = [k for k in want if k not in by_key]
+        if missing:
+            raise Rejected("no_result", f"the candidate's process returned no output for {len(missing)} of the "
+                                        f"{len(want)} checked calls (the verdict is the verifier's, computed from "
+                                        f"outputs; a process that reports a pass without them fails)")
+        # the kept outputs of the timing loop too, where present
+        extra = [k for k in by_key if k[3] and k not in want and 0 <= k[0] < len(shapes)
+                 and k[1] == timing_seed(payload["seed"], k[0]) and 0 <= k[2] < 10_000]
+        per_shape: dict[int, dict] = {}
+        for n, shape in enumerate(shapes):
+            keys = [k for k in want + extra if k[0] == n]
+            for seed in sorted({k[1] for k in keys}):
+                draws = {k[2] for k in keys if k[1] == seed}
+                inputs = regenerate(contract, shape, dtype, seed, draws)
+                for k in sorted((k for k in keys if k[1] == seed), key=lambda k: k[2]):
+                    r = verify_record(contract, by_key[k], inputs[k[2]], dtype, tol)
+                    worst = per_shape.get(n)
+                    if not k[3] and (worst is None or r["worst_ratio"] > worst["worst_ratio"]):
+                        per_shape[n] = r
+                del inputs
+            per_shape.setdefault(n, compare([], [], tol))
+        calls = payload.get("calls", CALLS)
+        result["shapes"] = [{"shape": shape, "calls": calls, **per_shape[n]} for n, shape in enumerate(shapes)]
+        result.update(passed=True, timing=child.get("timing"), timing_reason=child.get("timing_reason"))
+    except Rejected as r:
+        result.update(failure=r.code, reason=r.reason)
+    return result
+
 
 
 def is_triton_kernel(obj) -> bool:
@@ -594,18 +769,43 @@ def claim_stdout():
     return os.fdopen(fd, "w", buffering=1)
 
 
+def release_stdin() -> None:
+    """The payload is read once; fd 0 then points at /dev/null, so the candidate cannot read it again."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull)
+
+
+def write_result(out, result: dict, out_dir: str | None) -> None:
+    """The result goes to `out_dir/result.json` when the caller named a directory (outputs are megabytes; the
+    caller reads only the tail of stdout), else, or when that fails, as the last line on stdout."""
+    line = json.dumps(result, default=str)
+    if out_dir:
+        try:
+            (Path(out_dir) / "result.json").write_text(line)
+            line = json.dumps({"result_file": "result.json"})
+        except OSError:
+            pass
+    out.write(line + "\n")
+    out.flush()
+
+
 def main() -> int:
     out = claim_stdout()
     payload = json.load(sys.stdin)
-    nonce = payload.pop("nonce", None)
+    release_stdin()
+    out_dir = payload.pop("out_dir", None)
+    compile_mode = payload.get("mode") == "compile"
+    nonce = payload.pop("nonce", None)  # compile mode only: a check's verdict is the verifier's, not read from here
     try:
-        result = run_compile(payload) if payload.get("mode") == "compile" else run_check(payload)
+        result = run_compile(payload) if compile_mode else run_check(payload)
     except Exception as e:  # the harness itself failed: say so rather than leave no answer
         result = {"mode": payload.get("mode", "check"), "passed": False, "ok": False, "failure": "harness_error",
                   "reason": f"the harness failed: {''.join(traceback.format_exception(e))[-TRACE_TAIL:]}"}
-    result["nonce"] = nonce
-    out.write(json.dumps(result, default=str) + "\n")
-    out.flush()
+    if compile_mode:
+        result["nonce"] = nonce
+    write_result(out, result, out_dir)
     return 0
 
 
