@@ -169,6 +169,10 @@ def environment(device: str) -> dict:
 
     name, driver = device_facts(torch.device(device))
     commit, dirty = git_commit()
+    if os.environ.get("SPECPILOT_COMMIT"):
+        # The device tool's copy of the checkout can carry a stale .git (its HEAD was the session's first commit on
+        # the H200 runs of 2026-12-01): the commit typed into the call, when given, is the one the tree came from.
+        commit, dirty = os.environ["SPECPILOT_COMMIT"], False
     return {"device": device, "device_name": name, "driver": driver, "python": sys.version.split()[0],
             "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
             "git_commit": commit, "git_dirty": dirty,
@@ -295,7 +299,7 @@ def engine_bench(ctx: Context, label: str, systems: list[str], workloads: list[s
     else:
         code = ("import sys\nfrom specpilot.engine.drafters import NgramDrafter\n"
                 "NgramDrafter.use_kernel = sys.argv[1] == 'kernel'\n"
-                "from specpilot.tools import engine_bench\nengine_bench.main(sys.argv[2:])")
+                "from specpilot.tools.bench import engine_bench\nengine_bench.main(sys.argv[2:])")
         step = ctx.call(label, [sys.executable, "-c", code, search, *map(str, argv)], timeout)
     return json.loads(ctx.need(out / "engine_bench.json", step).read_text())
 
