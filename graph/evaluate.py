@@ -7,6 +7,10 @@ evaluate, one candidate at a time (measurements hold the device lock, measure.py
      a recipe that fails it is never timed: its speed would be the speed of wrong answers;
   3. it is measured side by side with the current best (twice: the second copy measures the noise), ar and stock
      in one `specpilot bench` process.
+  4. what was timed is checked (tools/gate/timed.py): the candidate's outputs of that measured run, judged by the
+     stock model in this process with the gate's tie rule and epsilon; a timed output that is not the stock
+     system's greedy decode beyond a tie rejects the candidate, whatever the gate said (a candidate honest only
+     when it sees a checker gains nothing).
   It wins when it beats the current best by MIN_GAIN and by more than that noise. Finished evaluations are cached in DIR/evaluations/ by
   candidate id + recipe hash, so a node that runs again skips them.
 
@@ -26,7 +30,7 @@ from ..engine.recipe import BUILTIN, RecipeError, parse
 from .artifacts import (candidate_dir, evaluation_path, log_evaluation, read_json, recipe_key, round_dir,
                         write_json)
 from .human import ask
-from .measure import bench, gate, kernel_check
+from .measure import bench, device_turn, gate, kernel_check
 from .nodes import gate_batch, this_round
 from .progress import emit
 from .proposals import changes, leaves, plain, record
@@ -66,6 +70,60 @@ def compare(settings: dict, recipe_path: str, name: str, best: dict, out_dir: Pa
     return speed, sec
 
 
+def timed_outputs(bench_dir: str | Path, system: str) -> list | None:
+    """The outputs `system` produced in the measured run of a bench (results.json: per run, `outputs` =
+    [{prompt, tokens, finish}] in request order), or None when the bench did not record them."""
+    from ..tools.gate.timed import TimedOutput
+
+    try:
+        runs = json.loads((Path(bench_dir) / "results.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    outs, found = [], False
+    for run in runs:
+        if run.get("system") != system:
+            continue
+        recorded = run.get("outputs")
+        if not isinstance(recorded, list):
+            return None
+        found = True
+        for o in recorded:
+            try:
+                outs.append(TimedOutput(len(outs), [int(t) for t in o["prompt"]], [int(t) for t in o["tokens"]],
+                                        o.get("finish")))
+            except (KeyError, TypeError, ValueError):
+                return None
+    return outs if found else None
+
+
+def check_timed_run(settings: dict, speed: dict, name: str, gate_result: dict) -> tuple[dict, float]:
+    """Was what the bench timed the stock system's greedy output (up to ties within the gate's epsilon)?
+    {"passed", "reason", "how", ...}. With the outputs recorded, each is judged by the stock model here
+    (tools/gate/timed.py). Without them (a bench that records only `identical_to_ar`), anything but outputs
+    identical to ar's is rejected: no tie can be told apart from a wrong token without the tokens."""
+    from ..tools.gate.timed import check_timed
+
+    t0 = time.perf_counter()
+    outputs = timed_outputs(speed["dir"], name)
+    if outputs is None:
+        same = speed.get("identical_to_ar")
+        if same is None or same < 1.0:
+            shown = "no comparison with ar" if same is None else f"{1 - same:.0%} of requests differ from ar's"
+            return ({"passed": False, "how": "identical_to_ar", "reason": f"timed run of {name}: {shown} (the bench "
+                     f"recorded no tokens, so no tie check: rejected)"}, time.perf_counter() - t0)
+        return ({"passed": True, "how": "identical_to_ar", "reason": None}, time.perf_counter() - t0)
+    epsilon = gate_result.get("epsilon")
+    if epsilon is None:
+        return ({"passed": False, "how": "tokens", "reason": "timed run: the gate gave no epsilon to judge ties "
+                 "with"}, time.perf_counter() - t0)
+    with device_turn(settings):
+        v = check_timed(settings["target"], outputs, float(epsilon), settings["max_new_tokens"], settings["device"],
+                        settings["dtype"], system=name)
+    return ({"passed": v.passed, "how": "tokens", "reason": v.reason, "requests_checked": v.requests_checked,
+             "tokens_checked": v.tokens_checked, "ties": v.ties, "epsilon": v.epsilon, "failure": v.failure},
+            time.perf_counter() - t0)
+
+
 def needed_gain(speed: dict) -> float:
     """A win must beat the best by MIN_GAIN and by more than the noise its own measurement showed."""
     return max(MIN_GAIN, speed.get("noise") or 0.0)
@@ -100,6 +158,13 @@ def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kern
     res["speed"] = speed
     if not speed["ok"]:
         res["failure"] = f"bench: {speed['error']}"
+        return res
+    emit(f"{cid}: checking the timed outputs against the reference")
+    timed, sec = check_timed_run(settings, speed, recipe["name"], g)
+    res["device_s"] += sec
+    res["timed"] = timed
+    if not timed["passed"]:
+        res["failure"] = timed["reason"]
         return res
     gain, need = speed["speedup_vs_best"], needed_gain(speed)
     res["beats_best"] = gain is not None and gain >= 1 + need
@@ -154,11 +219,13 @@ def evaluate(state: dict) -> dict:
 
 
 def _judge(res: dict) -> str:
-    """Which check decided: the kernel check, the gate, or the side-by-side measurement."""
+    """Which check decided: the kernel check, the gate, the timed run's check, or the side-by-side measurement."""
     if res.get("kernel") and not res["kernel"]["passed"]:
         return "kernel_check"
     if res.get("gate") and not res["gate"]["passed"]:
         return "gate"
+    if res.get("timed") and not res["timed"]["passed"]:
+        return "timed_check"
     return "bench"
 
 
@@ -244,6 +311,9 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
             res["speed"], res["device_s"] = speed, sec + sec2
             top_run = (speed.get("systems") or {}).get(recipes[top["id"]]["name"])
             res["top_tokens_per_s"] = top_run["tokens_per_s"] if top_run else None
+            if speed["ok"]:  # what was timed must be the stock system's output, as for a single candidate
+                timed, sec3 = check_timed_run(s, speed, combo["name"], g)
+                res["timed"], res["device_s"] = timed, res["device_s"] + sec3
         return res
 
     res, _ = cached_evaluation(s, f"combo-{key}", compute)
@@ -251,7 +321,8 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
                                + (f", {_speed_text(res['speed'])}" if res["speed"] and res["speed"]["ok"] else ""))
     evidence["combination_device_s"] = res["device_s"]
     speed = res["speed"]
-    if (res["gate"]["passed"] and speed and speed["ok"] and res.get("top_tokens_per_s")
+    if (res["gate"]["passed"] and speed and speed["ok"] and (res.get("timed") or {}).get("passed")
+            and res.get("top_tokens_per_s")
             and speed["tokens_per_s"] > res["top_tokens_per_s"] and speed["speedup_vs_best"] >= 1 + needed_gain(speed)):
         return {"recipe": combo, "source": "+".join(used), "gate": res["gate"], "speed": speed}, evidence
     return top_pick, evidence

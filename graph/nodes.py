@@ -14,7 +14,7 @@ from pathlib import Path
 
 from langgraph.types import Send
 
-from ..engine.recipe import load_recipe
+from ..engine.recipe import RecipeError, load_recipe, parse
 from ..memory import Outcome
 from ..memory.records import current_versions, deployment_from_profile
 from .artifacts import cached_json, log_evaluation, mark_remembered, remembered, round_dir, write_json
@@ -42,8 +42,14 @@ def _architecture(target: str) -> str:
 
 
 def gate_batch(settings: dict, recipe: dict) -> int:
-    """The gate decodes in the batches the deployment would: the deployment's batch size, capped by the recipe's."""
-    return min(settings["batch_size"], recipe["batch"]["max_batch_size"])
+    """The gate decodes in the batches the deployment would: the deployment's batch size, capped by the recipe's
+    (read from the parsed recipe, so a minimal recipe without a `batch` section gets the default)."""
+    try:
+        max_batch = parse(recipe).batch.max_batch_size
+    except (RecipeError, TypeError, AttributeError):  # not a valid recipe: its gate fails on its own terms
+        max_batch = ((recipe.get("batch") or {}).get("max_batch_size") if isinstance(recipe, dict) else None) \
+            or settings["batch_size"]
+    return max(1, min(settings["batch_size"], max_batch))
 
 
 def measured_from(bench_result: dict, system: str) -> dict:
@@ -392,6 +398,7 @@ def outcome_for(state: dict, rec: dict, when: str) -> Outcome:
     return Outcome(candidate=rec["candidate"], deployment=state["deployment"], results=results, gate=gate_summary,
                    failure=failure, versions=current_versions(), time=when, run=str(state["settings"]["out_dir"]),
                    extra={"round": rec["round"], "status": rec["status"], "kernel_check": ev.get("kernel"),
+                          "timed_check": ev.get("timed"),
                           "proposed_by": rec.get("proposed_by")})
 
 
