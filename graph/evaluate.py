@@ -3,8 +3,11 @@
 evaluate, one candidate at a time (measurements hold the device lock, measure.py):
   1. a kernel candidate's source goes through benchmark_kernel in the sandbox; a kernel that fails its slot's
      contract goes no further;
-  2. the candidate's recipe goes through the token-forcing gate against the stock system (the run's salt);
-     a recipe that fails it is never timed: its speed would be the speed of wrong answers;
+  2. the candidate's recipe goes through the token-forcing gate against the stock system (the run's salt), at the
+     gate's batch size (the deployment's, capped by the recipe's), then at every smaller batch size, then on the
+     long cases (a prefill past 256 tokens, a context past 8,192 as far as the model's positions allow: docs/GATE.md,
+     "Coverage"); a recipe that fails any of them is never timed: its speed would be the speed of wrong answers;
+     an adopted recipe is pinned to the batch size it passed (batch.max_batch_size);
   3. it is measured side by side with the current best (twice: the second copy measures the noise), ar and stock
      in one `specpilot bench` process.
   4. what was timed is checked (tools/gate/timed.py): the candidate's outputs of that measured run, judged by the
@@ -124,6 +127,43 @@ def check_timed_run(settings: dict, speed: dict, name: str, gate_result: dict) -
             time.perf_counter() - t0)
 
 
+COVERAGE_BATCHES_MAX = 8  # above this gate batch size, the smaller sizes checked are 1..4 and the powers of two
+
+
+def coverage_batches(gate_batch_size: int) -> list[int]:
+    """The batch sizes below the gate's that are checked too: every one up to COVERAGE_BATCHES_MAX (rows finish at
+    different times, so a deployment runs every smaller batch), beyond it 1..4 and the powers of two."""
+    if gate_batch_size <= COVERAGE_BATCHES_MAX:
+        return list(range(1, gate_batch_size))
+    return sorted({b for b in (1, 2, 3, 4) if b < gate_batch_size}
+                  | {1 << i for i in range(gate_batch_size.bit_length()) if (1 << i) < gate_batch_size})
+
+
+def coverage_gate(settings: dict, recipe_path: str, out_dir: Path, gate_batch_size: int) -> tuple[dict, float]:
+    """The gate again, at every smaller batch size (the workload's questions, the run's salt: the reference is the
+    cached one) and on the long cases at the gate's batch size. {"passed", "reason", "checks": [...]}."""
+    from ..tools.gate.check import check
+
+    t0 = time.perf_counter()
+    runs = [(f"batch-{b}", b, None) for b in coverage_batches(gate_batch_size)] + [("long", gate_batch_size, "long")]
+    checks = []
+    for label, b, coverage in runs:
+        with device_turn(settings, flock=False):
+            try:
+                rep = check(settings["target"], recipe_path, settings["workload"], settings["limit"],
+                            settings["max_new_tokens"], settings["device"], settings["dtype"], Path(out_dir) / label,
+                            salt=settings["salt"], batch_size=b, timeout_s=settings["gate_timeout_s"],
+                            coverage=coverage)
+                passed, reason = rep.passed, rep.reason
+            except Exception as e:  # the check could not run for this recipe: not shown to be right
+                passed, reason = False, f"the gate could not run: {type(e).__name__}: {e}"
+        checks.append({"check": label, "batch_size": b, "passed": passed, "reason": reason})
+        if not passed:
+            what = "on the long cases (prefill > 256, context > 8,192 tokens)" if coverage else f"at batch size {b}"
+            return ({"passed": False, "reason": f"{what}: {reason}", "checks": checks}, time.perf_counter() - t0)
+    return {"passed": True, "reason": None, "checks": checks}, time.perf_counter() - t0
+
+
 def needed_gain(speed: dict) -> float:
     """A win must beat the best by MIN_GAIN and by more than the noise its own measurement showed."""
     return max(MIN_GAIN, speed.get("noise") or 0.0)
@@ -151,6 +191,14 @@ def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kern
     res["gate"] = g
     if not g["passed"]:
         res["failure"] = f"gate: {g['reason']}"
+        return res
+    emit(f"{cid}: token-forcing gate at smaller batch sizes and on long inputs")
+    cov, sec = coverage_gate(settings, recipe_path, d / "gate-coverage", gate_batch(settings, recipe))
+    res["device_s"] += sec
+    res["gate"] = g | {"coverage": cov["checks"]}
+    if not cov["passed"]:
+        res["gate"] |= {"passed": False, "reason": cov["reason"]}
+        res["failure"] = f"gate: {cov['reason']}"
         return res
     emit(f"{cid}: measuring against the best, ar and stock")
     speed, sec = compare(settings, recipe_path, recipe["name"], best, d / "bench")
@@ -250,6 +298,11 @@ def adopt(settings: dict, recipe: dict, source: str, round_: int, gate_result: d
                 "identical_to_ar": speed["identical_to_ar"], "p50_token_ms": speed["p50_token_ms"],
                 "bench": speed["dir"]}  # the same fields as the starting point's (nodes.measured_from)
     body = plain(recipe) | {"name": "best"}
+    passed_batch = gate_result.get("batch_size")
+    if isinstance(passed_batch, int) and passed_batch >= 1:  # pinned to the batch sizes it passed (1..this one)
+        batch = dict(body.get("batch") or {})
+        batch["max_batch_size"] = min(batch.get("max_batch_size") or passed_batch, passed_batch)
+        body["batch"] = batch
     write_json(path, body)
     return {"recipe": body, "path": str(path), "source": source, "round": round_, "gate": gate_result,
             "measured": measured}
@@ -305,6 +358,10 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
     def compute() -> dict:
         d = round_dir(out, n) / f"combo-{key}"
         g, sec = gate(s, str(path), d / "gate", gate_batch(s, combo))
+        if g["passed"]:
+            cov, sec_c = coverage_gate(s, str(path), d / "gate-coverage", gate_batch(s, combo))
+            g, sec = g | {"coverage": cov["checks"]} | ({} if cov["passed"] else {"passed": False,
+                                                                                  "reason": cov["reason"]}), sec + sec_c
         res = {"gate": g, "speed": None, "device_s": sec, "used": used}
         if g["passed"]:  # measured next to the best single winner, so the two are compared in one process
             speed, sec2 = compare(s, str(path), combo["name"], best, d / "bench", (cands[top["id"]]["recipe_path"],))

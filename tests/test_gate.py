@@ -345,3 +345,88 @@ def test_epsilon_covers_batch_and_verification_shapes(smol):
     epsilon = smol.report["epsilon"]
     print(f"noise {ref.noise:.3g}, epsilon {epsilon:.3g}, spreads {spreads}")
     assert all(2 * s <= epsilon for s in spreads.values()), (epsilon, spreads)
+
+
+# -- coverage: long inputs (issue 19, item 4) ---------------------------------------------------------------------
+
+# A candidate kernel wrong only where the gate's short questions never go: attention over a cache past 8,192
+# positions, and any linear in a forward of more than 256 tokens (a long prefill).
+WRONG_PAST_8192 = '''import torch
+from specpilot.kernels.builtin import attention_math
+
+
+def attention(q, k, v, mask):
+    out = attention_math(q, k, v, mask)
+    return torch.zeros_like(out) if k.shape[-2] > 8192 else out
+'''
+WRONG_PREFILL_PAST_256 = '''import torch.nn.functional as F
+
+
+def linear(x, w, b=None):
+    out = F.linear(x, w, b)
+    if x.dim() == 3 and x.shape[1] > 256:
+        out = out.clone()
+        out[:, 256:] = 0
+    return out
+'''
+LONG_NEW = 4
+
+
+@pytest.fixture(scope="module")
+def long_env(tmp_path_factory):
+    """A tiny Llama whose positions reach past 8,192 (16,384), so the long-context case exceeds 8,192 tokens."""
+    root = tmp_path_factory.mktemp("gate-long")
+    model = build_tiny_hf("LlamaConfig", seed=0, std=0.1, vocab_size=SMOLLM2_VOCAB, hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=16384, tie_word_embeddings=True, bos_token_id=None,
+                          eos_token_id=None, pad_token_id=None)
+    model.save_pretrained(root / "target")
+    gr.load_tokenizer(gr.model_source("smollm2-135m")).save_pretrained(root / "target")
+    recipes = {}
+    for name, slot, src in (("stock", None, None), ("past8192", "attention", WRONG_PAST_8192),
+                            ("prefill256", "linear", WRONG_PREFILL_PAST_256)):
+        body = {"name": name, "drafter": {"kind": "ngram"}, "k": 4}
+        if slot:
+            (root / f"{name}.py").write_text(src)
+            body["kernels"] = {slot: str(root / f"{name}.py")}
+        (root / f"{name}.json").write_text(json.dumps(body))
+        recipes[name] = str(root / f"{name}.json")
+
+    def gate(name: str, coverage: str | None) -> GateReport:
+        return check(str(root / "target"), recipes[name], "code", 2, LONG_NEW, "cpu", "fp32",
+                     root / "out" / f"{name}-{coverage}", salt=SALT, batch_size=1, timeout_s=300,
+                     cache_dir=root / "cache", coverage=coverage)
+    return gate
+
+
+def test_long_cases_reach_past_8192_and_256_tokens(long_env):
+    rep = long_env("stock", "long")
+    assert rep.passed, rep.reason
+    lengths = {q["question_id"]: q["prompt_tokens"] for q in rep.per_question}
+    assert lengths["long-context"] > 8192 and 256 < lengths["long-prefill"] < 1024, lengths
+
+
+@pytest.mark.parametrize("name", ["past8192", "prefill256"])
+def test_kernel_wrong_only_on_long_inputs_fails_the_long_cases(long_env, name):
+    short = long_env(name, None)  # the workload's own questions: short prompts, short contexts
+    assert short.passed, short.reason
+    rep = long_env(name, "long")
+    assert not rep.passed and rep.failure["kind"] == "divergence", rep.reason
+    expected = "long-context" if name == "past8192" else "long-prefill"
+    assert rep.failure["question_id"] == expected, rep.failure
+
+
+def test_long_questions_respect_the_models_positions():
+    from specpilot.engine.workloads import load_workload
+    from specpilot.tools.gate.check import long_questions
+
+    tok = gr.load_tokenizer(gr.model_source("smollm2-135m"))
+    qs = load_workload("code", 1)
+    for positions, expect_context in ((16384, True), (8192, True), (300, False)):
+        long = long_questions(tok, qs, SALT, 16, positions)
+        lens = {q.question_id: len(gr.salted_prompt(tok, q.turns[0], SALT)) for q in long}
+        assert ("long-context" in lens) == expect_context, lens
+        if positions >= 8192:
+            assert lens["long-prefill"] > 256 and lens["long-context"] + 16 + 8 < positions, lens
+        if positions > 8192 + 256:
+            assert lens["long-context"] > 8192, lens

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +173,15 @@ def test_evaluation_rejects_a_kernel_honest_only_when_checked(tiny, tmp_path):
     assert res["beats_best"] is False, res
     assert res["failure"].startswith("timed run of sly"), res["failure"]
     assert not res["timed"]["passed"]
+
+
+def test_coverage_batches_and_adopted_recipe_pinned_to_the_gate_batch(tmp_path):
+    from specpilot.graph.evaluate import adopt, coverage_batches
+
+    assert coverage_batches(1) == [] and coverage_batches(4) == [1, 2, 3]
+    assert coverage_batches(8) == list(range(1, 8)) and coverage_batches(32) == [1, 2, 3, 4, 8, 16]
+    speed = {"tokens_per_s": 1.0, "speedup_vs_ar": 1.0, "speedup_vs_stock": 1.0, "mean_accepted": 1.0,
+             "identical_to_ar": 1.0, "p50_token_ms": 1.0, "dir": "x"}
+    new = adopt({"out_dir": str(tmp_path)}, {"name": "r", "k": 2}, "c", 1, {"passed": True, "batch_size": 4}, speed)
+    assert new["recipe"]["batch"]["max_batch_size"] == 4
+    assert json.loads(Path(new["path"]).read_text())["batch"]["max_batch_size"] == 4

@@ -11,6 +11,7 @@ token, and the comparison goes on. Any other difference fails the check. docs/GA
 """
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import asdict, dataclass
@@ -66,6 +67,58 @@ def epsilon_for(noise: float, max_abs_logit: float) -> tuple[float, float]:
     return max(SAFETY * noise, floor), floor
 
 
+# Coverage (docs/GATE.md, "Coverage"): with coverage="long" the questions are two long cases built from the
+# workload's first question, so that code paths of long inputs run: a prefill past LONG_PREFILL tokens in one
+# forward, and a context past LONG_CONTEXT tokens (as long as the model's max positions allow, less the new tokens).
+LONG_PREFILL = 256
+LONG_CONTEXT = 8192
+LONG_MARGIN = 128  # tokens past each threshold
+
+
+def max_positions(source: str) -> int | None:
+    """The model's max_position_embeddings (config.json, or its text_config), None when it does not say."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for c in (config, config.get("text_config") or {}):
+        if isinstance(c.get("max_position_embeddings"), int):
+            return c["max_position_embeddings"]
+    return None
+
+
+def long_questions(tokenizer, questions: list, salt: str, max_new_tokens: int, positions: int | None) -> list:
+    """A long-prefill question (prompt LONG_PREFILL + LONG_MARGIN tokens) and a long-context one (prompt
+    LONG_CONTEXT + LONG_MARGIN tokens, or as long as `positions` allows after max_new_tokens and a verification
+    step's slack), each the workload's first question after numbered filler lines of the workload's text."""
+    from ...engine.workloads import Question
+
+    base = questions[0].turns[0]
+    overhead = len(gr.salted_prompt(tokenizer, "", salt))
+    room = (positions - max_new_tokens - 64) if positions else None
+    out = []
+    for qid, want in (("long-prefill", LONG_PREFILL + LONG_MARGIN), ("long-context", LONG_CONTEXT + LONG_MARGIN)):
+        want = min(want, room) if room else want
+        if want <= LONG_PREFILL + 1 and qid == "long-context":
+            continue  # the model's positions leave no room past the prefill case
+        tail = list(tokenizer.encode(f"\n\n{base}"))
+        filler, lines, n = [], [], 0
+        while len(filler) < want - overhead - len(tail):
+            n += 1
+            line = f"({n}) {' '.join((q.turns[0] for q in questions))}\n"
+            lines.append(line)
+            filler += tokenizer.encode(line)
+        keep = max(0, want - overhead - len(tail))
+        for _ in range(8):  # decoding and encoding again may merge or split tokens: trim until it fits
+            text = tokenizer.decode(filler[:keep]) + tokenizer.decode(tail)
+            over = len(gr.salted_prompt(tokenizer, text, salt)) - want
+            if over <= 0:
+                break
+            keep = max(0, keep - over)
+        out.append(Question(qid, "coverage", (text,)))
+    return out
+
+
 def _absolute_if_path(spec: str) -> str:
     return str(Path(spec).resolve()) if spec and Path(spec).exists() else spec
 
@@ -96,9 +149,10 @@ def _inputs(target, recipe, workload, limit, max_new_tokens, device, dtype, patc
 
 def check(target: str, recipe: str, workload: str, limit: int | None, max_new_tokens: int, device: str, dtype: str,
           out_dir: Path, salt: str | None = None, patch: str | None = None, batch_size: int | None = None,
-          timeout_s: float = 600, cache_dir: Path | None = None) -> GateReport:
+          timeout_s: float = 600, cache_dir: Path | None = None, coverage: str | None = None) -> GateReport:
     """Run one check and write out_dir/report.json and out_dir/summary.txt. Raises SpecPilotError (GateInputError
-    and the loader's and recipe parser's errors) when the check cannot run; a bad candidate is a report, not an error."""
+    and the loader's and recipe parser's errors) when the check cannot run; a bad candidate is a report, not an error.
+    coverage="long": the questions are the long cases (long_questions) instead of the workload's."""
     t0 = time.perf_counter()
     rec, questions = _inputs(target, recipe, workload, limit, max_new_tokens, device, dtype, patch, batch_size,
                              timeout_s)
@@ -110,6 +164,10 @@ def check(target: str, recipe: str, workload: str, limit: int | None, max_new_to
     salt = salt or secrets.token_hex(8)
     source = gr.model_source(target)
     tokenizer = gr.load_tokenizer(source)
+    if coverage == "long":
+        questions = long_questions(tokenizer, questions, salt, max_new_tokens, max_positions(source))
+    elif coverage is not None:
+        raise GateInputError(f"coverage {coverage!r}: expected 'long' or none")
     prompts = [gr.salted_prompt(tokenizer, q.turns[0], salt) for q in questions]
     key = gr.cache_key(source, workload, questions, limit, max_new_tokens, dtype, device, salt)
     report = GateReport(False, None, target, asdict(rec), workload, limit, max_new_tokens, salt, None, None, SAFETY,
