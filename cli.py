@@ -59,8 +59,9 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     from .tools.bench.run import run_bench
+    from .tools.sandbox import process as sandbox
 
-    return run_bench(args)
+    return run_bench(args, sandbox=sandbox)  # a recipe naming candidate kernel files is benched in the sandbox
 
 
 def add_bench_parser(sub) -> None:
@@ -86,10 +87,12 @@ def cmd_profile(args) -> int:
     import time
 
     from .tools.profile.profiler import profile
+    from .tools.sandbox import process as sandbox
 
     out = args.out or f"runs/profile-{time.strftime('%Y%m%d-%H%M%S')}"
+    # a recipe naming candidate kernel files is profiled in the sandbox
     result = profile(args.target, args.recipe, args.workload, args.limit, args.max_new_tokens, args.batch_size,
-                     args.device or _default_device(), args.dtype, out, repeats=args.repeats)
+                     args.device or _default_device(), args.dtype, out, repeats=args.repeats, sandbox=sandbox)
     print(json.dumps(result.to_dict(), default=str) if args.json else result.table())
     print(f"wrote {out}/profile.json", file=sys.stderr)
     return 0

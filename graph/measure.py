@@ -3,11 +3,15 @@ side-by-side benchmark (tools/bench/run.run_bench), the sandboxed kernel check (
 and the profiler (tools/profile/profiler.profile). Each returns a plain dict (state and checkpoints hold JSON) and the
 seconds it held the device.
 
+The orchestrator never imports candidate code: a bench or a profile of a recipe that names candidate kernel files
+runs in a sandboxed child (tools/sandbox/process.run_python, handed to run_bench and profile as `sandbox=`), and only
+its JSON comes back; recipes of built-in kernels only are measured in this process, as before.
+
 One measurement at a time on the device: a lock in this process (parallel nodes, threads) and, on CUDA, the
-sandbox's GPU flock across processes around what runs in this process (bench, profile). Around the kernel check and
-the gate only the in-process lock is held: their candidates run in child processes, and the kernel check's sandbox
-child takes the flock itself (the parent holding it too would deadlock the child; the gate's worker is the next
-candidate for the same sandbox).
+sandbox's GPU flock across processes around what runs in this process (bench, profile of package code). Around the
+kernel check, the gate and a sandboxed bench or profile only the in-process lock is held: their candidates run in
+child processes, and a sandbox child takes the flock itself (the parent holding it too would deadlock the child; the
+gate's worker is the next candidate for the same sandbox).
 """
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ import time
 from pathlib import Path
 
 from ..engine.errors import SpecPilotError
+from ..engine.recipe import load_recipe
+from ..kernels import is_candidate_path
+from ..tools.sandbox import process as sandbox
 from ..tools.sandbox.process import gpu_lock
 
 _DEVICE = threading.Lock()
@@ -51,10 +58,21 @@ def gate(settings: dict, recipe: str, out_dir: Path, batch_size: int) -> tuple[d
              "report": str(Path(out_dir) / "report.json")}, time.perf_counter() - t0)
 
 
+def candidate_code(recipe: str) -> bool:
+    """Whether a recipe (built-in name or file) names candidate kernel files: then it runs only in the sandbox."""
+    if recipe in ("ar", "stock"):
+        return False
+    try:
+        return any(is_candidate_path(impl) for impl in load_recipe(recipe).kernels.values())
+    except SpecPilotError:
+        return False  # the tool itself reports the bad recipe
+
+
 def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, float]:
-    """`specpilot bench` of the given recipe files next to ar and stock, in one process, on the deployment's
-    workload and batch size. Systems are named after their recipes' `name`; speedups over stock are derived from
-    the same cell's tok/s. {"ok", "error", "systems": {name: run}, "errors", "dir"}."""
+    """`specpilot bench` of the given recipe files next to ar and stock, in one process (a sandboxed child when one
+    names candidate kernel files), on the deployment's workload and batch size. Systems are named after their
+    recipes' `name`; speedups over stock are derived from the same cell's tok/s.
+    {"ok", "error", "systems": {name: run}, "errors", "dir"}."""
     from ..tools.bench.run import parse_args, run_bench
 
     out_dir = Path(out_dir)
@@ -67,10 +85,11 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
     argv += [f"--recipe={r}" for r in recipes]
     args = parse_args(argv[1:])
     t0 = time.perf_counter()
-    with device_turn(settings):
+    with device_turn(settings, flock=not any(candidate_code(r) for r in recipes)):
         try:
             with open(out_dir / "bench.log", "w") as log, contextlib.redirect_stdout(log):
-                run_bench(args)  # its summary table goes to bench.log: the progress line owns the terminal
+                # its summary table goes to bench.log: the progress line owns the terminal
+                run_bench(args, sandbox=sandbox)
             results = json.loads((out_dir / "results.json").read_text())
         except Exception as e:  # a recipe the engine cannot build, a decode that raised outside a cell
             return ({"ok": False, "error": f"{type(e).__name__}: {e}", "systems": {}, "errors": [],
@@ -99,15 +118,16 @@ def kernel_check(settings: dict, slot: str, source: str, out_path: Path) -> tupl
 
 
 def profile(settings: dict, recipe: str, out_dir: Path) -> tuple[dict, float]:
-    """tools.profile.profiler.profile of a recipe on the deployment: phases, floors and gaps ranked by end-to-end gain."""
+    """tools.profile.profiler.profile of a recipe on the deployment (in a sandboxed child when it names candidate
+    kernel files): phases, floors and gaps ranked by end-to-end gain."""
     from ..tools.profile.profiler import profile as run_profile
 
     t0 = time.perf_counter()
-    with device_turn(settings):
+    with device_turn(settings, flock=not candidate_code(recipe)):
         try:
             run_profile(settings["target"], recipe, settings["workload"], settings["limit"],
                         settings["max_new_tokens"], settings["batch_size"], settings["device"], settings["dtype"],
-                        out_dir, repeats=settings["profile_repeats"])
+                        out_dir, repeats=settings["profile_repeats"], sandbox=sandbox)
         except SpecPilotError:
             raise
         except Exception as e:  # the graph cannot route without a profile: the run stops, resumable

@@ -5,10 +5,20 @@ HF transformers (hf_baselines.py). For each workload and batch size (a cell) the
 batches; every system first decodes a warm-up (not counted), then each batch is decoded by every system in an order
 rotated per batch, so that drift (clocks, caches, other load) hits all systems alike. A system that fails in a cell
 becomes an error entry; the others are still measured. results.json is rewritten after every cell.
+
+A recipe that names candidate kernel files (`kernels.<slot>` a .py path, not a built-in) is candidate code: this
+process never imports it. The whole bench (every system, so that the comparison stays in one process) then runs in a
+sandboxed child, `python -m specpilot.tools.bench.run` through tools/sandbox/process.run_python, with the same
+arguments; the recipes travel in its payload with their kernel paths made absolute, and the child's last stdout
+line is its results (JSON), from which this process writes results.json, the report and the summary. The sandbox is
+handed in by the caller (`run_bench(args, sandbox=process)`): tools/bench may not import tools/sandbox
+(tests/test_layering.py). Without one, such a recipe is refused (docs/BENCH.md, "Candidate code").
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -17,12 +27,14 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import check, positive_int, positive_int_list
-from ...engine import loader
+from ..argtypes import check, positive_float, positive_int, positive_int_list
+from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
 from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
 from ...engine.recipe import Recipe, load_recipe
+from ...engine.workloads import BUILTIN as BUILTIN_WORKLOADS
 from ...engine.workloads import Question, load_workload
+from ...kernels import is_candidate_path
 from . import report as bench_report
 from .env import header
 from .metrics import compare_to_ar, summarize
@@ -32,6 +44,8 @@ from .hf_baselines import HF_SYSTEMS, HFSystem, load_hf_model
 
 SCHEMA = "specpilot-bench/1"
 BASELINES = ("hf", "none")
+CHILD = "specpilot.tools.bench.run"  # the sandboxed child's module (main() below)
+SANDBOX_TIMEOUT_S = 3 * 3600.0  # the default wall-clock limit of a sandboxed bench
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
@@ -56,6 +70,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
     b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
     b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
+    b.add_argument("--sandbox-timeout", type=positive_float, default=SANDBOX_TIMEOUT_S,
+                   help="seconds before a bench of candidate kernel files, which runs in a sandboxed child, is killed")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -198,9 +214,13 @@ def build_systems(bench: Bench, target, recipes: list[tuple[str, Recipe]], basel
     return systems
 
 
-def run_bench(args) -> int:
-    from tqdm import tqdm
+def candidate_files(recipe: Recipe) -> list[str]:
+    """The candidate kernel source files a recipe names (empty: it runs package code only)."""
+    return [impl for impl in recipe.kernels.values() if is_candidate_path(impl)]
 
+
+def run_bench(args, sandbox=None) -> int:
+    """`specpilot bench`. `sandbox`: tools/sandbox/process (the module), in which a bench of candidate code runs."""
     # Everything the user typed is checked before the (slow) model load.
     if args.baselines not in BASELINES:
         raise SpecPilotError(f"--baselines {args.baselines!r}: expected one of {', '.join(BASELINES)}")
@@ -216,6 +236,27 @@ def run_bench(args) -> int:
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{stamp}")
+
+    if any(candidate_files(r) for _, r in recipes):
+        results = bench_in_sandbox(args, list(workloads), recipes, device, dtype, sandbox)
+        out.mkdir(parents=True, exist_ok=True)
+        bench = Bench(args, out, results["header"])
+        bench.results = results
+        for e in results["errors"]:
+            print(f"specpilot: warning: {e['message']}", file=sys.stderr)
+        bench.write()
+        bench_report.write_report(out, results)
+    else:
+        bench = measure(args, batch_sizes, workloads, recipes, device, dtype, out)
+    print(bench_report.summary_text(bench.results))
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + (" and plots" if (out / bench_report.PLOTS[0]).is_file()
+                                                                 else ""))
+    return 0
+
+
+def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
+    """The bench in this process: load, measure every cell, results.json after each (and the report at the end)."""
+    from tqdm import tqdm
 
     target = loader.load(args.target, dtype, device)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,8 +276,157 @@ def run_bench(args) -> int:
                     bench.measure_cell(systems, workload, b, reqs, progress)
     finally:
         bench.write()
-        bench_report.write_report(out, bench.results)
-    print(bench_report.summary_text(bench.results))
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + (" and plots" if (out / bench_report.PLOTS[0]).is_file()
-                                                                 else ""))
+        if report:
+            bench_report.write_report(out, bench.results)
+    return bench
+
+
+# -- candidate code: the bench in a sandboxed child -----------------------------------------------------------------
+
+def _model_dir(spec: str) -> str:
+    """A draft model's directory, found here (see the target's); as given when it cannot be (the child says why)."""
+    try:
+        return str(loader.source_dir(spec).resolve())
+    except SpecPilotError:
+        return spec
+
+
+def _absolute(spec: str) -> str:
+    """A file's path as the child (another cwd) must see it; anything that is not a file stays as it is."""
+    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
+
+
+def absolute_workload(spec: str) -> str:
+    """A --workload spec with its FILE.jsonl[:category] made absolute; built-in names as they are."""
+    if spec in BUILTIN_WORKLOADS:
+        return spec
+    head, sep, category = spec.rpartition(":")
+    return _absolute(head) + sep + category if sep and not Path(spec).is_file() else _absolute(spec)
+
+
+def recipe_for_child(recipe: Recipe) -> dict:
+    """The recipe as JSON with its kernel files and draft model made absolute (the child runs in its own temp dir)."""
+    kernels = {slot: _absolute(impl) if is_candidate_path(impl) else impl for slot, impl in recipe.kernels.items()}
+    drafter = dataclasses.replace(recipe.drafter, model=_model_dir(recipe.drafter.model)) if recipe.drafter.model \
+        else recipe.drafter
+    return dataclasses.asdict(dataclasses.replace(recipe, kernels=kernels, drafter=drafter))
+
+
+def child_caches() -> dict[str, str]:
+    """HOME is the child's temp dir: where the models and the caches live, named explicitly."""
+    hf = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+    return {"SPECPILOT_CACHE": str(loader.cache_root()), "SPECPILOT_MODELS": str(packaged.models_dir()),
+            "HF_HOME": hf}
+
+
+def child_memory_bytes(cuda: bool) -> int | None:
+    """No address-space cap on CUDA (the driver reserves huge virtual ranges); on CPU the machine's memory."""
+    if cuda:
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def sandbox_failure(r) -> str:
+    """One line: how the child ended without a result, and the last line it wrote on stderr."""
+    tail = (r.stderr_tail or "").strip()
+    last = tail.splitlines()[-1][-300:] if tail else "no output on stderr"
+    if r.kind == "timeout":
+        how = f"killed after {r.seconds:.0f} s (its wall-clock limit)"
+    elif r.kind in ("crash", "signal"):
+        how = f"killed by {r.signal}"
+    elif r.kind == "oom":
+        how = "out of memory" + (f" (killed by {r.signal})" if r.signal else "")
+    elif r.kind == "exception":
+        how = f"exit status {r.returncode}"
+    else:
+        how = "no JSON result on its last stdout line"
+    return f"{how}: {last}"
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def child_result(r, what: str) -> dict:
+    """The child's JSON result, or SpecPilotError naming how it failed."""
+    if r.kind == "ok" and isinstance(r.output, dict):
+        if "error" in r.output:
+            raise SpecPilotError(f"{what} in the sandbox: {one_line(r.output['error'])}")
+        return r.output
+    raise SpecPilotError(f"{what} in the sandbox failed: {sandbox_failure(r)}")
+
+
+def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe]], device: str, dtype: str,
+                     sandbox) -> dict:
+    """The bench of `recipes` in a sandboxed child; its results (data only: no candidate module is imported here)."""
+    files = [f for _, r in recipes for f in candidate_files(r)]
+    if sandbox is None:
+        raise SpecPilotError(f"recipe names candidate kernel files ({', '.join(files)}): they run only in the sandbox, "
+                             "and none was given (run_bench(args, sandbox=specpilot.tools.sandbox.process))")
+    names = {absolute_workload(w): w for w in workloads}  # the child's name of each workload -> the one given
+    # the model's directory is found (a GGUF dequantized into the cache) here, on package code only: the child's
+    # filesystem may be read-only outside its temp dir, and a candidate must not write the shared cache
+    argv = [f"--target={loader.source_dir(args.target).resolve()}", f"--workload={','.join(names)}",
+            f"--batch-sizes={','.join(str(b) for b in parse_batch_sizes(args.batch_sizes))}",
+            f"--max-new-tokens={args.max_new_tokens}", f"--repeats={args.repeats}", f"--baselines={args.baselines}",
+            f"--device={device}", f"--dtype={dtype}"]
+    argv += [f"--limit={args.limit}"] if args.limit else []
+    argv += [f"--cell-requests={args.cell_requests}"] if args.cell_requests else []
+    argv += ["--ignore-eos"] if args.ignore_eos else []
+    # ar and stock come first and the child adds them itself (recipes_to_measure); the rest go as JSON
+    payload = {"argv": argv, "recipes": [recipe_for_child(r) for _, r in recipes[2:]],
+               "command": list(getattr(args, "argv", None) or sys.argv[1:])}
+    cuda = device.startswith("cuda")
+    limits = sandbox.SandboxLimits(wall_s=float(getattr(args, "sandbox_timeout", None) or SANDBOX_TIMEOUT_S),
+                                   memory_bytes=child_memory_bytes(cuda), gpu=cuda)
+    print(f"specpilot: bench: a recipe names candidate kernel files ({', '.join(files)}): running in the sandbox",
+          file=sys.stderr)
+    r = sandbox.run_python([CHILD], payload, limits, env=child_caches())
+    results = child_result(r, "the bench")
+    import jsonschema
+
+    try:  # the child's answer is data from a process that ran candidate code: its shape is checked before any use
+        jsonschema.validate(results.get("results"), json.loads((Path(__file__).parent / "schema.json").read_text()),
+                            cls=jsonschema.Draft202012Validator)
+    except jsonschema.ValidationError as e:
+        raise SpecPilotError(f"the bench in the sandbox returned results that do not match schema.json: "
+                             f"{one_line(e.message, 200)}") from None
+    results = results["results"]
+    # as given, not as the child saw them: the target, not the directory it resolved to; relative workload files
+    if isinstance(results.get("header"), dict):
+        results["header"]["target"] = args.target
+        results["header"]["workloads"] = workloads
+    for entry in results["runs"] + results["errors"]:
+        if isinstance(entry, dict) and entry.get("workload") in names:
+            entry["workload"] = names[entry["workload"]]
+    return results
+
+
+def main() -> int:
+    """The sandboxed child: the payload {"argv", "recipes", "command"} on stdin, the results as the last stdout line."""
+    payload = json.load(sys.stdin)
+    work = Path.cwd()  # the sandbox's temp dir
+    try:
+        paths = []
+        for i, data in enumerate(payload["recipes"]):
+            paths.append(work / f"recipe-{i}.json")
+            paths[-1].write_text(json.dumps(data))
+        args = parse_args([*payload["argv"], *[f"--recipe={p}" for p in paths], f"--out={work / 'out'}"])
+        args.argv = payload["command"]
+        with contextlib.redirect_stdout(sys.stderr):
+            bench = measure(args, parse_batch_sizes(args.batch_sizes), load_workloads(args.workload, args.limit),
+                            recipes_to_measure(args.recipe), args.device, args.dtype, work / "out", report=False)
+        answer = {"results": bench.results}
+    except Exception as e:  # noqa: BLE001 - the parent reports it as one line
+        answer = {"error": one_line(f"{type(e).__name__}: {e}")}
+    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    sys.stdout.flush()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

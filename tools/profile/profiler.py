@@ -9,22 +9,33 @@ kernels from torch.profiler with the achieved bandwidth of GEMMs, (4) tau and ac
 (5) the cost model's floors on the calibrated ceilings. Gaps = measured - floor per component, ranked by the
 end-to-end gain closing each alone would bring, each assigned to the agent that owns it. docs/COSTMODEL.md has the
 JSON schema and how the router reads it.
+
+A recipe that names candidate kernel files is candidate code, never imported in this process: the profile then
+runs in a sandboxed child (`python -m specpilot.tools.profile.profiler` through tools/sandbox/process.run_python,
+handed in by the caller as `sandbox=`: tools/profile may not import tools/sandbox, tests/test_layering.py), and only
+its JSON comes back. Without a sandbox such a recipe is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
-from ...engine import loader
+from ...engine import loader, packaged
 from ...engine.decode import StopCondition
 from ...engine.engine import Engine
 from ...engine.loader import LoadedModel
-from ...engine.recipe import Recipe, load_recipe
+from ...engine.errors import SpecPilotError
+from ...engine.recipe import Recipe, load_recipe, parse
+from ...engine.workloads import BUILTIN as BUILTIN_WORKLOADS
 from ...engine.workloads import load_workload
+from ...kernels import is_candidate_path
 from . import calibrate
 from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
 from .kernel_stats import phase_events, top_kernels
@@ -32,6 +43,9 @@ from .native_stderr import quiet_profile
 from .phase_timer import DEVICE_PHASES, PHASES, PhaseTimer, loop_steps, trimmed_mean
 
 SCHEMA_VERSION = 1
+CHILD = "specpilot.tools.profile.profiler"  # the sandboxed child's module (main() below)
+SANDBOX_TIMEOUT_S = 3600.0  # the default wall-clock limit of a sandboxed profile
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -48,6 +62,13 @@ class Profile:
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise SpecPilotError(f"a profile without {', '.join(missing)}")
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
 
     def table(self) -> str:
         s, ph, m = self.step, self.phases, self.meta
@@ -181,13 +202,28 @@ def _timed_run(dec, batches, stop, timer=None):
 def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload: str = "code",
             limit: int | None = None, max_new_tokens: int = 64, batch_size: int = 1, device: str | None = None,
             dtype: str | None = None, out_dir: str | Path | None = None, prompts: list[list[int]] | None = None,
-            repeats: int = 2, ceilings: DeviceCeilings | None = None, profiled_tokens: int = 16) -> Profile:
-    """Profile one deployment (a target under a recipe at a batch size) on a workload's first turns."""
+            repeats: int = 2, ceilings: DeviceCeilings | None = None, profiled_tokens: int = 16, sandbox=None,
+            sandbox_timeout_s: float = SANDBOX_TIMEOUT_S) -> Profile:
+    """Profile one deployment (a target under a recipe at a batch size) on a workload's first turns. `sandbox`:
+    tools/sandbox/process (the module), in which a recipe naming candidate kernel files is profiled."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = device.startswith("cuda")
     # What was typed (recipe, workload) is read before the model loads: a bad one fails at once.
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     questions = load_workload(workload, limit or batch_size) if prompts is None else None
+    args = (workload, limit, max_new_tokens, batch_size, device, dtype, prompts, repeats, ceilings, profiled_tokens)
+    if [impl for impl in recipe.kernels.values() if is_candidate_path(impl)]:
+        result = profile_in_sandbox(target, recipe, *args, sandbox=sandbox, timeout_s=sandbox_timeout_s)
+    else:
+        result = _profile_here(target, recipe, questions, *args)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "profile.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    return result
+
+
+def _profile_here(target, recipe: Recipe, questions, workload, limit, max_new_tokens, batch_size, device, dtype,
+                  prompts, repeats, ceilings, profiled_tokens) -> Profile:
+    cuda = device.startswith("cuda")
     if isinstance(target, LoadedModel):
         name = target.source
     else:
@@ -245,9 +281,6 @@ def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload:
     result = Profile(meta, step, phases, acc, top, asdict(dev), floors,
                      {"graphed": pred.to_dict(), "eager": eager.to_dict(), "deployment": _dep_dict(dep)},
                      _gaps(step, phases, acc, pred, top, B, k, cuda))
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "profile.json").write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     return result
 
 
@@ -255,3 +288,98 @@ def _dep_dict(dep: Deployment) -> dict:
     d = asdict(dep)
     d["model"] = asdict(dep.model) | {"params": dep.model.params}
     return d
+
+
+# -- candidate code: the profile in a sandboxed child ---------------------------------------------------------------
+
+def _model_dir(spec: str) -> str:
+    """A draft model's directory, found here (see the target's); as given when it cannot be (the child says why)."""
+    try:
+        return str(loader.source_dir(spec).resolve())
+    except SpecPilotError:
+        return spec
+
+
+def _absolute(spec: str) -> str:
+    """A file's path as the child (another cwd) must see it; anything that is not a file stays as it is."""
+    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
+
+
+def _sandbox_failure(r) -> str:
+    """How the child ended without a result, and the last line it wrote on stderr (as tools/bench/run.py says it)."""
+    tail = (r.stderr_tail or "").strip()
+    last = tail.splitlines()[-1][-300:] if tail else "no output on stderr"
+    how = {"timeout": f"killed after {r.seconds:.0f} s (its wall-clock limit)", "crash": f"killed by {r.signal}",
+           "signal": f"killed by {r.signal}", "oom": "out of memory" + (f" (killed by {r.signal})" if r.signal else ""),
+           "exception": f"exit status {r.returncode}"}.get(r.kind, "no JSON result on its last stdout line")
+    return f"{how}: {last}"
+
+
+def profile_in_sandbox(target, recipe: Recipe, workload, limit, max_new_tokens, batch_size, device, dtype, prompts,
+                       repeats, ceilings, profiled_tokens, sandbox, timeout_s: float) -> Profile:
+    """The profile of a recipe that names candidate kernel files, measured in a sandboxed child; only its JSON is
+    read here."""
+    files = [impl for impl in recipe.kernels.values() if is_candidate_path(impl)]
+    if sandbox is None:
+        raise SpecPilotError(f"recipe names candidate kernel files ({', '.join(files)}): they run only in the sandbox, "
+                             "and none was given (profile(..., sandbox=specpilot.tools.sandbox.process))")
+    name = target.source if isinstance(target, LoadedModel) else str(target)
+    if isinstance(target, LoadedModel):  # the child loads its own copy
+        dtype = dtype or _DTYPES.get(target.model.dtype)
+    # Done here, on package code only: the child's filesystem may be read-only outside its temp dir, and a candidate
+    # must not write the shared caches (a GGUF's dequantized directory, the device's calibration).
+    source = str(loader.source_dir(name))
+    ceilings = ceilings or calibrate.load_or_measure(device)
+    kernels = {slot: _absolute(impl) if is_candidate_path(impl) else impl for slot, impl in recipe.kernels.items()}
+    drafter = replace(recipe.drafter, model=_model_dir(recipe.drafter.model)) if recipe.drafter.model \
+        else recipe.drafter
+    if workload not in BUILTIN_WORKLOADS:  # FILE.jsonl[:category], made absolute
+        head, sep, category = workload.rpartition(":")
+        workload = _absolute(head) + sep + category if sep and not Path(workload).is_file() else _absolute(workload)
+    kwargs = {"target": str(Path(source).resolve()),
+              "recipe": asdict(replace(recipe, kernels=kernels, drafter=drafter)), "workload": workload, "limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+              "device": device, "dtype": dtype, "prompts": prompts, "repeats": repeats,
+              "ceilings": asdict(ceilings), "profiled_tokens": profiled_tokens}
+    cuda = device.startswith("cuda")
+    memory = None
+    if not cuda:  # no address-space cap on CUDA (the driver reserves huge virtual ranges); on CPU the machine's RAM
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = sandbox.SandboxLimits(wall_s=float(timeout_s), memory_bytes=memory, gpu=cuda)
+    caches = {"SPECPILOT_CACHE": str(loader.cache_root()), "SPECPILOT_MODELS": str(packaged.models_dir()),
+              "HF_HOME": os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")}
+    print(f"specpilot: profile: the recipe names candidate kernel files ({', '.join(files)}): running in the sandbox",
+          file=sys.stderr)
+    r = sandbox.run_python([CHILD], {"kwargs": kwargs}, limits, env=caches)
+    if not (r.kind == "ok" and isinstance(r.output, dict)):
+        raise SpecPilotError(f"the profile in the sandbox failed: {_sandbox_failure(r)}")
+    if "error" in r.output:
+        raise SpecPilotError(f"the profile in the sandbox: {' '.join(str(r.output['error']).split())[:500]}")
+    result = Profile.from_dict(r.output.get("profile") or {})
+    result.meta["target"] = name  # as given, not the directory it resolved to
+    return result
+
+
+def main() -> int:
+    """The sandboxed child: {"kwargs": profile()'s arguments as JSON} on stdin, {"profile": ...} as the last stdout
+    line."""
+    kw = json.load(sys.stdin)["kwargs"]
+    try:
+        recipe = parse(kw.pop("recipe"))
+        ceilings = DeviceCeilings(**kw["ceilings"])
+        prompts = kw["prompts"]
+        questions = load_workload(kw["workload"], kw["limit"] or kw["batch_size"]) if prompts is None else None
+        with contextlib.redirect_stdout(sys.stderr):
+            p = _profile_here(kw["target"], recipe, questions, kw["workload"], kw["limit"], kw["max_new_tokens"],
+                              kw["batch_size"], kw["device"], kw["dtype"], prompts, kw["repeats"], ceilings,
+                              kw["profiled_tokens"])
+        answer = {"profile": json.loads(json.dumps(p.to_dict(), default=str))}
+    except Exception as e:  # noqa: BLE001 - the parent reports it as one line
+        answer = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:500]}
+    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
