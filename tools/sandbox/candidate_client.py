@@ -1,16 +1,18 @@
 """The gate's handle on a candidate process: launch it, send it jobs, read its answers under a time budget.
 
-The candidate runs `specpilot.tools.sandbox.candidate_worker` in its own process, with a scrubbed environment (no variable
-whose name contains KEY, TOKEN, SECRET or PASSWORD), its own temporary directory as working directory, stderr
-captured to a file, and a wall-clock budget for the time the gate waits on it. By default the process is forked from
-a fork server that has imported torch and transformers once (a worker then starts in about a second instead of
-five or more); SPECPILOT_GATE_LAUNCH=subprocess starts a fresh `python -m` process in the sandbox instead
-(tools/sandbox/process.py: network namespace, allow-listed environment, process group; docs/SANDBOX.md). The fork-server
-path is not network-isolated yet. `launch` is the one place a process starts. Anything that goes wrong on the candidate's side raises
-CandidateFailure.
+The candidate runs `specpilot.tools.sandbox.candidate_worker` inside the sandbox of tools/sandbox/process.py
+(docs/SANDBOX.md): its own PID, mount and network namespaces, a read-only filesystem with a tmpfs as HOME/TMPDIR, no
+capabilities, a process bound, the exact allow-listed environment; stderr goes to a file the gate opened, and the gate
+waits on it under a wall-clock budget. By default the worker is forked from a fork server that has imported torch and
+transformers once (a worker then starts in about a second instead of five or more); the fork server itself is started
+under the sandbox, so every worker it forks inherits its namespaces, read-only filesystem, dropped capabilities and
+clean environment (workers share that one sandbox: they can see each other and the fork server, nothing outside).
+SPECPILOT_GATE_LAUNCH=subprocess starts a fresh sandboxed `python -m` process per candidate instead. `launch` is the
+one place a process starts. Anything that goes wrong on the candidate's side raises CandidateFailure.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -26,7 +28,6 @@ from pathlib import Path
 from ...engine.loader import cache_root
 from . import process as sandbox
 
-SCRUBBED = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 STDERR_TAIL = 2000
 
 
@@ -38,8 +39,15 @@ class CandidateFailure(Exception):
         self.kind, self.message, self.stderr_tail = kind, message, stderr_tail
 
 
-def scrubbed_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not any(s in k.upper() for s in SCRUBBED)}
+def _caches() -> dict[str, str]:
+    """HOME becomes the sandbox's tmpfs, so the model caches are named explicitly."""
+    return {"SPECPILOT_CACHE": str(cache_root()),
+            "HF_HOME": os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))}
+
+
+def _limits() -> sandbox.SandboxLimits:
+    """No address-space limit: torch reserves far more virtual memory than it uses."""
+    return sandbox.SandboxLimits(memory_bytes=None)
 
 
 _server_lock = threading.Lock()
@@ -47,15 +55,29 @@ _server = None
 
 
 class _ForkServer:
-    """The gate's end of tools/sandbox/candidate_forkserver.py: one per gate process, started on first use."""
+    """The gate's end of tools/sandbox/candidate_forkserver.py: one per gate process, started on first use, itself
+    inside the sandbox (it runs no candidate code; the workers it forks do)."""
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot.tools.sandbox.candidate_forkserver",
-                                      str(theirs.fileno())], pass_fds=[theirs.fileno()], env=scrubbed_env(),
-                                     stdin=subprocess.DEVNULL)
-        theirs.close()
+        # not tied to the starting thread's life (PDEATHSIG): it ends when the gate closes its socket
+        self.box = sandbox.Sandbox(_limits(), _caches(), die_with_parent=False)
+        try:
+            self.proc = self.box.popen([sys.executable, "-m", "specpilot.tools.sandbox.candidate_forkserver",
+                                        str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.box.cleanup()
+            raise
+        finally:
+            theirs.close()
         self.sock, self.lock = ours, threading.Lock()
+        self.isolation = self.box.isolation
+        atexit.register(self.close)
+
+    def worker_env(self) -> dict[str, str]:
+        """A worker's environment: the allow-list; HOME and TMPDIR in the fork server's tmpfs (a directory per worker
+        is made there by the fork server)."""
+        return sandbox.child_env(str(self.box.work), self.isolation["net"], _caches())
 
     def request(self, msg: dict, fds: list[int] = ()) -> dict:
         with self.lock:
@@ -65,11 +87,24 @@ class _ForkServer:
             raise OSError("the candidate fork server exited")
         return json.loads(data)
 
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.box.cleanup()  # the sandbox's init: everything forked from the server dies with it
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
 
 def _fork_server() -> _ForkServer:
     global _server
     with _server_lock:
         if _server is None or _server.proc.poll() is not None:
+            if _server is not None:
+                _server.close()
             _server = _ForkServer()
         return _server
 
@@ -91,21 +126,20 @@ class _Lines:
 
 
 class _Subprocess:
-    """`python -m specpilot.tools.sandbox.candidate_worker` in the sandbox (tools/sandbox/process.py): its own process group, a
-    network namespace where the OS allows one, the allow-listed environment, no core dumps, bounded file writes.
-    No address-space limit: torch reserves far more virtual memory than it uses. JSON lines on stdin and stdout."""
+    """`python -m specpilot.tools.sandbox.candidate_worker` in a sandbox of its own (tools/sandbox/process.py).
+    JSON lines on stdin and stdout."""
 
-    def __init__(self, worker_args: list[str], cwd: Path, env: dict, stderr_path: Path):
-        limits = sandbox.SandboxLimits(memory_bytes=None)
-        argv, isolated = sandbox.command([sys.executable, "-m", "specpilot.tools.sandbox.candidate_worker", *worker_args],
-                                         limits)
-        # HOME becomes the temp dir, so the model caches are named explicitly
-        caches = {"SPECPILOT_CACHE": str(cache_root()),
-                  "HF_HOME": os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))}
-        with open(stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=sandbox.child_env(str(cwd), isolated, caches),
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         bufsize=1, start_new_session=True, preexec_fn=sandbox.limiter(limits))
+    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path):
+        self.box = sandbox.Sandbox(_limits(), _caches())
+        self.isolation = self.box.isolation
+        try:
+            with open(stderr_path, "wb") as err:
+                self.proc = self.box.popen([sys.executable, "-m", "specpilot.tools.sandbox.candidate_worker",
+                                            *worker_args], cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=err, text=True, bufsize=1)
+        except BaseException:
+            self.box.cleanup()
+            raise
         self.lines = _Lines(self.proc.stdout).queue
 
     def send(self, line: str) -> None:
@@ -113,8 +147,9 @@ class _Subprocess:
         self.proc.stdin.flush()
 
     def stop(self) -> int:
-        sandbox.kill_group(self.proc.pid)  # the worker and anything it started
+        self.box.kill()  # the sandbox's init: the worker and anything it started
         status = self.proc.wait()
+        self.box.cleanup()
         try:
             self.proc.stdin.close()
         except OSError:
@@ -128,16 +163,19 @@ class _Subprocess:
 class _Forked:
     """The same worker, forked from the fork server (tools/sandbox/candidate_forkserver.py) with pipes as stdin and stdout."""
 
-    def __init__(self, worker_args: list[str], cwd: Path, env: dict, stderr_path: Path):
+    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path):
         self.server = _fork_server()
+        self.isolation = self.server.isolation
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
+        err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            self.pid = self.server.request({"spawn": worker_args, "cwd": str(cwd), "env": env,
-                                            "stderr": str(stderr_path)}, [in_r, out_w])["pid"]
+            self.pid = self.server.request({"spawn": worker_args, "cwd": str(cwd), "env": self.server.worker_env()},
+                                           [in_r, out_w, err])["pid"]
         finally:
             os.close(in_r)
             os.close(out_w)
+            os.close(err)
         self.stdin, self.stdout = os.fdopen(in_w, "w", buffering=1), os.fdopen(out_r, "r")
         self.lines = _Lines(self.stdout).queue
         self.status = None
@@ -152,7 +190,11 @@ class _Forked:
                 self.stdin.close()
             except OSError:
                 pass
-            self.status, self.pid = self.server.request({"release": self.pid, "grace": grace})["status"], None
+            try:
+                self.status = self.server.request({"release": self.pid, "grace": grace})["status"]
+            except (OSError, ValueError):  # the fork server is gone: its sandbox, the worker included, died with it
+                self.status = None
+            self.pid = None
         return self.status
 
     def stop(self) -> int | None:
@@ -163,12 +205,11 @@ class _Forked:
 
 
 def launch(worker_args: list[str], cwd: Path, stderr_path: Path):
-    """Start a candidate worker (the one function a sandbox replaces): forked from the preloaded fork server, or as
-    a plain `python -m` process when SPECPILOT_GATE_LAUNCH=subprocess or the platform has no fork server."""
-    env = scrubbed_env()
+    """Start a candidate worker in the sandbox: forked from the preloaded fork server (itself sandboxed), or as a
+    fresh sandboxed `python -m` process when SPECPILOT_GATE_LAUNCH=subprocess or the platform has no fork server."""
     if os.environ.get("SPECPILOT_GATE_LAUNCH") == "subprocess" or not sys.platform.startswith("linux"):
-        return _Subprocess(worker_args, cwd, env, stderr_path)
-    return _Forked(worker_args, cwd, env, stderr_path)
+        return _Subprocess(worker_args, cwd, stderr_path)
+    return _Forked(worker_args, cwd, stderr_path)
 
 
 class Candidate:

@@ -2,15 +2,18 @@
 
     python -m specpilot.tools.sandbox.candidate_forkserver FD
 
-Started by the gate (tools/sandbox/candidate_client.py) with a scrubbed environment and one end of a Unix datagram socket
-pair as FD. Requests are JSON datagrams:
+Started by the gate (tools/sandbox/candidate_client.py) inside the sandbox (tools/sandbox/process.py: PID, mount and
+network namespaces, read-only filesystem, no capabilities, the allow-listed environment), so every worker forked from
+it inherits all of that; FD is one end of a Unix datagram socket pair. Requests are JSON datagrams:
 
-    {"spawn": [worker args], "cwd": DIR, "env": {...}, "stderr": FILE}  + two file descriptors (stdin, stdout)
-        -> {"pid": N}: a forked child with those as fd 0 and 1, FILE as fd 2, DIR as cwd and exactly `env`, running
+    {"spawn": [worker args], "cwd": DIR, "env": {...}}  + three file descriptors (stdin, stdout, stderr)
+        -> {"pid": N}: a forked child with those as fd 0, 1 and 2, DIR as cwd and exactly `env` except that HOME and
+           TMPDIR become a fresh directory of its own under env's HOME (the sandbox's tmpfs), running
            candidate_worker.main(worker args): the same worker `python -m specpilot.tools.sandbox.candidate_worker` runs
     {"release": N, "grace": S}
         -> {"status": exit status, negative for a signal}: waits up to S seconds for child N to exit, kills it if
-           it has not, and reaps it. Children are reaped only here, so a pid the gate holds is never reused.
+           it has not, reaps it and removes its directory. Children are reaped only here, so a pid the gate holds is
+           never reused.
 
 Forking from this process (which has run no torch operation, so no thread pool exists) rather than from the gate
 (which has) is what makes forking safe. The server exits when the gate closes its end.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -30,18 +34,24 @@ PRELOAD = ["torch", "transformers", "specpilot.engine.engine", "specpilot.tools.
            *[f"transformers.models.{a}.modeling_{a}" for a in ("llama", "mistral", "qwen2", "qwen3")]]
 
 
+def _home(pid: int, env: dict) -> str:
+    return os.path.join(env.get("HOME") or "/tmp", f"worker-{pid}")
+
+
 def _child(req: dict, fds: list[int]) -> None:
     code = 1
     try:
-        err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(fds[0], 0)
-        os.dup2(fds[1], 1)
-        os.dup2(err, 2)
-        for fd in (*fds, err):
-            os.close(fd)
+        os.setsid()  # its own group: a worker's killpg(0) reaches only itself and what it started
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
         os.chdir(req["cwd"])
+        home = _home(os.getpid(), req["env"])
+        os.makedirs(home, mode=0o700, exist_ok=True)
         os.environ.clear()
-        os.environ.update(req["env"])
+        os.environ.update(req["env"], HOME=home, TMPDIR=home)
         sys.stdin = open(0, closefd=False)
         sys.argv = ["candidate_worker", *req["spawn"]]  # as `python -m specpilot.tools.sandbox.candidate_worker ...` sees it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -62,7 +72,7 @@ def _child(req: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def _release(pid: int, grace: float) -> int:
+def _release(pid: int, grace: float, homes: dict) -> int:
     deadline = time.monotonic() + grace
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -73,6 +83,7 @@ def _release(pid: int, grace: float) -> int:
             _, status = os.waitpid(pid, 0)
             break
         time.sleep(0.02)
+    shutil.rmtree(homes.pop(pid, ""), ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
 
 
@@ -82,9 +93,10 @@ def serve(sock: socket.socket) -> None:
             __import__(name)
         except ImportError:
             pass
+    homes: dict[int, str] = {}
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
         except OSError:
             return
         if not data:
@@ -97,10 +109,11 @@ def serve(sock: socket.socket) -> None:
                 _child(req, fds)
             for fd in fds:
                 os.close(fd)
+            homes[pid] = _home(pid, req["env"])
             reply = {"pid": pid}
         else:
             try:
-                reply = {"status": _release(int(req["release"]), float(req.get("grace", 0)))}
+                reply = {"status": _release(int(req["release"]), float(req.get("grace", 0)), homes)}
             except ChildProcessError:
                 reply = {"status": None}
         sock.send(json.dumps(reply).encode())
