@@ -147,6 +147,7 @@ HOSTILE = {  # name -> (slot, source, shapes, failure code, words in the reason)
     "lowers_harness_constants": ("rmsnorm", LOWERS_HARNESS_CONSTANTS, SMALL_RMSNORM, "wrong_values", "call 2 of 4"),
 }
 BATCH_3_TO_7 = [s for s in CONTRACTS["linear"].shapes if 3 <= s["batch"] <= 7]
+LM_HEAD = [s for s in CONTRACTS["linear"].shapes if s["out"] > 40_000]
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +158,9 @@ def results() -> dict:
                                                               BATCH_3_TO_7, timeout_s=180).to_dict(),)
     jobs["builtin_linear_batch_3_7"] = (lambda: benchmark_kernel(
         "linear", "from specpilot.kernels.builtin import linear_torch as linear\n", "cpu", "fp32", BATCH_3_TO_7,
+        timeout_s=180).to_dict(),)
+    jobs["builtin_linear_lm_head"] = (lambda: benchmark_kernel(  # 4 MB of outputs: more than a MiB of stdout
+        "linear", "from specpilot.kernels.builtin import linear_torch as linear\n", "cpu", "fp32", LM_HEAD,
         timeout_s=180).to_dict(),)
     jobs["accept_detects_checker"] = (lambda: benchmark_kernel(
         "accept", ACCEPT_DETECTS_CHECKER, "cpu", "fp32", [{"batch": 8, "k": 3, "vocab": 50}],
@@ -182,6 +186,12 @@ def test_linear_one_percent_off_for_batch_3_to_7_is_rejected(results):
     assert r["passed"] is False and r["failure"] == "wrong_values", r
     honest = results["builtin_linear_batch_3_7"]
     assert honest["passed"] is True, honest  # the tolerance is tight, not too tight
+
+
+def test_outputs_of_megabytes_come_back_through_the_sandbox(results):
+    # the read-only sandbox leaves stdout as the way back; the LM head's four outputs are 4 MB of fp32
+    r = results["builtin_linear_lm_head"]
+    assert LM_HEAD and r["passed"] is True, r
 
 
 def test_linear_tolerance_catches_one_percent_in_fp32_and_large_bf16_values():

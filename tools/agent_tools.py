@@ -18,10 +18,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
-import os
 import secrets
-import shutil
-import stat
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -79,24 +76,58 @@ def sandbox_failure(r: SandboxResult, nonce: str | None = None) -> tuple[str, st
     return None
 
 
-RESULT_FILE_MAX = 1 << 30  # the most the verifier reads back from the child's result file
+RESULT_MAX = 1 << 30  # the most of the kernel check's stdout the verifier reads back (its outputs are megabytes)
 
 
-def child_result(r: SandboxResult, out_dir: Path) -> dict | None:
-    """The child's result: its last stdout line, or the file in `out_dir` that the line names (a regular file, not
-    a link: the candidate can write that directory too)."""
-    o = r.output
-    if not (isinstance(o, dict) and o.get("result_file") == "result.json"):
-        return o if isinstance(o, dict) else None
+def run_harness(payload: dict, limits: SandboxLimits, env: dict) -> SandboxResult:
+    """run_python(HARNESS, payload, limits, env), but reading the child's whole stdout up to RESULT_MAX instead of
+    its last MiB: the kernel check's result carries every checked output (megabytes for the contract's shapes), and
+    the sandbox's filesystem is read-only outside a tmpfs that vanishes with it, so stdout is the way back. Built
+    from the sandbox's own pieces (Sandbox, gpu_lock, _tail, _classify); where they are missing, run_python."""
+    import subprocess
+    import time
+
+    from .sandbox import process as sp
+
+    box_cls, tail, classify = (getattr(sp, n, None) for n in ("Sandbox", "_tail", "_classify"))
+    if box_cls is None or tail is None or classify is None:
+        return run_python(HARNESS, payload, limits, env)
+    t0 = time.monotonic()
+    rc, timed_out, launch_error, stdout, stderr = None, False, "", "", ""
+    box = None
     try:
-        fd = os.open(out_dir / "result.json", os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > RESULT_FILE_MAX:
-                return None
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+        box = box_cls(limits, env)
+        (box.io / "stdin").write_text(json.dumps(payload))
+        with sp.gpu_lock(limits.gpu), open(box.io / "stdin", "rb") as fin, \
+                open(box.io / "stdout", "wb") as fout, open(box.io / "stderr", "wb") as ferr:
+            try:
+                proc = box.popen([sys.executable, "-m", *HARNESS], stdin=fin, stdout=fout, stderr=ferr)
+            except (OSError, subprocess.SubprocessError) as e:
+                launch_error = f"sandbox: could not start the child: {e!r}"
+            else:
+                try:
+                    rc = proc.wait(timeout=limits.wall_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    box.kill()
+                    rc = proc.wait()
+                box.kill()
+        stdout, stderr = tail(box.io / "stdout", RESULT_MAX), tail(box.io / "stderr", sp.STDERR_TAIL)
+    except Exception as e:  # noqa: BLE001 - the caller must never die because of the child
+        launch_error = launch_error or f"sandbox: {e!r}"
+    finally:
+        if box is not None:
+            box.cleanup()
+    isolation = getattr(box, "isolation", None) or {"net": False}
+    work = str(getattr(box, "work", "")) if box is not None else ""
+    if launch_error:
+        return SandboxResult(False, "exception", rc, None, None, (stderr + launch_error)[-sp.STDERR_TAIL:],
+                             time.monotonic() - t0, isolation.get("net", False), work)
+    kind, sig, output = classify(rc, timed_out, stdout, stderr)
+    if timed_out:
+        stderr = (stderr + f"\nsandbox: killed after {limits.wall_s:g} s wall clock")[-sp.STDERR_TAIL:]
+    return SandboxResult(kind == "ok", kind, rc, sig, output, stderr, time.monotonic() - t0,
+                         isolation.get("net", False), work)
 
 
 def triton_kernel_defined(source: str, entry: str) -> str | None:
@@ -191,20 +222,13 @@ def benchmark_kernel(slot: str, source: str, device: str = "auto", dtype: str = 
     limits, env = sandbox_for(device, timeout_s)
     # the verifier's own copies: nothing the child does can change what it checks against
     shapes = json.loads(json.dumps(shapes)) if shapes else None
-    out_dir = Path(tempfile.mkdtemp(prefix="specpilot-kernel-out-"))
     payload = {"mode": "check", "slot": slot, "source": source, "dtype": dtype, "device": device, "shapes": shapes,
                "timing": timing, "seed": secrets.randbelow(1 << 31), "calls": kernel_check.CALLS}
-    try:
-        r = run_python(HARNESS, {**payload, "out_dir": str(out_dir)}, limits, env)
-        failure = sandbox_failure(r)
-        child = None if failure else child_result(r, out_dir)
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    r = run_harness(payload, limits, env)
+    failure = sandbox_failure(r)
     if failure:
         return KernelBenchResult(slot, dtype, device, False, *failure, seconds=r.seconds)
-    if child is None:
-        return KernelBenchResult(slot, dtype, device, False, "no_result", "the child's result could not be read "
-                                 f"back\n{r.stderr_tail}", seconds=r.seconds)
+    child = r.output
     o = kernel_check.verify(payload, child)
     return KernelBenchResult(slot, dtype, device, bool(o["passed"]), o["failure"], o["reason"], list(o["shapes"]),
                              o["timing"], o["timing_reason"], r.seconds)

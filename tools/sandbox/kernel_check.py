@@ -1,8 +1,7 @@
 """The harness that checks a candidate kernel against its slot's contract (kernels/slots.py): the candidate's side,
 which runs in the sandbox, and the verifier's side, which runs in the caller and never loads candidate code.
 
-    python -m specpilot.tools.sandbox.kernel_check      (payload JSON on stdin; the result is the last line on stdout,
-                                                         or a file in the payload's out_dir that the line names)
+    python -m specpilot.tools.sandbox.kernel_check      (payload JSON on stdin; the result is the last line on stdout)
 
 tools/agent_tools.py starts it through tools/sandbox/process.run_python. Modes:
 - check (run_check, in the sandbox): load the candidate source (a file defining a function named after the slot),
@@ -777,17 +776,9 @@ def release_stdin() -> None:
     sys.stdin = open(os.devnull)
 
 
-def write_result(out, result: dict, out_dir: str | None) -> None:
-    """The result goes to `out_dir/result.json` when the caller named a directory (outputs are megabytes; the
-    caller reads only the tail of stdout), else, or when that fails, as the last line on stdout."""
-    line = json.dumps(result, default=str)
-    if out_dir:
-        try:
-            (Path(out_dir) / "result.json").write_text(line)
-            line = json.dumps({"result_file": "result.json"})
-        except OSError:
-            pass
-    out.write(line + "\n")
+def write_result(out, result: dict) -> None:
+    """The result as the last line on stdout (megabytes with the outputs: the caller reads all of it)."""
+    out.write(json.dumps(result, default=str) + "\n")
     out.flush()
 
 
@@ -795,7 +786,6 @@ def main() -> int:
     out = claim_stdout()
     payload = json.load(sys.stdin)
     release_stdin()
-    out_dir = payload.pop("out_dir", None)
     compile_mode = payload.get("mode") == "compile"
     nonce = payload.pop("nonce", None)  # compile mode only: a check's verdict is the verifier's, not read from here
     try:
@@ -805,7 +795,7 @@ def main() -> int:
                   "reason": f"the harness failed: {''.join(traceback.format_exception(e))[-TRACE_TAIL:]}"}
     if compile_mode:
         result["nonce"] = nonce
-    write_result(out, result, out_dir)
+    write_result(out, result)
     return 0
 
 
