@@ -12,8 +12,9 @@ it inherits all of that; FD is one end of a Unix datagram socket pair. Requests 
            candidate_worker.main(worker args): the same worker `python -m specpilot.tools.sandbox.candidate_worker` runs
     {"release": N, "grace": S}
         -> {"status": exit status, negative for a signal}: waits up to S seconds for child N to exit, kills it if
-           it has not, reaps it and removes its directory. Children are reaped only here, so a pid the gate holds is
-           never reused.
+           it has not, reaps it, removes its directory, and kills whatever released workers left running (a setsid
+           daemon: every process of the sandbox outside the sessions of the workers still held). Children are reaped
+           only here, so a pid the gate holds is never reused.
 
 Forking from this process (which has run no torch operation, so no thread pool exists) rather than from the gate
 (which has) is what makes forking safe. The server exits when the gate closes its end.
@@ -84,7 +85,34 @@ def _release(pid: int, grace: float, homes: dict) -> int:
             break
         time.sleep(0.02)
     shutil.rmtree(homes.pop(pid, ""), ignore_errors=True)
+    _kill_strays(set(homes))
     return os.waitstatus_to_exitcode(status)
+
+
+def _session(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[4])  # state ppid pgrp session
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_strays(live: set[int]) -> None:
+    """Kill what released workers left behind (a setsid daemon, a double fork): every process of this sandbox that is
+    neither its init (1), this server, nor in the session of a worker still held (each worker is a session leader).
+    The server's /proc is the sandbox's own, so nothing outside the sandbox is touched."""
+    me = os.getpid()
+    for _ in range(5):  # a stray that forks while we look is caught on the next pass
+        strays = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                  if pid not in (1, me) and _session(pid) not in (live | {me, None})]
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.01)
 
 
 def serve(sock: socket.socket) -> None:

@@ -246,12 +246,38 @@ class Sandbox:
         return self.proc
 
     def kill(self) -> None:
-        if self.proc is not None:
-            kill_group(self.proc.pid)  # the init: its death (or PDEATHSIG) takes the whole PID namespace along
+        """SIGKILL the namespace's PID 1 and wait for the sandbox's outer process, which exits only once the kernel
+        has killed and reaped every process of the namespace; then the group, for anything left (no PID namespace)."""
+        if self.proc is None:
+            return
+        if self.isolation["pid"] and self.proc.poll() is None:
+            for pid in _children(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        kill_group(self.proc.pid)
 
     def cleanup(self) -> None:
         self.kill()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def _tail(path: Path, n: int) -> str:
