@@ -22,7 +22,7 @@ import torch
 
 from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
-from .drafters import Drafter
+from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, accept_sampled, probabilities
@@ -55,15 +55,40 @@ class BatchStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
-    ar_steps: int = 0  # of them, steps run without verification (ar_after_miss)
+    ar_steps: int = 0  # of them, steps run without verification (ar_after_miss, or the controller's choice)
+    draft_lengths: list[int] = field(default_factory=list)  # drafts each step verified at most (0: an AR step)
 
 
-PREFILL_WIDTH_STEP = 64  # with CUDA graphs, prompts are padded to a multiple of this: one prefill graph per width
+PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
+# With bucketed shapes (CUDA graphs), a batch runs at the smallest of these sizes that holds it, the rows beyond it
+# dead: every batch size of a workload then reuses a handful of captured graphs and compiled kernels.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch size a batch of `batch` rows runs at when shapes are bucketed (past 64: a multiple of 64)."""
+    for size in BATCH_BUCKETS:
+        if batch <= size:
+            return size
+    return -(-batch // BATCH_BUCKETS[-1]) * BATCH_BUCKETS[-1]
 
 
 def prefill_width(longest_prompt: int) -> int:
-    """The padded prompt width a batch prefills at with CUDA graphs."""
-    return -(-longest_prompt // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP
+    """The padded prompt width a batch prefills at when shapes are bucketed: a multiple of 64 up to 256, then a power
+    of two or 1.5 times one (384, 512, 768, 1024, 1536, ...): few widths to capture, a prefill padded by less than
+    half (prefill is a small part of a decode; pad slots are masked and change no token)."""
+    if longest_prompt <= 4 * PREFILL_WIDTH_STEP:
+        return max(1, -(-longest_prompt // PREFILL_WIDTH_STEP)) * PREFILL_WIDTH_STEP
+    power = 1 << (longest_prompt - 1).bit_length()
+    return power * 3 // 4 if longest_prompt <= power * 3 // 4 else power
+
+
+def prefill_widths(max_prompt_tokens: int) -> list[int]:
+    """Every width a prompt of up to `max_prompt_tokens` tokens may prefill at (what a warm-up captures)."""
+    widths = [prefill_width(1)]
+    while widths[-1] < prefill_width(max_prompt_tokens):
+        widths.append(prefill_width(widths[-1] + 1))
+    return widths
 
 
 def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool = False) -> int:
@@ -72,6 +97,72 @@ def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool
     and captured graphs (every shape change costs a recompile and a recapture). Attention reads all of it."""
     need = longest_prompt + max_new_tokens + (k + 1) * (2 if overlap else 1) + 1
     return max(512, 1 << (need - 1).bit_length())
+
+
+# -- the batch-level controller: each step's draft length from acceptance and step prices -----------------------
+def expected_tokens(acceptance_by_position, k: int) -> float:
+    """Tokens a row emits in a step verifying k drafts: 1 + sum over i <= k of prod over j <= i of alpha_j, with
+    alpha_j the chance that draft j is there and accepted once drafts 1..j-1 were."""
+    total = reach = 1.0
+    for alpha in list(acceptance_by_position)[:k]:
+        reach *= alpha
+        total += reach
+    return total
+
+
+def choose_draft_length(acceptance_by_position, prices_by_k: dict[int, float], k_max: int) -> int:
+    """The draft length k' in 0..k_max (0: a plain AR step) that maximizes expected tokens per second,
+    expected_tokens(acceptance, k') / prices_by_k[k'] (seconds of a step verifying k' drafts at this batch size).
+    Lengths without a price are not considered; ties go to the shorter (cheaper) step; no price at all: k_max."""
+    best, best_rate = k_max, 0.0
+    for k in range(k_max + 1):
+        price = prices_by_k.get(k)
+        if price is None:
+            continue
+        if price <= 0:
+            raise ValueError(f"step price for k'={k} must be positive, got {price}")
+        rate = expected_tokens(acceptance_by_position, k) / price
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+class DraftLengthController:
+    """The host's state for one batch: acceptance counts per draft position and the choice for the next step.
+
+    alpha_i is estimated as (rows that accepted draft i) / (rows that reached position i: accepted drafts 1..i-1 in a
+    step verifying at least i), from this batch's steps, starting from one success at each position (a length never
+    tried looks good, so it gets tried). A plain AR step observes nothing, so after `probe_every` AR steps in a row one
+    step verifies all k drafts, to notice when acceptance comes back."""
+
+    def __init__(self, k: int, probe_every: int = 16):
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.k, self.probe_every = k, probe_every
+        self.reset()
+
+    def reset(self) -> None:
+        self.reached = [1.0] * self.k
+        self.accepted = [1.0] * self.k
+        self.ar_run = 0  # AR steps chosen in a row
+
+    def acceptance(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted, self.reached)]
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """A step that verified up to k drafts per row; `accepted`: the drafts each live row accepted."""
+        for n in accepted:
+            for i in range(min(k, n + 1)):
+                self.reached[i] += 1
+                self.accepted[i] += n > i
+
+    def choose(self, prices_by_k: dict[int, float]) -> int:
+        if self.ar_run >= self.probe_every:
+            choice = self.k
+        else:
+            choice = choose_draft_length(self.acceptance(), prices_by_k, self.k)
+        self.ar_run = self.ar_run + 1 if choice == 0 else 0
+        return choice
 
 
 @contextmanager
@@ -105,6 +196,10 @@ class DecodeState:
         # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts proposed]
         self.out = torch.zeros(batch, k + 3, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
+        self.batch = batch
+        # two pinned buffers: the host reads one while the next step's copy lands
+        self.host_out = [torch.empty_like(self.out, device="cpu").pin_memory() for _ in range(2)] \
+            if self.out.device.type == "cuda" else None
 
 
 def _record(history, lengths, active, out, n_acc, tokens) -> None:
@@ -117,17 +212,19 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     out[:, 1: 1 + width].copy_(tokens)
 
 
-def _step_inputs(history, lengths, budget, drafts, valid, adaptive: bool, greedy: bool):
-    """A step's target inputs [last, drafts...] and their cache positions; each row's valid drafts (within its budget
-    when the draft length is adaptive); and for greedy verification the live tokens: the logits are read only up to
-    each row's valid drafts, so the slots after them are dead, and a layer that can skip them does (a step without
-    drafts then costs about what an AR step does). AR (drafts None): no drafts, no live mask."""
+def _step_inputs(history, lengths, budget, active, drafts, valid, adaptive: bool, greedy: bool):
+    """A step's target inputs [last, drafts...] and their cache positions; each row's valid drafts (none for a row
+    that is not active: finished, or a dead row of a batch bucket; within its budget when the draft length is
+    adaptive); and for greedy verification the live tokens: the logits are read only up to each row's valid drafts,
+    so the slots after them are dead, and a layer that can skip them does (a step without drafts then costs about
+    what an AR step does). AR (drafts None): no drafts, no live mask."""
     S = history.shape[1]
     last = history.gather(1, (lengths - 1)[:, None])
     if drafts is None:
         inputs, valid = last, torch.zeros_like(lengths)
     else:
         inputs = torch.cat([last, drafts], 1)
+        valid = valid * active
         if adaptive:
             valid = torch.minimum(valid, budget)
     offsets = torch.arange(inputs.shape[1], device=inputs.device)[None]
@@ -150,22 +247,39 @@ def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, p
     return n_acc
 
 
+class EagerStep:
+    """What a step "captured" without CUDA graphs is: the step itself, run eagerly at each replay. The decoder keeps
+    these where it keeps graphs, so that the same code decides when a shape is new (and counts it) on any device."""
+
+    def __init__(self, run):
+        self.replay = run
+
+
 class Decoder:
     """Runs one target model with an optional drafter and a fixed k under a recipe's settings."""
 
     def __init__(self, model: Transformer, drafter: Drafter | None = None, k: int = 0, cuda_graphs: bool = True,
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
-                 layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False):
+                 layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
+                 controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
             raise ValueError(f"a drafter needs k >= 1, got k={k}")
+        if controller not in ("none", "cost"):
+            raise ValueError(f"controller must be 'none' or 'cost', got {controller!r}")
         self.model, self.drafter, self.k = model, drafter, k
         self.adaptive_drafts = adaptive_drafts and k > 0
         self.ar_after_miss = ar_after_miss and k > 0
+        # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
+        # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
+        self.controller = DraftLengthController(k, probe_every) if controller == "cost" and k > 0 else None
+        self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        self.pad_prompts = self.cuda_graphs  # to a multiple of PREFILL_WIDTH_STEP: few prefill graphs
+        # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
+        # warm-up can do ahead of time. Only worth it with graphs: eagerly, padding is pure cost.
+        self.bucketed = self.cuda_graphs
         self.ops = kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)
         # Prefill is one long, compute-bound pass: fused SDPA there whatever the step's attention slot holds (the
         # math version would materialize a [B, heads, T, S] score tensor).
@@ -187,10 +301,19 @@ class Decoder:
         self.tokenizer = tokenizer
         self.overlap = overlap
         self.eos_token_ids = eos_token_ids
-        self._cache: KVCache | None = None
+        # One KV cache for every batch bucket (each decodes in its first rows), a state per bucket, and the graphs
+        # captured on them: (bucket, drafts verified) -> step graph, (bucket, width) -> prefill graph.
+        self._base_cache: KVCache | None = None
+        self._cache: KVCache | None = None  # the current batch's rows of it
+        self._states: dict[int, DecodeState] = {}
+        self._state: DecodeState | None = None
         self._graphs: dict = {}
         self._prefill_graphs: dict = {}  # (B, padded length) -> (graph, static inputs, logits)
         self._prefill_pool = None
+        # Shapes seen for the first time: with CUDA graphs each is a capture (and a compile), eagerly the same count.
+        # After `warmup`, a batch within its bounds adds none.
+        self.captures = 0
+        self.captured: list[tuple] = []
         self.last_stats = BatchStats()
         # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
         # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
@@ -201,18 +324,20 @@ class Decoder:
             self.phase_timer.mark(point)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
-        """One decoding step; with verify=False (ar_after_miss) an AR step whose drafter only reports what it found."""
+    def _step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int | None = None) -> None:
+        """One decoding step verifying up to `drafts_k` drafts a row (None: k). With 0 an AR step: the target sees one
+        token; the drafter still searches (with k), so that ar_after_miss knows whether it found something."""
         k = self.k
+        drafts_k = k if drafts_k is None else drafts_k
         drafts = proposed = prop = None
         found = torch.zeros_like(st.lengths)
         if k:
-            prop = self.drafter.propose(st.history, st.lengths, k, sampling, generator)
+            prop = self.drafter.propose(st.history, st.lengths, drafts_k or k, sampling, generator)
             found = prop.valid
-            if verify:
+            if drafts_k:
                 drafts, proposed = prop.tokens, prop.valid
             self._mark("draft")
-        inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, drafts, proposed,
+        inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, st.active, drafts, proposed,
                                                       self.adaptive_drafts, sampling.greedy)
         skip = {} if live is None else {"live": live}
         logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
@@ -231,51 +356,84 @@ class Decoder:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
-    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, verify: bool = True) -> None:
+    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int) -> None:
         if not sampling.greedy:
-            return self._step(st, sampling, generator, verify)
-        if not self.cuda_graphs or self.phase_timer is not None:
-            return self._step(st, sampling, None, verify)
-        self._graph(st, sampling, verify).replay()
+            return self._step(st, sampling, generator, drafts_k)
+        if self.phase_timer is not None:
+            return self._step(st, sampling, None, drafts_k)
+        self._graph(st, sampling, drafts_k).replay()
 
-    def _graph(self, st: DecodeState, sampling: SamplingParams, verify: bool = True):
-        """The captured step for this state and kind of step (captured now if it is new)."""
-        key = (id(st), self.k, verify)
+    def _seen(self, key: tuple) -> None:
+        self.captures += 1
+        self.captured.append(key)
+
+    def _graph(self, st: DecodeState, sampling: SamplingParams, drafts_k: int):
+        """The captured step verifying `drafts_k` drafts for this batch bucket (captured now if it is new)."""
+        key = (st.batch, drafts_k)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(st, sampling, verify)
-            # one batch's state at a time (its verification and AR steps); older graphs release their pool
-            self._graphs = {**{k: g for k, g in self._graphs.items() if k[0] == id(st)}, key: graph}
+            self._seen(("step",) + key)
+            graph = self._graphs[key] = self._capture(st, sampling, drafts_k)
         return graph
+
+    def _step_kinds(self) -> tuple[int, ...]:
+        """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all."""
+        if self.controller is not None:
+            return tuple(range(self.k, -1, -1))
+        return (self.k, 0) if self.ar_after_miss else (self.k,)
 
     def _capture_all(self, st: DecodeState, sampling: SamplingParams) -> None:
         """Capture every kind of step this decoder may launch for `st` before the first one runs, rather than when
-        each is first needed (a capture takes tens of milliseconds and may compile): the verification step, and with
-        ar_after_miss the AR step."""
-        if not (self.cuda_graphs and sampling.greedy and self.phase_timer is None):
+        each is first needed (a capture takes tens of milliseconds and may compile): the verification step, with
+        ar_after_miss the AR step, with the controller a step for each draft length."""
+        if not sampling.greedy or self.phase_timer is not None:
             return
-        for verify in (True, False) if self.ar_after_miss else (True,):
-            self._graph(st, sampling, verify)
+        for drafts_k in self._step_kinds():
+            self._graph(st, sampling, drafts_k)
 
     def _main_graph(self):
         """The last batch's verification step (for an AR decoder its only step)."""
-        return next(g for key, g in self._graphs.items() if key[2])
+        return self._graphs[(self._state.batch, self.k)]
 
     def time_graph_replay(self, replays: int = 20) -> float | None:
         """Device seconds of one captured step: the last batch's graph replayed between CUDA events. The replays
         append junk tokens; the lengths are put back, so the state is as before. None when no graph exists."""
-        if not self._graphs:
+        if not self.cuda_graphs or (self._state is None or (self._state.batch, self.k) not in self._graphs):
             return None
-        graph, lengths = self._main_graph(), self._state.lengths.clone()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        self._state.lengths.copy_(lengths)
-        return start.elapsed_time(end) / 1e3 / replays
+        return self._time_step(self._state, self.k, replays)
+
+    def _time_step(self, st: DecodeState, drafts_k: int, replays: int) -> float:
+        """Seconds of one step verifying `drafts_k` drafts on this bucket: its graph replayed `replays` times
+        (between CUDA events; eagerly, by the host's clock), every row active. Lengths, budgets and activity are put
+        back afterwards: replays only append junk past them."""
+        graph = self._graph(st, SamplingParams(), drafts_k)
+        saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
+        st.active.fill_(True)
+        cuda = st.out.device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(replays):
+                graph.replay()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            seconds = time.perf_counter() - t0
+        for buf, value in zip((st.lengths, st.budget, st.active), saved):
+            buf.copy_(value)
+        return seconds / replays
+
+    def _prices(self, st: DecodeState) -> dict[int, float]:
+        """The controller's price of each kind of step on this bucket: given, measured at warm-up, or now."""
+        prices = self.prices.get(st.batch)
+        if prices is None:
+            prices = self.prices[st.batch] = {k: self._time_step(st, k, 3) for k in self._step_kinds()}
+        return prices
 
     def replay_once(self) -> None:
         """Replay the last captured step once (for a profiler trace); the lengths are put back afterwards."""
@@ -284,13 +442,13 @@ class Decoder:
         torch.cuda.synchronize()
         self._state.lengths.copy_(lengths)
 
-    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, verify: bool = True):
+    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, drafts_k: int):
         """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
         self._mark("begin")
-        self._run_step(st, sampling, generator, verify)
-        if st.out.device.type != "cuda":
+        self._run_step(st, sampling, generator, drafts_k)
+        if st.host_out is None:
             return st.out.clone(), None
-        buf = self._host_out[index % 2]
+        buf = st.host_out[index % 2]
         buf.copy_(st.out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -303,7 +461,9 @@ class Decoder:
             done.synchronize()
         return buf.tolist()
 
-    def _capture(self, st: DecodeState, sampling: SamplingParams, verify: bool = True):
+    def _capture(self, st: DecodeState, sampling: SamplingParams, drafts_k: int):
+        if not self.cuda_graphs:
+            return EagerStep(lambda: self._step(st, sampling, None, drafts_k))
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
         saved = (st.history.clone(), st.lengths.clone())
@@ -311,14 +471,44 @@ class Decoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(st, sampling, None, verify)
+                self._step(st, sampling, None, drafts_k)
                 st.history.copy_(saved[0])
                 st.lengths.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
-            self._step(st, sampling, None, verify)
+            self._step(st, sampling, None, drafts_k)
         return graph
+
+    def _prefill_forward(self, tokens, positions, lengths):
+        return self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops)[:, 0]
+
+    def _prefill_graph(self, batch: int, width: int):
+        """The prefill of this bucket and width: with CUDA graphs a graph captured once on zero prompts (its inputs
+        are copied in at each replay); eagerly nothing to keep, but the shape is counted the same way."""
+        key = (batch, width)
+        if key in self._prefill_graphs:
+            return self._prefill_graphs[key]
+        self._seen(("prefill",) + key)
+        entry = None
+        if self.cuda_graphs:
+            device = self.model.device
+            static = (torch.zeros(batch, width, dtype=torch.long, device=device),
+                      torch.arange(width, device=device)[None].expand(batch, width).contiguous(),
+                      torch.ones(batch, dtype=torch.long, device=device))
+            stream = torch.cuda.Stream()  # warm up (lazy library init must not happen during capture)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                self._prefill_forward(*static)
+            torch.cuda.current_stream().wait_stream(stream)
+            if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with capture(graph, pool=self._prefill_pool), torch.inference_mode():
+                logits = self._prefill_forward(*static)
+            entry = (graph, static, logits)
+        self._prefill_graphs[key] = entry
+        return entry
 
     def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The prompts' forward pass: their K/V into the cache, and each row's logits at its last token [B, vocab].
@@ -326,31 +516,59 @@ class Decoder:
         With CUDA graphs it is replayed as a graph captured once per (batch, padded length): eager, a prefill of a
         small model is bound by the host launching its hundreds of kernels one by one (on the H200, SmolLM2's took
         ~25 ms for a prompt the device computes in a few)."""
-        def forward(tokens, positions, lengths):
-            return self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None],
-                              ops=self.prefill_ops)[:, 0]
-
-        if not self.cuda_graphs:
-            return forward(tokens, positions, lengths)
-        entry = self._prefill_graphs.get(tokens.shape)
+        entry = self._prefill_graph(*tokens.shape)
         if entry is None:
-            static = (tokens.clone(), positions.clone(), lengths.clone())
-            stream = torch.cuda.Stream()  # warm up (lazy library init must not happen during capture)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward(*static)
-            torch.cuda.current_stream().wait_stream(stream)
-            if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
-                self._prefill_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with capture(graph, pool=self._prefill_pool):
-                logits = forward(*static)
-            entry = self._prefill_graphs[tokens.shape] = (graph, static, logits)
+            return self._prefill_forward(tokens, positions, lengths)
         graph, static, logits = entry
         for buf, value in zip(static, (tokens, positions, lengths)):
             buf.copy_(value)
         graph.replay()
         return logits
+
+    # -- batches: buckets, cache, warm-up --------------------------------------------------------------------------
+    def reserve(self, rows: int, max_len: int) -> None:
+        """Make room for batches of up to `rows` rows in a cache of at least `max_len` slots. A larger cache than
+        the current one drops every graph (they point into the old one) and starts over."""
+        base = self._base_cache
+        if base is not None and base.k.shape[1] >= rows and base.max_len >= max_len:
+            return
+        if base is not None:
+            rows, max_len = max(rows, base.k.shape[1]), max(max_len, base.max_len)
+        # (a fresh pool for the new prefill graphs: PyTorch cannot capture into a pool whose graphs are gone)
+        self._graphs, self._prefill_graphs, self._prefill_pool, self._states = {}, {}, None, {}
+        self._base_cache = self._cache = self._state = None
+        self._base_cache = self.model.new_cache(rows, max_len)
+        if self.drafter is not None:
+            self.drafter.reserve(rows, max_len)
+
+    def _use(self, batch: int, max_len: int) -> DecodeState:
+        """The state of a batch bucket of `batch` rows, its rows of the cache current."""
+        self.reserve(batch, max_len)
+        st = self._states.get(batch)
+        if st is None:
+            st = self._states[batch] = DecodeState(batch, self._base_cache.max_len, self.k, self.model.device)
+        self._cache, self._state = rows_of(self._base_cache, batch), st
+        return st
+
+    def warmup(self, batch_sizes, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Capture (and compile) everything a batch of one of these sizes, prompts of up to `max_prompt_tokens` and
+        up to `max_new_tokens` new tokens will run, so that decoding it captures nothing (`captures` stays put):
+        the cache at its final size, then for each batch bucket one short greedy batch (its step graphs, and prefill
+        at the narrowest width; eagerly this pays torch's lazy initialization), the prefill graph of every wider
+        width, and with the controller the price of each kind of step. Sampled steps run eagerly and are not
+        warmed."""
+        buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
+        widths = prefill_widths(max_prompt_tokens) if self.bucketed else [max_prompt_tokens]
+        self.reserve(max(buckets), max(cache_length(max_prompt_tokens, max_new_tokens, self.k, self.overlap),
+                                       widths[-1]))
+        for batch in buckets:
+            self.generate([[0]] * batch, StopCondition(2, ()))
+            st = self._use(batch, 0)
+            with torch.inference_mode():
+                for width in widths:
+                    self._prefill_graph(batch, width)
+                if self.controller is not None:
+                    self._prices(st)
 
     # -- a batch -------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], stop: StopCondition, sampling: SamplingParams = SamplingParams(),
@@ -360,33 +578,31 @@ class Decoder:
             raise ValueError("every prompt needs at least one token")
         device = self.model.device
         B, longest = len(prompts), max(len(p) for p in prompts)
-        width = prefill_width(longest) if self.pad_prompts else longest  # prompts right-padded to this
-        max_len = max(cache_length(longest, stop.max_new_tokens, self.k, self.overlap), width)
-        if self._cache is None or self._cache.k.shape[1] != B or self._cache.max_len < max_len:
-            # (a fresh pool for the new prefill graphs: PyTorch cannot capture into a pool whose graphs are gone)
-            self._cache, self._graphs, self._prefill_graphs, self._prefill_pool = None, {}, {}, None
-            self._cache = self.model.new_cache(B, max_len)
-            self._state = DecodeState(B, max_len, self.k, device)
-            if device.type == "cuda":  # two pinned buffers: the host reads one while the next step's copy lands
-                self._host_out = [torch.empty_like(self._state.out, device="cpu").pin_memory() for _ in range(2)]
+        # Bucketed, a batch runs at its bucket's size: the rows past B are dead (one-token prompts, inactive from
+        # the start, no drafts verified), they take part in every step's fixed shapes and in no result.
+        rows = batch_bucket(B) if self.bucketed else B
+        width = prefill_width(longest) if self.bucketed else longest  # prompts right-padded to this
+        st = self._use(rows, max(cache_length(longest, stop.max_new_tokens, self.k, self.overlap), width))
         max_len = self._cache.max_len
-        st = self._state
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=device).manual_seed(seed)
         results = [RowResult(prompt=list(p)) for p in prompts]
         eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
+        controller = self.controller
+        if controller is not None:
+            controller.reset()  # acceptance is measured per batch
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            lengths = torch.tensor([len(p) for p in prompts], device=device)
-            padded = torch.zeros(B, width, dtype=torch.long)
+            lengths = torch.tensor([len(p) for p in prompts] + [1] * (rows - B), device=device)
+            padded = torch.zeros(rows, width, dtype=torch.long)
             for b, p in enumerate(prompts):
                 padded[b, : len(p)] = torch.tensor(p)
             padded = padded.to(device)
-            positions = torch.arange(width, device=device)[None].expand(B, width)
+            positions = torch.arange(width, device=device)[None].expand(rows, width)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
             logits = self._prefill(padded, positions, lengths)
             if sampling.greedy:
@@ -399,19 +615,23 @@ class Decoder:
             st.history[:, :width] = padded
             st.history.scatter_(1, lengths[:, None], first[:, None])
             st.lengths.copy_(lengths + 1)
-            st.active.fill_(True)
             st.budget.fill_(self.k)
             first_host = first.tolist()
             t_first = time.perf_counter() - t0
-            active = [True] * B
+            active = [b < B for b in range(rows)]
             for b, r in enumerate(results):
                 active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
+            st.active.copy_(torch.tensor(active))
             stats = BatchStats(prefill_s=t_first)
-            verify = True  # the next step verifies drafts (else, with ar_after_miss, it is an AR step)
+            verify = True  # the next step may verify drafts (else, with ar_after_miss, it is an AR step)
 
             def launch(step: int):
-                stats.ar_steps += not verify
-                return self._launch(st, sampling, generator, step, verify)
+                drafts_k = self.k if verify else 0
+                if verify and controller is not None:
+                    drafts_k = controller.choose(self._prices(st))
+                stats.ar_steps += drafts_k == 0 and self.k > 0
+                stats.draft_lengths.append(drafts_k)
+                return drafts_k, self._launch(st, sampling, generator, step, drafts_k)
 
             pending = None
             if any(active):
@@ -422,10 +642,13 @@ class Decoder:
                 # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
                 ahead = launch(stats.steps + 1) if self.overlap else None
                 self._mark("sync")
-                out = self._read(pending)  # the step's one host sync
+                drafts_k, handle = pending
+                out = self._read(handle)  # the step's one host sync
                 self._mark("synced")
                 now = time.perf_counter() - t0
                 stats.steps += 1
+                if controller is not None and drafts_k:
+                    controller.observe(drafts_k, [out[b][0] for b in range(B) if active[b]])
                 changed = False
                 for b, r in enumerate(results):
                     if not active[b]:

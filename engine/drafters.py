@@ -6,6 +6,7 @@ its proposal distributions q [B, k, V] for speculative sampling; deterministic d
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -14,6 +15,15 @@ import torch
 from ..kernels.builtin import attention_sdpa
 from .model import Block, KVCache, Transformer, compiled
 from .sampling import SamplingParams, probabilities
+
+
+def rows_of(cache: KVCache, rows: int) -> KVCache:
+    """The first `rows` rows of a cache, sharing its memory: every batch bucket decodes in one allocation (a layer's
+    slice of it is still contiguous), and graphs captured for one bucket stay valid while others run."""
+    view = copy.copy(cache)
+    view.kv = cache.kv[:, :, :rows]
+    view.k, view.v = view.kv[0], view.kv[1]
+    return view
 
 
 @dataclass
@@ -27,6 +37,10 @@ class Drafter(ABC):
     """The interface: `prefill` once per batch, then `propose` / `update` once per step."""
 
     name = "base"
+
+    def reserve(self, rows: int, max_len: int) -> None:
+        """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
+        (re)allocates its own cache, and captured steps then keep pointing at the same memory for every batch size."""
 
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> None:
         """See the (right-padded) prompts; `max_len` bounds every position this batch will use."""
@@ -102,16 +116,21 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Transformer, n_layers: int | None = None, name: str = "model"):
         self.model, self.n_layers, self.name = model, n_layers, name
-        self.cache: KVCache | None = None
+        self.cache: KVCache | None = None  # the current batch's rows of `_base`
+        self._base: KVCache | None = None
         self.ops, self.layer_fn = model.default_ops, Block.forward
 
     def prepare(self, ops, layer_fn, compile):
         self.ops, self.layer_fn = ops, layer_fn
 
+    def reserve(self, rows, max_len):
+        base = self._base
+        if base is None or base.k.shape[1] < rows or base.max_len < max_len:
+            self._base = self.model.new_cache(rows, max_len, self.n_layers)
+
     def prefill(self, tokens, positions, max_len):
-        B = tokens.shape[0]
-        if self.cache is None or self.cache.k.shape[1] != B or self.cache.max_len < max_len:
-            self.cache = self.model.new_cache(B, max_len, self.n_layers)
+        self.reserve(tokens.shape[0], max_len)
+        self.cache = rows_of(self._base, tokens.shape[0])
         self.model(tokens, positions, self.cache, self.n_layers, ops=self.ops._replace(attention=attention_sdpa))
 
     def _step(self, tokens, positions):

@@ -59,7 +59,7 @@ class Engine:
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
-                               recipe.drafter.ar_after_miss)
+                               recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""
@@ -70,6 +70,15 @@ class Engine:
             return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False))
         return tok.encode(text)
+
+    def warmup(self, batch_sizes, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Capture and compile, before anything is timed, every shape that `generate` will run for this many prompts
+        at once (each size split by max_batch_size as `generate` splits it), prompts of up to `max_prompt_tokens`
+        tokens and up to `max_new_tokens` new tokens: afterwards such calls capture nothing (decoder.captures stays
+        put). With the batch controller it also measures each kind of step's price at each batch size."""
+        size = self.recipe.batch.max_batch_size
+        sizes = {min(n, size) for n in batch_sizes} | {n % size for n in batch_sizes if n > size and n % size}
+        self.decoder.warmup(sorted(sizes), max_prompt_tokens, max_new_tokens)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_strings: tuple[str, ...] = (), seed: int = 0, ignore_eos: bool = False) -> list[RowResult]:

@@ -22,6 +22,7 @@ VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 LAYER_KINDS = ("modular", "fused")
+CONTROLLERS = ("none", "cost")
 
 
 class RecipeError(SpecPilotError):
@@ -48,6 +49,8 @@ class WeightsSpec:
 @dataclass
 class BatchSpec:
     max_batch_size: int = 32  # requests decoded together; larger inputs are split in order
+    controller: str = "none"  # cost: each step's draft length 0..k from measured acceptance and step prices
+    probe_every: int = 16  # cost: after this many AR steps in a row, one step verifies k drafts
 
 
 @dataclass
@@ -156,6 +159,12 @@ def _check(r: Recipe) -> Recipe:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:
         bad("batch.max_batch_size", "must be >= 1")
+    if r.batch.controller not in CONTROLLERS:
+        bad("batch.controller", f"{r.batch.controller!r} is not one of {', '.join(CONTROLLERS)}")
+    if r.batch.controller != "none" and r.drafter.kind == "none":
+        bad("batch.controller", "chooses a draft length: it needs a drafter")
+    if r.batch.probe_every < 1:
+        bad("batch.probe_every", "must be >= 1")
     return r
 
 

@@ -111,15 +111,15 @@ def test_tiny_overlap_changes_no_token(tiny, tiny_reference, tiny_draft, drafter
 
 @pytest.mark.parametrize("drafter,k", [(None, 0), ("ngram", 4), ("model", 4)])
 def test_tiny_prompts_padded_to_the_prefill_width_change_no_token(tiny, tiny_reference, tiny_draft, drafter, k):
-    """With CUDA graphs, prompts are right-padded to a multiple of PREFILL_WIDTH_STEP (one prefill graph a width):
-    the pad slots (here up to 64 - 9 = 55 of them) must change no token of any row, with or without a drafter that
-    prefills its own cache from the padded prompts."""
+    """With CUDA graphs, prompts are right-padded to a bucket width (one prefill graph a width) and the batch to a
+    bucket size (here 3 rows to 4, one dead): the pad slots (here up to 64 - 9 = 55 of them) and the dead row must
+    change no token of any row, with or without a drafter that prefills its own cache from the padded prompts."""
     recipe = recipe_for(drafter, k) if drafter else load_recipe("ar")
     eng = Engine(tiny.loaded, recipe, draft=tiny_draft if drafter == "model" else None)
-    eng.decoder.pad_prompts = True  # as with CUDA graphs (the CPU prefills eagerly either way)
+    eng.decoder.bucketed = True  # as with CUDA graphs (the CPU prefills eagerly either way)
     widths = []
     forward = eng.decoder.model.forward
-    eng.decoder.model.forward = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or forward(tokens, *a, **kw)
+    eng.decoder.model.forward = lambda tokens, *a, **kw: widths.append(tokens.shape) or forward(tokens, *a, **kw)
     try:
         for rows in (tiny_prompts(), tiny_prompts()[1:2]):
             out = eng.generate(rows, TINY_NEW, ignore_eos=True)
@@ -127,7 +127,8 @@ def test_tiny_prompts_padded_to_the_prefill_width_change_no_token(tiny, tiny_ref
             assert [r.tokens for r in out] == want, drafter
     finally:
         eng.decoder.model.forward = forward
-    assert 64 in widths and 30 not in widths and 9 not in widths  # the prefills ran at the padded width
+    assert (4, 64) in widths and (1, 64) in widths  # the prefills ran at the padded width and batch size
+    assert all(w[1] not in (9, 30) for w in widths)
 
 
 def test_tiny_max_batch_size_splits_without_changing_output(tiny, tiny_reference):
@@ -337,17 +338,17 @@ def test_every_kind_of_step_is_captured_before_the_first(tiny, tiny_reference, m
     events = []
 
     class Recorded:
-        def __init__(self, st, sampling, verify):
-            self.run = lambda: dec._step(st, sampling, None, verify)
-            self.verify = verify
+        def __init__(self, st, sampling, drafts_k):
+            self.run = lambda: dec._step(st, sampling, None, drafts_k)
+            self.verify = drafts_k > 0
 
         def replay(self):
             events.append(("replay", self.verify))
             self.run()
 
-    def capture(st, sampling, verify=True):
-        events.append(("capture", verify))
-        return Recorded(st, sampling, verify)
+    def capture(st, sampling, drafts_k):
+        events.append(("capture", drafts_k > 0))
+        return Recorded(st, sampling, drafts_k)
 
     prefill = dec._prefill
 

@@ -1,0 +1,94 @@
+"""Bucketed shapes and the warm-up (issue #20 item 3): after `Engine.warmup`, a batch within its bounds captures and
+compiles nothing; a batch padded to its bucket gives every row the tokens it gets decoded alone.
+
+On the CPU there are no CUDA graphs, but the decoder counts a shape's first use through the same code that captures
+it on CUDA (`Decoder._graph`, `Decoder._prefill_graph`), so `decoder.captures` means the same thing here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from specpilot.engine.decode import BATCH_BUCKETS, batch_bucket, prefill_width, prefill_widths
+from specpilot.engine.engine import Engine
+from specpilot.engine.loader import load
+from specpilot.engine.recipe import parse
+from test_decoding import TINY_NEW, hf_greedy, tiny_prompts
+
+RECIPES = {
+    "ar": {},
+    "ngram": {"drafter": {"kind": "ngram", "adaptive": True, "ar_after_miss": True}, "k": 4},
+    "model": {"drafter": {"kind": "model", "model": "draft"}, "k": 3},
+    "controller": {"drafter": {"kind": "ngram"}, "k": 3, "batch": {"controller": "cost"}},
+}
+
+
+def five_prompts() -> list[list[int]]:
+    """The three ragged tiny prompts and two more (one of a single token): a batch of 5, bucket 8."""
+    g = torch.Generator().manual_seed(5)
+    return tiny_prompts() + [torch.randint(0, TINY_VOCAB, (14,), generator=g).tolist(), [42]]
+
+
+def bucketed_engine(loaded, name: str, draft=None) -> Engine:
+    eng = Engine(loaded, parse({**RECIPES[name], "cuda_graphs": False}), draft=draft if name == "model" else None)
+    eng.decoder.bucketed = True  # as with CUDA graphs
+    return eng
+
+
+def test_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 8, 9, 33, 64, 65, 130)] == [1, 2, 4, 8, 8, 16, 64, 64, 128, 192]
+    assert [prefill_width(n) for n in (1, 64, 65, 200, 256, 257, 384, 385, 600, 1000, 1025)] == \
+        [64, 64, 128, 256, 256, 384, 384, 512, 768, 1024, 1536]
+    assert prefill_widths(300) == [64, 128, 192, 256, 384]
+    assert prefill_widths(2048) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    for n in range(1, 3000, 7):  # every width pads by less than 64 tokens or half, and is in the warmed list
+        w = prefill_width(n)
+        assert n <= w and (w - n < 64 or w < n * 3 / 2) and w in prefill_widths(n)
+    assert BATCH_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return load(str(tiny_model_dir("llama")), "fp32", "cpu")
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_capture_after_warmup(llama, tiny_draft, name):
+    """Warm up for batch sizes 1, 3 and 5 and prompts of up to 300 tokens, then decode batches of those sizes with
+    prompts of 1 to 300 tokens: no new shape. Without the warm-up the same batches capture, and a prompt past the
+    warmed width does too, so the counter can fail."""
+    batches = [five_prompts(), tiny_prompts(), [list(range(1, 256)) + [7] * 45], five_prompts()[3:4]]
+    cold = bucketed_engine(llama, name, tiny_draft)
+    for rows in batches:
+        cold.generate(rows, 12, ignore_eos=True)
+    assert cold.decoder.captures > 0
+
+    eng = bucketed_engine(llama, name, tiny_draft)
+    eng.warmup([1, 3, 5], max_prompt_tokens=300, max_new_tokens=12)
+    warmed = eng.decoder.captures
+    kinds = {"ar": 1, "ngram": 2, "model": 1, "controller": 4}[name]
+    # three buckets (1, 4, 8): each kind of step, and prefill at every width up to 384
+    assert warmed == 3 * (kinds + len(prefill_widths(300)))
+    if name == "controller":
+        assert set(eng.decoder.prices) == {1, 4, 8} and all(set(p) == {0, 1, 2, 3} for p in eng.decoder.prices.values())
+    for rows in batches:
+        out = eng.generate(rows, 12, ignore_eos=True)
+        assert [len(r.tokens) for r in out] == [12] * len(rows)
+    assert eng.decoder.captures == warmed, eng.decoder.captured[warmed:]
+    eng.generate([[3] * 400], 12, ignore_eos=True)  # wider than warmed: a new prefill shape (and a larger cache)
+    assert eng.decoder.captures > warmed
+
+
+@pytest.mark.parametrize("name", ["ngram", "model"])  # (the n-gram recipe's AR steps cover k = 0)
+def test_bucket_padded_batch_decodes_each_row_as_alone(tiny, tiny_draft, name):
+    """A batch of 5 runs as 8 rows, three of them dead: each real row's greedy tokens are HF's for that prompt
+    alone, and stop conditions still cut each row on its own."""
+    prompts = five_prompts()
+    refs = [hf_greedy(tiny.hf, p, TINY_NEW, stop_at_eos=False) for p in prompts]
+    eng = bucketed_engine(tiny.loaded, name, tiny_draft)
+    rows = eng.generate(prompts, TINY_NEW, ignore_eos=True)
+    assert eng.decoder._state.batch == 8 and len(rows) == 5
+    assert [r.tokens for r in rows] == refs, tiny.family
+    # the same engine, a batch of one after it (bucket 1) and of 3 (bucket 4): still each row as alone
+    assert eng.generate(prompts[4:], TINY_NEW, ignore_eos=True)[0].tokens == refs[4]
+    assert [r.tokens for r in eng.generate(prompts[:3], 9, ignore_eos=True)] == [r[:9] for r in refs[:3]]
