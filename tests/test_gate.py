@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from itertools import product
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,12 +117,17 @@ def test_broken_candidate_fails(tiny_reports, env, patch):
 
 
 def test_replayed_outputs_fail_under_a_fresh_salt(env):
-    replay_file = Path(tempfile.gettempdir()) / \
+    replay_file = Path("/tmp") / \
         f"specpilot-replay-{hashlib.sha256(str(Path(env.target).resolve()).encode()).hexdigest()[:16]}.json"
     replay_file.unlink(missing_ok=True)
     try:
         first = run(env, "replay-1", "stock", salt=None, patch=str(BROKEN / "replay_cache.py"))
-        assert replay_file.is_file()
+        assert not replay_file.exists()  # the sandbox kept the candidate from recording its outputs
+        # Salting must hold even where files could be left behind (a sandbox without namespaces): plant the first
+        # run's outputs (its salted reference, from the gate's cache) where the candidate looks for them.
+        [ref] = [r for r in map(json.loads, (p.read_text() for p in env.cache.glob("*.json")))
+                 if r.get("salt") == first.salt]
+        replay_file.write_text(json.dumps([q["tokens"] for q in ref["questions"]]))
         second = run(env, "replay-2", "stock", salt=None, patch=str(BROKEN / "replay_cache.py"))
     finally:
         replay_file.unlink(missing_ok=True)
@@ -131,6 +135,14 @@ def test_replayed_outputs_fail_under_a_fresh_salt(env):
     assert first.passed, first.reason  # it really decoded the first time
     assert not second.passed and second.failure["kind"] == "divergence"
     assert second.failure["margin"] > second.epsilon
+
+
+def test_candidate_killed_by_a_signal_is_named(env, tmp_path):
+    patch = tmp_path / "segv.py"
+    patch.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    report = run(env, "segv", "stock", patch=str(patch))
+    assert not report.passed and report.failure["kind"] == "crashed"
+    assert "killed by SIGSEGV" in report.reason, report.reason
 
 
 @pytest.mark.parametrize("launcher", ["fork", "subprocess"])

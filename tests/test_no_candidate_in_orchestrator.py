@@ -133,3 +133,19 @@ def test_a_crashing_kernel_file_is_one_line_and_the_caller_lives(model_dir, cand
     result, _ = measure.bench(settings(model_dir), [str(recipe)], tmp_path / "bench")
     assert not result["ok"] and "killed by SIGSEGV" in result["error"], result["error"]
     assert "\n" not in result["error"]
+
+
+def test_agent_tools_run_a_kernel_file_in_the_sandbox(model_dir, candidate, tmp_path):
+    from specpilot.tools import agent_tools
+
+    recipe, marker, results = candidate
+    bench = agent_tools.benchmark_recipe(str(recipe), target=str(model_dir), limit=1, max_new_tokens=4,
+                                         device="cpu", dtype="fp32", out_dir=str(tmp_path / "bench"))
+    assert bench.ok, bench.error
+    prof = agent_tools.profile(str(recipe), target=str(model_dir), limit=1, max_new_tokens=4, device="cpu",
+                               dtype="fp32", out_dir=str(tmp_path / "profile"), repeats=1)
+    assert prof.ok, prof.error
+    assert len(results) == 2 and all(r.ok for r in results)
+    pids = candidate_pids(marker, results)
+    assert pids and os.getpid() not in pids
+    not_imported_here(tmp_path / "kern" / "linear_marker.py")

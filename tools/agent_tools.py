@@ -9,9 +9,9 @@ raising on bad input.
 Candidate kernel code only ever runs in the sandbox child (tools/sandbox/process.py, the harness in
 tools/sandbox/kernel_check.py); benchmark_kernel's verdict is computed here, from the outputs the child returns
 (kernel_check.verify: this process never loads candidate code).
-benchmark_recipe and profile run the recipe in this process, as `specpilot bench` and `specpilot profile` do (a
-recipe may name kernel source files: check those with benchmark_kernel first); the gate runs its candidate in its
-own process.
+benchmark_recipe and profile run a recipe as `specpilot bench` and `specpilot profile` do: a recipe that names kernel
+source files is measured whole in a sandboxed child (tools/bench/run.py, tools/profile/profiler.py: this process
+reads back only JSON); the gate runs its candidate in its own sandboxed process.
 """
 from __future__ import annotations
 
@@ -262,6 +262,7 @@ def benchmark_recipe(recipe: str, target: str = "smollm2-135m", workload: str = 
                      device: str = "auto", dtype: str = "auto", out_dir: str | None = None) -> RecipeBenchResult:
     """`specpilot bench` (tools/bench/run.run_bench) for one recipe next to `ar` and `stock`."""
     from .bench.run import parse_args, run_bench
+    from .sandbox import process as sp
 
     out = _out_dir(out_dir, "specpilot-bench-")
     # --flag=value: a value starting with "-" stays a value
@@ -277,7 +278,7 @@ def benchmark_recipe(recipe: str, target: str = "smollm2-135m", workload: str = 
         return RecipeBenchResult(False, str(e), str(out))
     try:
         with contextlib.redirect_stdout(sys.stderr):  # its summary table: the result is what the caller reads
-            run_bench(args)
+            run_bench(args, sandbox=sp)
         results = json.loads((out / "results.json").read_text())
     except Exception as e:  # a bad target, recipe or workload; anything the run raised
         return RecipeBenchResult(False, f"{type(e).__name__}: {e}", str(out))
@@ -343,12 +344,13 @@ def profile(recipe: str = "stock", target: str = "smollm2-135m", workload: str =
     as gaps ranked by the end-to-end gain closing each would bring."""
     from .profile.phase_timer import PHASES
     from .profile.profiler import profile as run_profile
+    from .sandbox import process as sp
 
     device = resolve_device(device)
     out = _out_dir(out_dir, "specpilot-profile-")
     try:
         p = run_profile(target, recipe, workload, limit, max_new_tokens, batch_size, device,
-                        None if dtype == "auto" else dtype, out, repeats=repeats)
+                        None if dtype == "auto" else dtype, out, repeats=repeats, sandbox=sp)
     except Exception as e:
         return ProfileResult(False, f"{type(e).__name__}: {e}", out_dir=str(out))
     gaps = [{"component": g["component"], "measured_ms": g["measured_s"] * 1e3, "floor_ms": g["floor_s"] * 1e3,

@@ -1,13 +1,15 @@
 """Broken candidate: replays cached outputs from an earlier run.
 
 On its first use it decodes normally and records each row's tokens, keyed by the question's position in the first
-job, in a file at a fixed location (the temp directory, one file per target); on later runs it answers the first
-job from that file without decoding. Salting (a fresh nonce in every check's prompts) makes the replayed tokens wrong.
+job, in a file at a fixed location (/tmp, one file per target; not $TMPDIR, which the sandbox points at the
+candidate's own temp dir); on later runs it answers the first
+job from that file without decoding. The sandbox stops the recording (its file system is read-only outside the
+candidate's temp dir); a file planted there by someone else is still replayed, and salting (a fresh nonce in every
+check's prompts) makes the replayed tokens wrong.
 """
 import hashlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from specpilot.engine.decode import RowResult
@@ -15,7 +17,7 @@ from specpilot.engine.engine import Engine
 
 _generate = Engine.generate
 _target = sys.argv[sys.argv.index("--target") + 1]
-PATH = Path(tempfile.gettempdir()) / f"specpilot-replay-{hashlib.sha256(_target.encode()).hexdigest()[:16]}.json"
+PATH = Path("/tmp") / f"specpilot-replay-{hashlib.sha256(_target.encode()).hexdigest()[:16]}.json"
 _first_job = [True]
 
 
@@ -26,7 +28,10 @@ def generate(self, prompts, max_new_tokens, *args, **kwargs):
         return [RowResult(prompt=list(p), tokens=recorded[i], finish_reason="length") for i, p in enumerate(prompts)]
     rows = _generate(self, prompts, max_new_tokens, *args, **kwargs)
     if first:
-        PATH.write_text(json.dumps([r.tokens for r in rows]))
+        try:
+            PATH.write_text(json.dumps([r.tokens for r in rows]))
+        except OSError:  # the sandbox's file system is read-only outside the candidate's own temp dir
+            pass
     return rows
 
 

@@ -235,8 +235,15 @@ def _compare(candidate: Candidate, ref: gr.Reference, tokenizer, max_new_tokens:
                 failures[i] = _failure(q, v, finish, eps, tokenizer)
     except CandidateFailure as e:
         tail = e.stderr_tail.strip()
-        last = tail.splitlines()[-1][-300:] if tail else "no output on stderr"
-        reason = f"candidate crashed: {last}" if e.kind == "crashed" else e.message
+        last = tail.splitlines()[-1][-300:] if tail else ""
+        if e.kind != "crashed":
+            reason = e.message
+        elif not last:
+            reason = f"{e.message} (no output on stderr)"  # e.g. "candidate crashed: killed by SIGSEGV (...)"
+        elif "killed by" in e.message:
+            reason = f"{e.message}: {last}"
+        else:
+            reason = f"candidate crashed: {last}"  # a Python exception's own last line says what happened
         report.failure, report.reason = {"kind": e.kind, "message": e.message, "stderr_tail": e.stderr_tail}, reason
     report.tokens_checked = sum(s["checked"] for s in per)
     report.exact_matches = sum(s["exact_matches"] for s in per)

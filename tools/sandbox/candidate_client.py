@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,17 @@ from ...engine.loader import cache_root
 from . import process as sandbox
 
 STDERR_TAIL = 2000
+
+
+def exit_description(code: int | None) -> str:
+    """'killed by SIGSEGV' for a signal (negative status, or the shell's 128 + N), else 'exit status N'."""
+    if code is not None and (code < 0 or 128 < code < 128 + 65):
+        number = -code if code < 0 else code - 128
+        try:
+            return f"killed by {signal.Signals(number).name}"
+        except ValueError:
+            pass
+    return f"exit status {code}"
 
 
 class CandidateFailure(Exception):
@@ -254,7 +266,7 @@ class Candidate:
             self.budget -= time.monotonic() - t0
         if line is None:
             code = self.worker.exit_status()
-            raise self._fail("crashed", f"candidate crashed (exit status {code})")
+            raise self._fail("crashed", f"candidate crashed: {exit_description(code)}")
         try:
             answer = json.loads(line)
         except json.JSONDecodeError:
