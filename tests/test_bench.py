@@ -86,6 +86,18 @@ def test_tiny_bench_lossless_systems_match_ar(tiny_run):
             assert run["identical_to_ar"] == 1.0, run
 
 
+def test_tiny_bench_records_what_it_timed(tiny_run):
+    _, results = tiny_run
+    by_cell = {(r["system"], r["workload"], r["batch_size"]): r for r in results["runs"]}
+    for (system, workload, batch), run in by_cell.items():
+        outputs = run["outputs"]
+        assert len(outputs) == run["requests"] and sum(len(o["tokens"]) for o in outputs) == run["tokens"]
+        ar = by_cell[("ar", workload, batch)]["outputs"]
+        assert [o["prompt"] for o in outputs] == [o["prompt"] for o in ar]  # the same requests, in order
+        same = sum(o["tokens"] == a["tokens"] for o, a in zip(outputs, ar)) / len(outputs)
+        assert same == run["identical_to_ar"]
+
+
 def test_tiny_bench_records_errors_and_goes_on(tiny_run):
     _, results = tiny_run
     cells = {(r["system"], r["workload"], r["batch_size"]) for r in results["runs"]}

@@ -177,9 +177,10 @@ class Bench:
                             measured[s.name][i].append(run)
                     progress.update(1)
         progress.update(units - (progress.n - done_before))
-        self._add_runs(systems, workload, batch_size, measured)
+        self._add_runs(systems, workload, batch_size, measured, batches)
 
-    def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]]) -> None:
+    def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]],
+                  batches: list[list[list[int]]]) -> None:
         # Per batch, the repeat of median time (the lower median for an even count), so that every figure of a
         # run comes from one actual decode.
         chosen = {name: [sorted(reps, key=lambda r: r.seconds)[(len(reps) - 1) // 2] for reps in per_batch]
@@ -192,6 +193,11 @@ class Bench:
                                          s.device.type == "cpu", self.args.repeats)
         for name, run in cell.items():
             compare_to_ar(run, chosen[name], cell.get("ar"), ar_runs)
+            # What was timed, request by request: the optimize graph judges these tokens against the reference
+            # (tools/gate/timed.py), so a candidate cannot behave only while it is being checked.
+            run["outputs"] = [{"prompt": prompt, "tokens": tokens, "finish": finish}
+                              for r, batch in zip(chosen[name], batches)
+                              for prompt, tokens, finish in zip(batch, r.tokens, r.finish_reasons)]
         self.results["runs"] += cell.values()
         self.write()
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STDERR_TAIL = 2000
-STDOUT_TAIL = 1 << 20  # only the last MiB of stdout is read back to find the last line
+STDOUT_TAIL = 256 << 20  # the last 256 MiB of stdout are read back to find the last line (a bench result with
+# every timed output is megabytes; the child's file size is bounded by file_bytes)
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL|PAT$|_PAT_|DATABASE_URL", re.I)
 # The exact names a sandboxed worker may inherit (no prefix wildcards). HOME, TMPDIR, HF_HUB_OFFLINE and
 # PYTHONUNBUFFERED are always set by child_env; SPECPILOT_CACHE, SPECPILOT_MODELS and HF_HOME default to the caller's
