@@ -486,7 +486,9 @@ class Decoder:
     def _prefill_graph(self, batch: int, width: int):
         """The prefill of this bucket and width: with CUDA graphs a graph captured once on zero prompts (its inputs
         are copied in at each replay); eagerly nothing to keep, but the shape is counted the same way."""
-        key = (batch, width)
+        # Eagerly a prefill compiles nothing per width: its shape is counted by the bucket a graph would be
+        # captured for, so that `captures` means the same on a CPU as on CUDA.
+        key = (batch, width if self.cuda_graphs else prefill_width(width))
         if key in self._prefill_graphs:
             return self._prefill_graphs[key]
         self._seen(("prefill",) + key)
@@ -558,7 +560,7 @@ class Decoder:
         width, and with the controller the price of each kind of step. Sampled steps run eagerly and are not
         warmed."""
         buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
-        widths = prefill_widths(max_prompt_tokens) if self.bucketed else [max_prompt_tokens]
+        widths = prefill_widths(max_prompt_tokens) if self.bucketed or not self.cuda_graphs else [max_prompt_tokens]
         self.reserve(max(buckets), max(cache_length(max_prompt_tokens, max_new_tokens, self.k, self.overlap),
                                        widths[-1]))
         for batch in buckets:

@@ -98,6 +98,13 @@ def test_tiny_bench_records_what_it_timed(tiny_run):
         assert same == run["identical_to_ar"]
 
 
+def test_tiny_bench_captures_nothing_while_timing(tiny_run):
+    _, results = tiny_run
+    engine_runs = [r for r in results["runs"] if not r["system"].startswith("hf-")]
+    assert engine_runs and all(r["captures_while_timed"] == 0 for r in engine_runs), \
+        [(r["system"], r["workload"], r["batch_size"], r["captures_while_timed"]) for r in engine_runs]
+
+
 def test_tiny_bench_records_errors_and_goes_on(tiny_run):
     _, results = tiny_run
     cells = {(r["system"], r["workload"], r["batch_size"]) for r in results["runs"]}

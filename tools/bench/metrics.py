@@ -76,6 +76,7 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         "tokens_per_device_s": tokens / device_seconds if device_seconds > 0 else None,
         "identical_to_ar": None,
         "finish_reasons": dict(Counter(f for r in runs for f in r.finish_reasons)),
+        "captures_while_timed": sum(r.captures for r in runs),
     }
 
 

@@ -142,6 +142,14 @@ class Bench:
             self.error(system.name, workload, batch_size, f"{system.name}: {type(e).__name__}: {e}")
         return None
 
+    def _prepare(self, system: System, workload: str, batch_size: int, batches: list[list[list[int]]]) -> bool:
+        try:
+            system.prepare(batches, self.args.max_new_tokens)
+            return True
+        except Exception as e:  # a system that cannot warm up is an error entry, like one that cannot decode
+            self.error(system.name, workload, batch_size, f"{system.name}: warm-up: {type(e).__name__}: {e}")
+            return False
+
     def measure_cell(self, systems: list[System], workload: str, batch_size: int, requests: list[BenchRequest],
                      progress) -> None:
         requests = requests[: cell_size(len(requests), batch_size, self.args.cell_requests)]
@@ -160,7 +168,8 @@ class Bench:
         live = []
         for s in systems:
             progress.set_postfix_str(f"{workload} B={batch_size} {s.name} warm-up")
-            if all(self._try(s, workload, batch_size, b) is not None for b in warm):
+            if all(self._try(s, workload, batch_size, b) is not None for b in warm) and self._prepare(s, workload,
+                                                                                                    batch_size, batches):
                 live.append(s)
             progress.update(1)
         measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in batches] for s in live}

@@ -30,6 +30,7 @@ class BatchRun:
     seconds: float = 0.0  # wall time of the whole call, device synchronized
     cpu_seconds: float = 0.0  # process CPU time of the call (all threads)
     peak_memory_bytes: int = 0
+    captures: int = 0  # step or prefill shapes our engine captured (compiled) inside this timed call: should be 0
 
 
 class BenchSkip(Exception):
@@ -49,6 +50,10 @@ class System(ABC):
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
         return measured(lambda: self.decode(prompts, max_new_tokens, ignore_eos), self.device)
+
+    def prepare(self, batches: list[list[list[int]]], max_new_tokens: int) -> None:
+        """Capture and compile every shape these batches will run, before any of them is timed (default: nothing
+        beyond the bench's warm-up decode)."""
 
 
 def memory_kind(device: torch.device) -> str:
@@ -85,12 +90,17 @@ class EngineSystem(System):
         self.device = target.model.device
         self.eos = set(target.eos_token_ids)
 
+    def prepare(self, batches, max_new_tokens) -> None:
+        longest = max(len(p) for batch in batches for p in batch)
+        self.engine.warmup(sorted({len(batch) for batch in batches}), longest, max_new_tokens)
+
     def decode(self, prompts, max_new_tokens, ignore_eos) -> BatchRun:
         # Split as the engine would at its recipe's max_batch_size, but decode each part here so that its token
         # times can be put on the one clock of this call (the engine's restart at each part).
         size = self.engine.recipe.batch.max_batch_size
         t0 = time.perf_counter()
         run = BatchRun([], [], [], [])
+        captures = self.engine.decoder.captures
         for i in range(0, len(prompts), size):
             offset = time.perf_counter() - t0
             for row in self.engine.generate(prompts[i: i + size], max_new_tokens, ignore_eos=ignore_eos):
@@ -98,6 +108,7 @@ class EngineSystem(System):
                 run.token_times.append([offset + t for t in row.token_times])
                 run.accepted.append(row.accepted)
                 run.finish_reasons.append(row.finish_reason)
+        run.captures = self.engine.decoder.captures - captures
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
