@@ -13,7 +13,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..kernels import DEFAULTS as KERNEL_DEFAULTS, check_choice as check_kernel
+from ..kernels import DEFAULTS as KERNEL_DEFAULTS, check_choice as check_kernel, is_candidate_path
 from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
@@ -184,3 +184,22 @@ def load_recipe(spec: str | Path) -> Recipe:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(f"recipe file {path} is not valid JSON: {e}") from e
     return parse(data)
+
+
+def with_absolute_paths(recipe: Recipe) -> Recipe:
+    """The recipe as a process with another working directory must see it: kernel files and the draft model made
+    absolute (a draft model named by alias, GGUF or hub id resolved to its directory here; as given when it cannot
+    be, and the other process says why)."""
+    from . import loader  # here, not at the top: reading and checking a recipe needs none of the loader's imports
+
+    def model_dir(spec: str) -> str:
+        try:
+            return str(loader.source_dir(spec).resolve())
+        except SpecPilotError:
+            return spec
+
+    kernels = {slot: str(Path(impl).resolve()) if is_candidate_path(impl) and Path(impl).is_file() else impl
+               for slot, impl in recipe.kernels.items()}
+    drafter = dataclasses.replace(recipe.drafter, model=model_dir(recipe.drafter.model)) if recipe.drafter.model \
+        else recipe.drafter
+    return dataclasses.replace(recipe, kernels=kernels, drafter=drafter)

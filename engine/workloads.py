@@ -109,3 +109,14 @@ def _load_humaneval() -> list[Question]:
     with gzip.open(path, "rt", encoding="utf-8") as lines:
         problems = [json.loads(line) for line in lines if line.strip()]
     return [Question(p["task_id"], "code", (p["prompt"],)) for p in problems]
+
+
+def absolute_spec(spec: str) -> str:
+    """A workload spec as a process with another working directory must see it: FILE.jsonl[:category] made
+    absolute, built-in names as they are."""
+    if spec in BUILTIN:
+        return spec
+    head, sep, category = spec.rpartition(":")
+    if sep and not Path(spec).is_file():
+        return (str(Path(head).resolve()) if Path(head).is_file() else head) + sep + category
+    return str(Path(spec).resolve()) if Path(spec).is_file() else spec

@@ -76,60 +76,6 @@ def sandbox_failure(r: SandboxResult, nonce: str | None = None) -> tuple[str, st
     return None
 
 
-RESULT_MAX = 1 << 30  # the most of the kernel check's stdout the verifier reads back (its outputs are megabytes)
-
-
-def run_harness(payload: dict, limits: SandboxLimits, env: dict) -> SandboxResult:
-    """run_python(HARNESS, payload, limits, env), but reading the child's whole stdout up to RESULT_MAX instead of
-    its last MiB: the kernel check's result carries every checked output (megabytes for the contract's shapes), and
-    the sandbox's filesystem is read-only outside a tmpfs that vanishes with it, so stdout is the way back. Built
-    from the sandbox's own pieces (Sandbox, gpu_lock, _tail, _classify); where they are missing, run_python."""
-    import subprocess
-    import time
-
-    from .sandbox import process as sp
-
-    box_cls, tail, classify = (getattr(sp, n, None) for n in ("Sandbox", "_tail", "_classify"))
-    if box_cls is None or tail is None or classify is None:
-        return run_python(HARNESS, payload, limits, env)
-    t0 = time.monotonic()
-    rc, timed_out, launch_error, stdout, stderr = None, False, "", "", ""
-    box = None
-    try:
-        box = box_cls(limits, env)
-        (box.io / "stdin").write_text(json.dumps(payload))
-        with sp.gpu_lock(limits.gpu), open(box.io / "stdin", "rb") as fin, \
-                open(box.io / "stdout", "wb") as fout, open(box.io / "stderr", "wb") as ferr:
-            try:
-                proc = box.popen([sys.executable, "-m", *HARNESS], stdin=fin, stdout=fout, stderr=ferr)
-            except (OSError, subprocess.SubprocessError) as e:
-                launch_error = f"sandbox: could not start the child: {e!r}"
-            else:
-                try:
-                    rc = proc.wait(timeout=limits.wall_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    box.kill()
-                    rc = proc.wait()
-                box.kill()
-        stdout, stderr = tail(box.io / "stdout", RESULT_MAX), tail(box.io / "stderr", sp.STDERR_TAIL)
-    except Exception as e:  # noqa: BLE001 - the caller must never die because of the child
-        launch_error = launch_error or f"sandbox: {e!r}"
-    finally:
-        if box is not None:
-            box.cleanup()
-    isolation = getattr(box, "isolation", None) or {"net": False}
-    work = str(getattr(box, "work", "")) if box is not None else ""
-    if launch_error:
-        return SandboxResult(False, "exception", rc, None, None, (stderr + launch_error)[-sp.STDERR_TAIL:],
-                             time.monotonic() - t0, isolation.get("net", False), work)
-    kind, sig, output = classify(rc, timed_out, stdout, stderr)
-    if timed_out:
-        stderr = (stderr + f"\nsandbox: killed after {limits.wall_s:g} s wall clock")[-sp.STDERR_TAIL:]
-    return SandboxResult(kind == "ok", kind, rc, sig, output, stderr, time.monotonic() - t0,
-                         isolation.get("net", False), work)
-
-
 def triton_kernel_defined(source: str, entry: str) -> str | None:
     """Why `source` defines no top-level function `entry` decorated with a Triton jit (read from the source's
     syntax in this process, never run here), or None. A source that does not parse is left to the child, which
@@ -224,7 +170,7 @@ def benchmark_kernel(slot: str, source: str, device: str = "auto", dtype: str = 
     shapes = json.loads(json.dumps(shapes)) if shapes else None
     payload = {"mode": "check", "slot": slot, "source": source, "dtype": dtype, "device": device, "shapes": shapes,
                "timing": timing, "seed": secrets.randbelow(1 << 31), "calls": kernel_check.CALLS}
-    r = run_harness(payload, limits, env)
+    r = run_python(HARNESS, payload, limits, env)  # its result carries every checked output: megabytes
     failure = sandbox_failure(r)
     if failure:
         return KernelBenchResult(slot, dtype, device, False, *failure, seconds=r.seconds)

@@ -31,9 +31,8 @@ from ..argtypes import check, positive_float, positive_int, positive_int_list
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
 from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
-from ...engine.recipe import Recipe, load_recipe
-from ...engine.workloads import BUILTIN as BUILTIN_WORKLOADS
-from ...engine.workloads import Question, load_workload
+from ...engine.recipe import Recipe, load_recipe, with_absolute_paths
+from ...engine.workloads import Question, absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import report as bench_report
 from .env import header
@@ -298,33 +297,14 @@ def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, rep
 
 # -- candidate code: the bench in a sandboxed child -----------------------------------------------------------------
 
-def _model_dir(spec: str) -> str:
-    """A draft model's directory, found here (see the target's); as given when it cannot be (the child says why)."""
-    try:
-        return str(loader.source_dir(spec).resolve())
-    except SpecPilotError:
-        return spec
-
-
-def _absolute(spec: str) -> str:
-    """A file's path as the child (another cwd) must see it; anything that is not a file stays as it is."""
-    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
-
-
 def absolute_workload(spec: str) -> str:
-    """A --workload spec with its FILE.jsonl[:category] made absolute; built-in names as they are."""
-    if spec in BUILTIN_WORKLOADS:
-        return spec
-    head, sep, category = spec.rpartition(":")
-    return _absolute(head) + sep + category if sep and not Path(spec).is_file() else _absolute(spec)
+    """A --workload spec as the child (another cwd) must see it."""
+    return absolute_spec(spec)
 
 
 def recipe_for_child(recipe: Recipe) -> dict:
     """The recipe as JSON with its kernel files and draft model made absolute (the child runs in its own temp dir)."""
-    kernels = {slot: _absolute(impl) if is_candidate_path(impl) else impl for slot, impl in recipe.kernels.items()}
-    drafter = dataclasses.replace(recipe.drafter, model=_model_dir(recipe.drafter.model)) if recipe.drafter.model \
-        else recipe.drafter
-    return dataclasses.asdict(dataclasses.replace(recipe, kernels=kernels, drafter=drafter))
+    return dataclasses.asdict(with_absolute_paths(recipe))
 
 
 def child_caches() -> dict[str, str]:

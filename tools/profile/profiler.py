@@ -32,9 +32,8 @@ from ...engine.decode import StopCondition
 from ...engine.engine import Engine
 from ...engine.loader import LoadedModel
 from ...engine.errors import SpecPilotError
-from ...engine.recipe import Recipe, load_recipe, parse
-from ...engine.workloads import BUILTIN as BUILTIN_WORKLOADS
-from ...engine.workloads import load_workload
+from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
+from ...engine.workloads import absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import calibrate
 from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
@@ -292,19 +291,6 @@ def _dep_dict(dep: Deployment) -> dict:
 
 # -- candidate code: the profile in a sandboxed child ---------------------------------------------------------------
 
-def _model_dir(spec: str) -> str:
-    """A draft model's directory, found here (see the target's); as given when it cannot be (the child says why)."""
-    try:
-        return str(loader.source_dir(spec).resolve())
-    except SpecPilotError:
-        return spec
-
-
-def _absolute(spec: str) -> str:
-    """A file's path as the child (another cwd) must see it; anything that is not a file stays as it is."""
-    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
-
-
 def _sandbox_failure(r) -> str:
     """How the child ended without a result, and the last line it wrote on stderr (as tools/bench/run.py says it)."""
     tail = (r.stderr_tail or "").strip()
@@ -330,14 +316,8 @@ def profile_in_sandbox(target, recipe: Recipe, workload, limit, max_new_tokens, 
     # must not write the shared caches (a GGUF's dequantized directory, the device's calibration).
     source = str(loader.source_dir(name))
     ceilings = ceilings or calibrate.load_or_measure(device)
-    kernels = {slot: _absolute(impl) if is_candidate_path(impl) else impl for slot, impl in recipe.kernels.items()}
-    drafter = replace(recipe.drafter, model=_model_dir(recipe.drafter.model)) if recipe.drafter.model \
-        else recipe.drafter
-    if workload not in BUILTIN_WORKLOADS:  # FILE.jsonl[:category], made absolute
-        head, sep, category = workload.rpartition(":")
-        workload = _absolute(head) + sep + category if sep and not Path(workload).is_file() else _absolute(workload)
     kwargs = {"target": str(Path(source).resolve()),
-              "recipe": asdict(replace(recipe, kernels=kernels, drafter=drafter)), "workload": workload, "limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+              "recipe": asdict(with_absolute_paths(recipe)), "workload": absolute_spec(workload), "limit": limit, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
               "device": device, "dtype": dtype, "prompts": prompts, "repeats": repeats,
               "ceilings": asdict(ceilings), "profiled_tokens": profiled_tokens}
     cuda = device.startswith("cuda")
