@@ -177,3 +177,37 @@ def test_fallback_without_namespace_poisons_proxies(monkeypatch):
     r = run_python("import json, os; print(json.dumps(dict(os.environ)))", {}, QUICK)
     assert r.ok and not r.network_isolated and r.isolation == {"pid": False, "mount": False, "net": False}
     assert r.output["HTTPS_PROXY"] == r.output["http_proxy"] == sandbox.DEAD_PROXY
+
+
+def test_a_busy_machine_leaves_the_sandbox_its_threads():
+    # RLIMIT_NPROC counts every thread of the uid machine-wide (root is exempt from it, any other user is not): with
+    # 350 threads of ours running, a bound of max_procs alone would leave a non-root caller's child none.
+    import threading
+
+    stop = threading.Event()
+    busy = [threading.Thread(target=stop.wait, daemon=True) for _ in range(350)]
+    for t in busy:
+        t.start()
+    try:
+        assert sandbox.rlimits(SandboxLimits())["RLIMIT_NPROC"][0] > 350 + SandboxLimits().max_procs
+        code = ("import json, threading\nts = [threading.Thread(target=lambda: None) for _ in range(20)]\n"
+                "[t.start() for t in ts]; [t.join() for t in ts]\nprint(json.dumps({'threads': len(ts)}))")
+        r = sandbox.run_python(code, {}, sandbox.SandboxLimits(wall_s=60))
+    finally:
+        stop.set()
+    assert r.ok and r.output == {"threads": 20}, r.stderr_tail
+
+
+def test_a_long_lived_sandbox_keeps_its_pids():
+    # pids wrap to 300 (not 1) once a namespace has used them all: a sandbox that has started and reaped many
+    # short-lived processes (the gate's fork server) must still have room for a worker's threads.
+    code = ("import json, os, threading\n"
+            "for _ in range(700):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        os._exit(0)\n"
+            "    os.waitpid(pid, 0)\n"
+            "ev = threading.Event()\nts = [threading.Thread(target=ev.wait) for _ in range(50)]\n"
+            "[t.start() for t in ts]; ev.set(); [t.join() for t in ts]\nprint(json.dumps({'threads': len(ts)}))")
+    r = sandbox.run_python(code, {}, sandbox.SandboxLimits(wall_s=120))
+    assert r.ok and r.output == {"threads": 50}, r.stderr_tail

@@ -55,7 +55,11 @@ ALLOWED = frozenset({
 })
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: refused at once, when no network namespace is available
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
-MAX_TASKS = 301  # the smallest pid_max the kernel accepts: about 300 processes and threads in the sandbox
+# The PID namespace's pid_max bounds the processes and threads alive in a sandbox at once. Once a namespace's pids
+# have wrapped, the kernel allocates only from 300 (RESERVED_PIDS) to pid_max, so a long-lived sandbox (the gate's
+# fork server, which forks worker after worker) would be left one pid by the smallest pid_max (301): "can't start
+# new thread" in a worker after a few hundred tasks had come and gone. 601 leaves 300 to 600 tasks at once.
+MAX_TASKS = 601
 WARNING = "specpilot: warning: sandbox without namespaces: "
 NO_ISOLATION = {"pid": False, "mount": False, "net": False}
 
@@ -69,7 +73,7 @@ class SandboxLimits:
     gpu: bool = False                   # True: hold the GPU lock for the duration of the child, GPU device nodes
     file_bytes: int | None = 4 << 30    # RLIMIT_FSIZE: also bounds the captured stdout/stderr files
     tmp_bytes: int = 2 << 30            # size of the writable tmpfs (cwd, HOME, TMPDIR) in the mount namespace
-    max_procs: int = MAX_TASKS          # process bound: the PID namespace's pid_max (>= 301) and RLIMIT_NPROC
+    max_procs: int = MAX_TASKS          # process bound: the PID namespace's pid_max (>= 601) and RLIMIT_NPROC
 
 
 @dataclass
@@ -192,8 +196,20 @@ def child_env(home: str, network_isolated: bool = True, extra: dict | None = Non
     return env
 
 
+def tasks_now() -> int:
+    """Threads on the machine now (the kernel's count in /proc/loadavg): at least those of our uid."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
-    out = {"RLIMIT_CORE": (0, 0), "RLIMIT_NPROC": (limits.max_procs, limits.max_procs)}
+    # RLIMIT_NPROC counts every process and thread of the uid on the whole machine (and binds root too once its
+    # capabilities are dropped), so max_procs alone would starve a sandbox on a busy machine ("can't start new
+    # thread"): the bound is what runs now plus max_procs. Inside the PID namespace its pid_max is the tight bound.
+    nproc = tasks_now() + limits.max_procs
+    out = {"RLIMIT_CORE": (0, 0), "RLIMIT_NPROC": (nproc, nproc)}
     if limits.memory_bytes:
         out["RLIMIT_DATA" if limits.gpu else "RLIMIT_AS"] = (limits.memory_bytes, limits.memory_bytes)
     if limits.cpu_s:
