@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from specpilot.tools.sandbox import process as sandbox
+from test_sandbox import _alive_with  # one scan of /proc for both sandbox test files
 from specpilot.tools.sandbox.process import SandboxLimits, run_python
 
 SECRETS = {"GITHUB_PAT": "ghp_hostile_test_secret_1", "DATABASE_URL": "postgres://u:hostile_test_secret_2@db/x",
@@ -126,19 +127,6 @@ if cfg.get("to_stderr"):
 else:
     print(line)
 '''
-
-
-def _alive_with(token: str) -> list[int]:
-    live = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if token.encode() in cmdline and state not in ("Z", "X") and int(pid) != os.getpid():
-            live.append(int(pid))
-    return live
 
 
 def _ours() -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMOLLM2_VOCAB, build_tiny_hf
+from test_optimize import tiny  # noqa: F401 (the tiny Llama with SmolLM2's vocabulary and tokenizer)
 from specpilot.engine import loader
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import load_recipe
@@ -29,20 +29,6 @@ from specpilot.graph.nodes import gate_batch
 from specpilot.tools.gate.timed import TimedOutput, judge_timed
 
 N = 12
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    from specpilot.tools.gate import reference as gr
-
-    path = tmp_path_factory.mktemp("timed") / "tiny"
-    model = build_tiny_hf("LlamaConfig", seed=0, std=0.1, vocab_size=SMOLLM2_VOCAB, hidden_size=64,
-                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
-                          eos_token_id=None, pad_token_id=None)
-    model.save_pretrained(path)
-    gr.load_tokenizer(gr.model_source("smollm2-135m")).save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
