@@ -24,7 +24,7 @@ from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
-from .model import Block, KVCache, Transformer, compiled
+from .model import Block, KVCache, Packing, Transformer, compiled
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -41,6 +41,7 @@ class RowResult:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each verification step
+    found: list[int] = field(default_factory=list)  # drafts the drafter had for the row at each step
     token_times: list[float] = field(default_factory=list)  # seconds from the batch start at which each token arrived
     text: str = ""
 
@@ -56,7 +57,8 @@ class BatchStats:
     decode_s: float = 0.0
     steps: int = 0
     ar_steps: int = 0  # of them, steps run without verification (ar_after_miss, or the controller's choice)
-    draft_lengths: list[int] = field(default_factory=list)  # drafts each step verified at most (0: an AR step)
+    draft_lengths: list[int] = field(default_factory=list)  # each step's kind k': drafts a row (ragged: per row on
+    # average) it verified at most; 0: an AR step
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
@@ -99,68 +101,102 @@ def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool
     return max(512, 1 << (need - 1).bit_length())
 
 
-# -- the batch-level controller: each step's draft length from acceptance and step prices -----------------------
-def expected_tokens(acceptance_by_position, k: int) -> float:
-    """Tokens a row emits in a step verifying k drafts: 1 + sum over i <= k of prod over j <= i of alpha_j, with
-    alpha_j the chance that draft j is there and accepted once drafts 1..j-1 were."""
+# -- the batch-level controller: each step's kind from acceptance, draft availability and step prices -------------
+def expected_tokens(acceptance_by_position, n: int) -> float:
+    """Tokens a row emits in a step verifying n drafts: 1 + sum over i <= n of prod over j <= i of p_j, with p_j the
+    chance that draft j is accepted once drafts 1..j-1 were."""
     total = reach = 1.0
-    for alpha in list(acceptance_by_position)[:k]:
-        reach *= alpha
+    for p in list(acceptance_by_position)[:n]:
+        reach *= p
         total += reach
     return total
 
 
-def choose_draft_length(acceptance_by_position, prices_by_k: dict[int, float], k_max: int) -> int:
-    """The draft length k' in 0..k_max (0: a plain AR step) that maximizes expected tokens per second,
-    expected_tokens(acceptance, k') / prices_by_k[k'] (seconds of a step verifying k' drafts at this batch size).
-    Lengths without a price are not considered; ties go to the shorter (cheaper) step; no price at all: k_max."""
-    best, best_rate = k_max, 0.0
-    for k in range(k_max + 1):
-        price = prices_by_k.get(k)
+def water_fill(found: list[int], budget: int) -> list[int]:
+    """The drafts each row verifies in a ragged step: every row up to a common cap c (the largest whose total fits
+    the budget), then one more each for the first rows that have more, while the budget lasts (what the step's
+    packing computes on the device, `_pack`)."""
+    cap = 0
+    while sum(min(v, cap + 1) for v in found) <= budget and cap < max(found, default=0):
+        cap += 1
+    alloc = [min(v, cap) for v in found]
+    left = budget - sum(alloc)
+    for b, v in enumerate(found):
+        if v > cap and left > 0:
+            alloc[b] += 1
+            left -= 1
+    return alloc
+
+
+def step_tokens(found: list[int], acceptance_by_position, k_step: int, ragged: bool, bucket: int) -> float:
+    """Expected tokens of a step of kind k_step for live rows with `found` drafts each: padded, each row verifies at
+    most k_step of its drafts; ragged, the batch verifies at most k_step x bucket drafts, water-filled over the rows
+    that have them; 0, a plain AR step (one token a row)."""
+    if k_step == 0:
+        return float(len(found))
+    alloc = water_fill(found, k_step * bucket) if ragged else [min(v, k_step) for v in found]
+    return sum(expected_tokens(acceptance_by_position, n) for n in alloc)
+
+
+def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float]) -> int:
+    """The kind of step (its k') with the most expected tokens per second, tokens / price. Kinds without a price are
+    not considered; ties go to the smaller k' (the cheaper step); nothing priced: the largest kind."""
+    best, best_rate = max(tokens_by_kind), 0.0
+    for kind in sorted(tokens_by_kind):
+        price = prices_by_kind.get(kind)
         if price is None:
             continue
         if price <= 0:
-            raise ValueError(f"step price for k'={k} must be positive, got {price}")
-        rate = expected_tokens(acceptance_by_position, k) / price
+            raise ValueError(f"step price for k'={kind} must be positive, got {price}")
+        rate = tokens_by_kind[kind] / price
         if rate > best_rate * (1 + 1e-9):
-            best, best_rate = k, rate
+            best, best_rate = kind, rate
     return best
 
 
 class DraftLengthController:
-    """The host's state for one batch: acceptance counts per draft position and the choice for the next step.
+    """The host's state for one batch: what it has measured, and the choice of each next step's kind k' in 0..k.
 
-    alpha_i is estimated as (rows that accepted draft i) / (rows that reached position i: accepted drafts 1..i-1 in a
-    step verifying at least i), from this batch's steps, starting from one success at each position (a length never
-    tried looks good, so it gets tried). A plain AR step observes nothing, so after `probe_every` AR steps in a row one
-    step verifies all k drafts, to notice when acceptance comes back."""
+    p_i, the chance that draft i is accepted once drafts 1..i-1 were, is (rows that accepted draft i) / (rows that
+    verified draft i after accepting 1..i-1), from this batch's steps, starting from one success at each position
+    (an untried length looks good, so it gets tried). Which rows have drafts, and how many, is what the drafter found
+    at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
+    proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
+    each kind's price at this batch bucket the choice (`choose_step`). A plain AR step verifies nothing, so after
+    `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back."""
 
-    def __init__(self, k: int, probe_every: int = 16):
+    def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
-        self.k, self.probe_every = k, probe_every
-        self.reset()
+        self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
+        self.reset(bucket)
 
-    def reset(self) -> None:
+    def reset(self, bucket: int | None = None) -> None:
+        self.bucket = bucket or self.bucket
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
+        self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
         self.ar_run = 0  # AR steps chosen in a row
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
-    def observe(self, k: int, accepted: list[int]) -> None:
-        """A step that verified up to k drafts per row; `accepted`: the drafts each live row accepted."""
-        for n in accepted:
-            for i in range(min(k, n + 1)):
+    def observe(self, verified: list[int], accepted: list[int], found: list[int]) -> None:
+        """A step's outcome for its live rows: drafts each verified, accepted, and found (available)."""
+        for v, n in zip(verified, accepted):
+            for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
+        self.found = list(found)
+
+    def expected(self) -> dict[int, float]:
+        """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
+        found = self.found if self.found is not None else [self.k] * self.bucket
+        p = self.acceptance()
+        return {kind: step_tokens(found, p, kind, self.ragged, self.bucket) for kind in range(self.k + 1)}
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
-        if self.ar_run >= self.probe_every:
-            choice = self.k
-        else:
-            choice = choose_draft_length(self.acceptance(), prices_by_k, self.k)
+        choice = self.k if self.ar_run >= self.probe_every else choose_step(self.expected(), prices_by_k)
         self.ar_run = self.ar_run + 1 if choice == 0 else 0
         return choice
 
@@ -193,8 +229,9 @@ class DecodeState:
         self.history = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
-        # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts proposed]
-        self.out = torch.zeros(batch, k + 3, dtype=torch.long, device=device)
+        # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts verified,
+        #  drafts found]
+        self.out = torch.zeros(batch, k + 4, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
         self.batch = batch
         # two pinned buffers: the host reads one while the next step's copy lands
@@ -240,10 +277,58 @@ def _update_budget(budget, valid, n_acc, k: int) -> None:
     budget.copy_(torch.where(valid > 0, grown, budget))
 
 
-def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, proposed) -> torch.Tensor:
+def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, found) -> torch.Tensor:
     n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
-    out[:, -1].copy_(proposed)
+    out[:, -2].copy_(valid)
+    out[:, -1].copy_(found)
+    return n_acc
+
+
+# -- ragged verification: each row's live tokens packed -----------------------------------------------------------
+def _pack(inputs, positions, valid, active, budget: int, n_slots: int, cache_slots: int):
+    """Pack a verification step: row b's last token and its first alloc_b drafts, rows one after another, into
+    `n_slots` token slots, where alloc water-fills the step's `budget` of drafts over the rows' `valid` drafts
+    (every row up to the largest common cap whose total fits, then one more each for the first rows with more,
+    while the budget lasts: `water_fill` on the host). A row that is not active gets no slot. With
+    n_slots = B + budget every live token fits. Returns alloc [B] and the packed tokens, positions, cache rows,
+    padded slots (b * T + j; B * T for an unused slot) and live flags (int32), each [n_slots]. An unused slot is
+    token 0 at the cache's last position of row 0: written, never read (a row's cache has room past its last
+    position; cache_length), and skipped by a layer that reads `live`."""
+    B, T = inputs.shape
+    k = T - 1
+    caps = torch.arange(k + 1, device=inputs.device)
+    totals = torch.minimum(valid[:, None], caps[None]).sum(0)  # drafts verified with every row capped at c, [k + 1]
+    cap = ((totals <= budget).sum() - 1).view(1)  # totals[0] = 0 always fits
+    more = valid > cap
+    extra = more & (torch.cumsum(more.long(), 0) <= budget - totals.gather(0, cap))  # (no host sync: graphs)
+    alloc = torch.minimum(valid, cap) + extra.long()
+    counts = (alloc + 1) * active
+    start = torch.cumsum(counts, 0) - counts
+    j = torch.arange(T, device=inputs.device)[None]
+    dest = torch.where(j < counts[:, None], start[:, None] + j, n_slots).reshape(-1)  # n_slots: a trash slot
+
+    def pack(values, unused):
+        buf = torch.full((n_slots + 1,), unused, dtype=values.dtype, device=values.device)
+        return buf.scatter_(0, dest, values.reshape(-1))[:-1]
+
+    rows = torch.arange(B, device=inputs.device)[:, None].expand(B, T)
+    slots = torch.arange(B * T, device=inputs.device).view(B, T)
+    return (alloc, pack(inputs, 0), pack(positions, cache_slots - 1), pack(rows, 0), pack(slots, B * T),
+            pack(torch.ones_like(inputs, dtype=torch.int32), 0))
+
+
+def _finish_packed(history, lengths, active, out, drafts, alloc, logits, slots, found) -> torch.Tensor:
+    """Greedy acceptance of a packed step: each packed token's argmax back at its padded slot, then as
+    builtin.accept_torch (the longest prefix of the row's verified drafts that matches, and the target's token)."""
+    B, k = drafts.shape
+    target = torch.zeros(B * (k + 1) + 1, dtype=torch.long, device=drafts.device)
+    target = target.scatter_(0, slots, logits.argmax(-1))[:-1].view(B, k + 1)
+    match = (drafts == target[:, :k]) & (torch.arange(k, device=drafts.device)[None] < alloc[:, None])
+    n_acc = match.long().cumprod(1).sum(1)
+    _record(history, lengths, active, out, n_acc, target)
+    out[:, -2].copy_(alloc)
+    out[:, -1].copy_(found)
     return n_acc
 
 
@@ -262,7 +347,8 @@ class Decoder:
                  eos_token_ids: tuple[int, ...] = (), tokenizer=None, compile: bool = False,
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
-                 controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None):
+                 controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
+                 ragged: bool = False):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -274,7 +360,9 @@ class Decoder:
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
-        self.controller = DraftLengthController(k, probe_every) if controller == "cost" and k > 0 else None
+        self.controller = DraftLengthController(k, probe_every, ragged) if controller == "cost" and k > 0 else None
+        # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
+        self.ragged = ragged and self.controller is not None
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
@@ -296,6 +384,8 @@ class Decoder:
         self._finish = compiled(_finish_step) if compile else _finish_step
         self._inputs = compiled(_step_inputs) if compile else _step_inputs
         self._update_budget = compiled(_update_budget) if compile else _update_budget
+        self._pack = compiled(_pack) if compile else _pack
+        self._finish_packed = compiled(_finish_packed) if compile else _finish_packed
         if drafter is not None:
             drafter.prepare(self.ops, self.layer_fn, compile)
         self.tokenizer = tokenizer
@@ -325,30 +415,47 @@ class Decoder:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def _step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int | None = None) -> None:
-        """One decoding step verifying up to `drafts_k` drafts a row (None: k). With 0 an AR step: the target sees one
-        token; the drafter still searches (with k), so that ar_after_miss knows whether it found something."""
+        """One decoding step of kind `drafts_k` (None: k): each row verifies up to that many drafts, or, ragged, the
+        batch up to drafts_k x B packed. With 0 an AR step: the target sees one token; the drafter still searches
+        (with k), so that ar_after_miss and the controller know what it finds."""
         k = self.k
         drafts_k = k if drafts_k is None else drafts_k
+        ragged = self.ragged and drafts_k > 0 and sampling.greedy
         drafts = proposed = prop = None
         found = torch.zeros_like(st.lengths)
         if k:
-            prop = self.drafter.propose(st.history, st.lengths, drafts_k or k, sampling, generator)
+            # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
+            # how many drafts each row has; a ragged step verifies up to k a row.
+            width = k if ragged or self.drafter.variable_drafts or not drafts_k else drafts_k
+            prop = self.drafter.propose(st.history, st.lengths, width, sampling, generator)
             found = prop.valid
             if drafts_k:
-                drafts, proposed = prop.tokens, prop.valid
+                keep = k if ragged else drafts_k
+                drafts, proposed = prop.tokens[:, :keep], prop.valid.clamp(max=keep)
             self._mark("draft")
         inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, st.active, drafts, proposed,
-                                                      self.adaptive_drafts, sampling.greedy)
-        skip = {} if live is None else {"live": live}
-        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
-        self._mark("verify")
-        if sampling.greedy:
+                                                      self.adaptive_drafts, sampling.greedy and not ragged)
+        if ragged:
+            valid, tokens, at, rows, slots, live = self._pack(inputs, positions, valid, st.active, drafts_k * st.batch,
+                                                              st.batch * (drafts_k + 1), st.history.shape[1])
+            logits = self.model(tokens[None], at[None], self._cache, ops=self.ops, layer_fn=self.layer_fn, live=live,
+                                packing=Packing(rows, slots, positions))
+            self._mark("verify")
+            n_acc = self._finish_packed(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits[0],
+                                        slots, found)
+        elif sampling.greedy:
+            skip = {} if live is None else {"live": live}
+            logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
+            self._mark("verify")
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
                                  self.ops.accept, found)
         else:
-            q = prop.probs if drafts is not None else None  # None: one-hot drafts
-            n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)
+            logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
+            self._mark("verify")
+            q = prop.probs[:, : inputs.shape[1] - 1] if drafts is not None and prop.probs is not None else None
+            n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)  # q None: one-hot
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
+            st.out[:, -2].copy_(valid)
             st.out[:, -1].copy_(found)
         if drafts is not None:
             if self.adaptive_drafts:
@@ -593,7 +700,7 @@ class Decoder:
         eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
         controller = self.controller
         if controller is not None:
-            controller.reset()  # acceptance is measured per batch
+            controller.reset(rows)  # acceptance is measured per batch
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
@@ -649,14 +756,17 @@ class Decoder:
                 self._mark("synced")
                 now = time.perf_counter() - t0
                 stats.steps += 1
-                if controller is not None and drafts_k:
-                    controller.observe(drafts_k, [out[b][0] for b in range(B) if active[b]])
+                if controller is not None:
+                    live_rows = [b for b in range(B) if active[b]]
+                    found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in live_rows]
+                    controller.observe([out[b][-2] for b in live_rows], [out[b][0] for b in live_rows], found)
                 changed = False
                 for b, r in enumerate(results):
                     if not active[b]:
                         continue
                     n = out[b][0]
                     r.accepted.append(n)
+                    r.found.append(out[b][-1])
                     if not self._append(r, out[b][1: n + 2], now, stop, eos):
                         active[b], changed = False, True
                 if changed:

@@ -37,6 +37,9 @@ class Drafter(ABC):
     """The interface: `prefill` once per batch, then `propose` / `update` once per step."""
 
     name = "base"
+    # True when the drafter finds a different number of drafts for each row (valid < k), at the same cost for any k:
+    # the decoder then always asks for k, and what it found tells the batch controller which rows have drafts.
+    variable_drafts = False
 
     def reserve(self, rows: int, max_len: int) -> None:
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
@@ -65,6 +68,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    variable_drafts = True
     # On CUDA the search runs as one Triton kernel (kernels/triton_ngram.py, the same proposals) instead of the
     # torch ops below, which compile to several kernels, each a launch gap in the step's graph.
     use_kernel = True

@@ -59,7 +59,8 @@ class Engine:
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
-                               recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every)
+                               recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every,
+                               ragged=recipe.batch.ragged)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -97,6 +97,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+@dataclass
+class Packing:
+    """Where the N tokens of a packed forward (tokens [1, N]) belong: row `rows[n]` of the cache, and slot
+    `slots[n]` of the padded layout [B, T] (row-major; B * T for a dead token, a trash slot) whose positions are
+    `padded_positions` [B, T]. Ragged verification (engine/decode.py) packs each row's live tokens this way, so the
+    layer's GEMMs see N tokens instead of B * T."""
+    rows: torch.Tensor  # [N] long
+    slots: torch.Tensor  # [N] long
+    padded_positions: torch.Tensor  # [B, T] long
+
+
+def unpacked(x: torch.Tensor, slots: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Packed rows x [N, ...] placed at their padded slots: [B, T, ...] (zeros where no token is; dead tokens go to
+    a trash slot past the end, dropped)."""
+    out = x.new_zeros((B * T + 1,) + x.shape[1:]).index_copy_(0, slots, x)
+    return out[:-1].view((B, T) + x.shape[1:])
+
+
+def packed(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unpacked` for padded rows x [B * T, ...]: [N, ...] (dead tokens read zeros)."""
+    return torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[slots]
+
+
 class Block(nn.Module):
     """Attention and MLP of one layer, with q/k/v and gate/up fused into one matrix each (fewer, larger GEMVs).
 
@@ -119,7 +142,7 @@ class Block(nn.Module):
         self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x, delta, cos, sin, kv_cache, rows, positions, mask, ops: Kernels):
+    def forward(self, x, delta, cos, sin, kv_cache, rows, positions, mask, ops: Kernels, unpack=None):
         cfg, linear = self.cfg, ops.linear
         B, T, _ = x.shape
         x = x + delta
@@ -137,9 +160,18 @@ class Block(nn.Module):
         # Grouped-query attention without copying K/V: the `rep` query heads that share a kv head are stacked along
         # the query axis, so each kv head is read once by one SDPA call on any backend.
         rep = cfg.n_heads // cfg.n_kv_heads
-        q = q.view(B, T, cfg.n_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4).reshape(B, cfg.n_kv_heads, rep * T, cfg.head_dim)
-        o = ops.attention(q, kv_cache[0], kv_cache[1], mask[self.window])
-        o = o.view(B, cfg.n_kv_heads, rep, T, cfg.head_dim).permute(0, 3, 1, 2, 4).reshape(B, T, cfg.n_heads * cfg.head_dim)
+        mask = mask[self.window]
+        if unpack is not None:
+            # Packed tokens (one row of N, each its own batch row and position; Packing): the attention slot takes
+            # rows of queries over their row's cache, so the queries go to the padded layout the mask was built for
+            # and come back. Each row's K/V is still read once; the slots no packed token fills are junk, not read.
+            q = unpacked(q[0], unpack, mask.shape[0], mask.shape[2] // rep)
+        Bq, Tq = q.shape[:2]
+        q = q.view(Bq, Tq, cfg.n_kv_heads, rep, cfg.head_dim).permute(0, 2, 3, 1, 4).reshape(Bq, cfg.n_kv_heads, rep * Tq, cfg.head_dim)
+        o = ops.attention(q, kv_cache[0], kv_cache[1], mask)
+        o = o.view(Bq, cfg.n_kv_heads, rep, Tq, cfg.head_dim).permute(0, 3, 1, 2, 4).reshape(Bq, Tq, cfg.n_heads * cfg.head_dim)
+        if unpack is not None:
+            o = packed(o.reshape(Bq * Tq, -1), unpack)[None]
         x = x + linear(o, self.wo, self.bo)
         h = linear(ops.rmsnorm(x, self.mlp_norm, cfg.rms_eps), self.w13, None)
         gate, up = h.chunk(2, dim=-1)
@@ -187,7 +219,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
-                layer_fn=None, live: torch.Tensor | None = None) -> torch.Tensor:
+                layer_fn=None, live: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
@@ -195,31 +227,41 @@ class Transformer(nn.Module):
         `ops` are the kernel-slot implementations and `layer_fn` the layer function (a compiled Block.forward).
         `live` (int32 [B * T]) marks with 0 the tokens whose logits nobody reads (verification slots past a row's
         valid drafts): a layer function that can skip them (`skips_dead_tokens`) does, and their logits are junk.
+        `packing`: tokens [1, N] are packed tokens of several rows (Packing says where each belongs).
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
         B, T = tokens.shape
-        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
+        if packing is None:
+            # Each token's cache row, contiguous: a fused layer's kernels read it by token.
+            rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T).contiguous()
+            mask_positions = positions
+        else:
+            rows, mask_positions = packing.rows.view(B, T), packing.padded_positions
         cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
         needs_masks = getattr(layer_fn, "needs_masks", None)  # a fused layer masks from positions itself
         masks = {}
         if needs_masks is None or needs_masks(self.layers[0], B * T, tokens.device):
+            Bm, Tm = mask_positions.shape
             key_pos = torch.arange(cache.max_len, device=tokens.device)
-            visible = key_pos[None, None, :] <= positions[:, :, None]  # [B,T,S]
+            visible = key_pos[None, None, :] <= mask_positions[:, :, None]  # [B,T,S]
             rep = self.cfg.n_heads // self.cfg.n_kv_heads
             for window in set(self.cfg.sliding_windows):
-                m = visible if window is None else visible & (key_pos[None, None, :] > positions[:, :, None] - window)
-                m = m[:, None, None].expand(B, 1, rep, T, cache.max_len)
-                masks[window] = m.reshape(B, 1, rep * T, cache.max_len)
+                m = visible if window is None else visible & (key_pos[None, None, :] > mask_positions[:, :, None] - window)
+                m = m[:, None, None].expand(Bm, 1, rep, Tm, cache.max_len)
+                masks[window] = m.reshape(Bm, 1, rep * Tm, cache.max_len)
         delta = F.embedding(tokens, self.embed)
         x = torch.zeros_like(delta)
         skip = {"live": live} if live is not None and getattr(layer_fn, "skips_dead_tokens", False) else {}
+        if packing is not None:
+            skip["unpack"] = packing.slots
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)
         h = None
         final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
         if final_norm is not None and logits_at is None:
-            h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps, **skip)
+            h = final_norm(self.layers[0], x, delta, self.norm, self.cfg.rms_eps,
+                           **{k: v for k, v in skip.items() if k == "live"})
         if h is None:
             x = x + delta
             if logits_at is not None:

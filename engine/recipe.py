@@ -51,6 +51,7 @@ class BatchSpec:
     max_batch_size: int = 32  # requests decoded together; larger inputs are split in order
     controller: str = "none"  # cost: each step's draft length 0..k from measured acceptance and step prices
     probe_every: int = 16  # cost: after this many AR steps in a row, one step verifies k drafts
+    ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
 
 
 @dataclass
@@ -165,6 +166,9 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.controller", "chooses a draft length: it needs a drafter")
     if r.batch.probe_every < 1:
         bad("batch.probe_every", "must be >= 1")
+    if r.batch.ragged and r.batch.controller != "cost":
+        bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
+                            "batch.controller 'cost'")
     return r
 
 

@@ -126,8 +126,8 @@ def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
 
 @triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
-                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, kv_ptr, live_ptr,
-                    M, K, n_pairs, eps, T, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
+                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
+                    M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -167,6 +167,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
         sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
         pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+        row = tl.load(rows_ptr + tokens, mask=token_ok, other=0)  # the token's cache row (packed steps: any)
         if QK_NORM:  # one head per program (BLOCK_P == HALF); q_norm then k_norm, stacked in qk_norm_ptr
             hq = tl.max(head, axis=0)
             which = tl.where(hq < n_heads, 0, HEAD_DIM)
@@ -247,15 +248,15 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         kv_head = head - n_heads
         is_v = kv_head >= n_kv_heads
         kv_head = tl.where(is_v, kv_head - n_kv_heads, kv_head)
-        cache_at = (kv_ptr + (tokens // T * stride_b + pos * stride_s)[:, None]
+        cache_at = (kv_ptr + (row * stride_b + pos * stride_s)[:, None]
                     + (is_v.to(tl.int32) * stride_kv + kv_head * stride_h + dims)[None, :])
         tl.store(cache_at, out_a.to(kv_ptr.dtype.element_ty), mask=out_ok & ~is_q)
         tl.store(cache_at + HALF, out_b.to(kv_ptr.dtype.element_ty), mask=out_ok & ~is_q)
 
 
 @triton.jit
-def _decode_attention(q_ptr, kv_ptr, positions_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
-                      T, n_heads, rep, window, scale, keys_per_split,
+def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
+                      n_heads, rep, window, scale, keys_per_split,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
                       SKIP_DEAD: tl.constexpr):
@@ -276,7 +277,7 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, live_ptr, partial_ptr, stats
     first = split * keys_per_split
     last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
     if first < last:
-        k_base = kv_ptr + (m // T) * stride_b + (head // rep) * stride_h
+        k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + (head // rep) * stride_h
         run_max = float("-inf")
         run_sum = 0.0
         acc = tl.zeros((HEAD_DIM,), tl.float32)
@@ -482,8 +483,8 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None):
     """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
-    written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: positions say it all; `rows` is
-    taken to be row b for every token of row b, as Transformer.forward builds it.
+    written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: each token's `positions` and
+    `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows (B = 1) run as they are.
 
     `live` (int32 [B * T], optional): 0 marks a token whose outputs nobody reads, a verification slot past its row's
     valid drafts. Such tokens are skipped where a program holds one token (attention, and every kernel on the FMA
@@ -498,6 +499,9 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     x, delta = x.reshape(M, hidden).contiguous(), delta.reshape(M, hidden).contiguous()
     cos, sin = cos.reshape(M, D).contiguous(), sin.reshape(M, D).contiguous()
     pos = positions.reshape(M).contiguous()
+    token_rows = rows.reshape(M)
+    if not token_rows.is_contiguous():
+        raise ValueError("fused layer: rows must be contiguous (one cache row per token)")
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
     on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
@@ -516,7 +520,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
         x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
-        cos, sin, qk_norm, pos, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        cos, sin, qk_norm, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
         BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
@@ -529,7 +533,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     stats = torch.empty(M * H, splits, 2, dtype=torch.float32, device=dev)
     attn = torch.empty(M, H * D, dtype=dt, device=dev)
     _decode_attention[(M * H, splits)](
-        q, kv_cache, pos, live, partial, stats, _split_counters(M * H, dev), attn, T, H, H // Hkv,
+        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, H, H // Hkv,
         block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
         num_warps=setting["num_warps"], **pdl, **skip)
@@ -548,7 +552,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True)
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
-        cos, sin, block.mlp_norm, pos, kv_cache, live, M, hidden, inter, cfg.rms_eps, T, H, Hkv, *kv_strides,
+        cos, sin, block.mlp_norm, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
         num_warps=4, **pdl, **_token_skip(skip, cfg4))
@@ -584,10 +588,11 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
 def layer_function(fallback):
     """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
     batches, the CPU without the interpreter) run `fallback`, the modular layer."""
-    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None):
-        if supports(block, x.shape[0] * x.shape[1], x.device) is None:
+    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None):
+        if supports(block, x.shape[0] * x.shape[1], x.device) is None:  # packed or not: rows say where tokens go
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live)
-        return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops)
+        extra = {} if unpack is None else {"unpack": unpack}
+        return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, **extra)
 
     def last(block, x, delta, weight, eps, live=None):
         """The final norm in one kernel for the steps this file runs; None for the others."""
@@ -630,7 +635,7 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
         x = torch.randn(B, T, cfg.hidden_size, generator=g).to(dev, dt)
         delta = torch.randn(B, T, cfg.hidden_size, generator=g).to(dev, dt)
         cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
-        rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, T).contiguous()
         masks = attention_masks(cfg, positions, n_slots)
         for i, block in enumerate(model.layers):
             cache = torch.randn(2, B, cfg.n_kv_heads, n_slots, cfg.head_dim, generator=g).to(dev, dt)

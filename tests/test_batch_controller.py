@@ -1,11 +1,11 @@
-"""The batch-level controller (issue #20 item 4b): before each step the host picks the draft length k' in 0..k with
-the most expected tokens per second from the acceptance measured so far and each kind of step's price; whatever it
-picks, greedy decoding gives AR's tokens."""
+"""The batch-level controller (issue #20 item 4b): before each step the host picks the kind of step k' in 0..k (0: a
+plain AR step for the whole batch) with the most expected tokens per second, from the acceptance measured so far,
+the drafts each row has, and each kind of step's price; whatever it picks, greedy decoding gives AR's tokens."""
 from __future__ import annotations
 
 import pytest
 
-from specpilot.engine.decode import DraftLengthController, choose_draft_length, expected_tokens
+from specpilot.engine.decode import DraftLengthController, choose_step, expected_tokens, step_tokens
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -14,48 +14,81 @@ RISING = {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0}  # each draft verified costs h
 FLAT = {k: 1.0 for k in range(5)}  # verification as cheap as an AR step
 
 
+def padded(p, k_max=4, found=(4,)):
+    return {k: step_tokens(list(found), p, k, False, len(found)) for k in range(k_max + 1)}
+
+
 def test_expected_tokens():
     assert expected_tokens([0.5, 0.5, 0.5], 0) == 1
     assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
     assert expected_tokens([1.0] * 4, 4) == 5
 
 
+def test_step_tokens_padded_and_ragged():
+    p = [1.0] * 4  # every verified draft accepted: tokens count the drafts each kind verifies
+    found = [0, 0, 4, 4]  # two rows without drafts, two with four
+    assert step_tokens(found, p, 0, False, 4) == 4  # AR: one token a row
+    assert step_tokens(found, p, 1, False, 4) == 4 + 2  # padded k'=1: one draft for each row that has one
+    assert step_tokens(found, p, 1, True, 4) == 4 + 4  # ragged k'=1: a budget of 4, all to the two rows with drafts
+    assert step_tokens(found, p, 2, True, 4) == 4 + 8 == step_tokens(found, p, 4, False, 4)
+    assert step_tokens([4] * 4, p, 1, True, 4) == step_tokens([4] * 4, p, 1, False, 4)  # every row has drafts: same
+
+
 def test_choose_ar_when_verification_costs_more_than_acceptance_pays():
-    assert choose_draft_length([0.3] * 4, RISING, 4) == 0
-    assert choose_draft_length([0.0] * 4, FLAT, 4) == 0  # nothing accepted: the tie goes to the cheaper AR step
+    assert choose_step(padded([0.3] * 4), RISING) == 0
+    assert choose_step(padded([0.0] * 4), FLAT) == 0  # nothing accepted: the tie goes to the cheaper AR step
 
 
 def test_choose_max_when_acceptance_is_high_and_verification_cheap():
-    assert choose_draft_length([0.9] * 4, FLAT, 4) == 4
-    assert choose_draft_length([0.9] * 4, {0: 1.0, 1: 1.02, 2: 1.04, 3: 1.06, 4: 1.08}, 4) == 4
+    assert choose_step(padded([0.9] * 4), FLAT) == 4
+    assert choose_step(padded([0.9] * 4), {0: 1.0, 1: 1.02, 2: 1.04, 3: 1.06, 4: 1.08}) == 4
 
 
 def test_choose_intermediate_lengths():
     prices = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
     # 1.0, 1.9/1.1 = 1.73, 2.35/1.2 = 1.96, 2.44/1.3 = 1.88, 2.449/1.4 = 1.75 tokens per unit time
-    assert choose_draft_length([0.9, 0.5, 0.2, 0.1], prices, 4) == 2
-    assert choose_draft_length([0.6] * 4, RISING, 4) == 1  # 1.6/1.5 beats AR and every longer draft
-    assert choose_draft_length([0.9] * 4, prices, 2) == 2  # never past k_max
-    assert choose_draft_length([0.9] * 4, {0: 1.0, 3: 1.1}, 4) == 3  # unpriced lengths are not candidates
-    assert choose_draft_length([0.9] * 4, {}, 4) == 4
+    assert choose_step(padded([0.9, 0.5, 0.2, 0.1]), prices) == 2
+    assert choose_step(padded([0.6] * 4), RISING) == 1  # 1.6/1.5 beats AR and every longer draft
+    assert choose_step(padded([0.9] * 4, k_max=2), prices) == 2  # never past k
+    assert choose_step(padded([0.9] * 4), {0: 1.0, 3: 1.1}) == 3  # unpriced kinds are not candidates
+    assert choose_step(padded([0.9] * 4), {}) == 4
+    assert choose_step(padded([0.9] * 4, found=(1,)), prices) == 1  # a row with one draft: k' > 1 buys nothing
     with pytest.raises(ValueError):
-        choose_draft_length([0.9], {0: 0.0, 1: 1.0}, 1)
+        choose_step(padded([0.9], k_max=1), {0: 0.0, 1: 1.0})
+
+
+def test_choose_ragged_where_padded_loses():
+    """Half the rows have drafts, accepted 60% of the time; each draft slot costs a quarter of an AR step. Padded,
+    k'=1 gives 1.3 tokens a row for 1.25 (1.04), AR 1.0, k'=4 1.74 for 2.0: k'=1 barely wins. Ragged at the same
+    prices, k'=1 gives the drafting rows two drafts each: 1.48 a row for 1.25, and the controller takes it."""
+    prices = {k: 1 + 0.25 * k for k in range(5)}
+    found = [0, 4] * 4
+    p = [0.6] * 4
+    pad = {k: step_tokens(found, p, k, False, 8) for k in range(5)}
+    rag = {k: step_tokens(found, p, k, True, 8) for k in range(5)}
+    assert choose_step(pad, prices) == 1 and choose_step(rag, prices) == 1
+    assert rag[1] / prices[1] > pad[1] / prices[1] * 1.1
+    # verification priced out: AR, ragged or not; free: the kind that verifies every draft
+    assert choose_step(rag, {0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0, 4: 6.0}) == 0
+    assert choose_step(rag, FLAT) == 2  # ragged k'=2 already verifies every found draft; ties go to the cheaper
 
 
 def test_controller_learns_from_observed_acceptance():
-    c = DraftLengthController(4, probe_every=3)
+    c = DraftLengthController(4, probe_every=3, bucket=10)
     assert c.acceptance() == [1.0] * 4 and c.choose(RISING) == 4  # untried: optimistic
-    c.observe(4, [0] * 9)  # nine rows rejected the first draft
+    c.observe([4] * 9, [0] * 9, [4] * 9)  # nine rows rejected their first draft
     assert c.acceptance()[0] == pytest.approx(0.1) and c.acceptance()[1:] == [1.0] * 3
     assert [c.choose(RISING) for _ in range(4)] == [0, 0, 0, 4]  # AR, and after three AR steps a probe at k
-    c.observe(4, [4] * 40)  # the probe finds every draft accepted: speculation resumes
+    c.observe([4] * 40, [4] * 40, [4] * 40)  # the probe finds every draft accepted: speculation resumes
     assert c.acceptance()[0] == pytest.approx(41 / 50) and c.choose(RISING) == 4
-    c.observe(2, [1] * 100)  # a k'=2 step: position 1 accepted, 2 rejected, 3 and 4 not reached
+    c.observe([2] * 100, [1] * 100, [4] * 100)  # k'=2: position 1 accepted, 2 rejected, 3 and 4 not reached
     a = c.acceptance()
     assert a[0] > 0.9 and a[1] == pytest.approx(41 / 141) and a[2:] == [1.0, 1.0]
     assert c.choose(RISING) == 1
+    c.observe([0] * 3, [0] * 3, [0] * 3)  # an AR step: nothing verified, and no row has drafts now
+    assert c.acceptance() == a and c.choose(RISING) == 0
     c.reset()
-    assert c.acceptance() == [1.0] * 4 and c.ar_run == 0
+    assert c.acceptance() == [1.0] * 4 and c.ar_run == 0 and c.found is None
 
 
 def test_recipe_key():
@@ -117,9 +150,15 @@ def test_cost_controller_picks_ar_or_k_by_price(tiny, tiny_reference):
     rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
     assert [r.tokens for r in rows] == tiny_reference
     assert eng.decoder.last_stats.draft_lengths == [0] * eng.decoder.last_stats.steps
+    # As cheap as AR: each step verifies every draft the rows had at the step before (ties go to the shorter step,
+    # so a step verifies fewer only when no row has more)
     eng = controlled(tiny.loaded, {3: {k: 1.0 for k in range(5)}})
+    found = []
+    real = eng.decoder.controller.observe
+    eng.decoder.controller.observe = lambda v, a, f: found.append(max(f, default=0)) or real(v, a, f)
     assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
-    assert set(eng.decoder.last_stats.draft_lengths) == {4}
+    lengths = eng.decoder.last_stats.draft_lengths
+    assert lengths[0] == 4 and lengths[1:] == [min(f, 4) for f in found[:len(lengths) - 1]] and 4 in lengths[1:]
 
 
 def test_prices_are_measured_when_not_given(tiny_model_dir):

@@ -28,6 +28,9 @@ NGRAM_MAX_CHOICES = (2, 3, 4)
 LAYERSKIP_FRACTIONS = (0.25, 0.5)
 # 12-bit weights: the lossless12 format reads 1.5 bytes a weight instead of bf16's 2 (docs/LOSSLESS12.md).
 LOSSLESS12_BYTES_PER_PARAM = 1.5
+# Ragged verification is proposed only when at most this fraction of rows have drafts a step: above it few draft
+# slots of a padded step are left empty, so there is little for packing to hand to other rows.
+RAGGED_MAX_AVAILABILITY = 0.8
 
 # The recipe fields each agent may change (the prompts say the same; the OpenAI provider enforces it).
 AGENT_FIELDS = {
@@ -203,6 +206,9 @@ class CostView:
     device: str
     dtype: str
     batch: int                        # the deployment's batch (the profile's when the deployment gives none)
+    # measured fraction of row-steps whose drafter found at least one draft (acceptance.draft_availability); None
+    # when the profile does not record it (a_1 then only bounds it below: a row accepts a draft only if it had one)
+    availability: float | None = None
 
     @classmethod
     def from_context(cls, deployment: dict, profile: dict) -> "CostView | None":
@@ -220,7 +226,9 @@ class CostView:
         device = str((deployment or {}).get("device") or meta.get("device") or "cpu")
         dtype = _normal_dtype((deployment or {}).get("dtype") or meta.get("dtype"))
         batch = int((deployment or {}).get("batch_size") or meta.get("batch_size") or dep.batch)
-        return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch)
+        availability = acc.get("draft_availability")
+        return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch,
+                   None if availability is None else float(availability))
 
     @property
     def cuda(self) -> bool:
@@ -238,7 +246,7 @@ class CostView:
         return predict(self.dep, self.dev, list(self.per_position))
 
     def predict(self, dep: Deployment, acceptance) -> Prediction:
-        return predict(dep, self.dev, acceptance)
+        return predict(dep, self.dev, acceptance, self.availability)
 
     def per_token_acceptance(self) -> float:
         """The single per-token rate that gives the measured tau at the measured k."""
@@ -547,7 +555,90 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict], skipped:
     else:
         skipped.add(f"batch.max_batch_size {recipe.batch.max_batch_size} already covers the deployment's batch of "
                     f"{view.batch}")
+    out += batching_options(recipe, view, skipped)
     return sorted(out, key=lambda o: o.rank)
+
+
+def _rates(p: Prediction) -> str:
+    """The controller's predicted tokens/s per kind of step."""
+    return ", ".join(f"k'={d}{' (AR)' if d == 0 else ''} {r:.0f}" for d, r in sorted(p.rates.items()))
+
+
+def batching_options(recipe: Recipe, view: CostView, skipped: Skips) -> list[Option]:
+    """The batch-level controller (batch.controller cost) and ragged verification (batch.ragged), priced by the cost
+    model at the deployment's batch with the measured per-position acceptance (and, for ragged, the measured draft
+    availability). Both concern a batch: at B = 1 the algorithm agent's k and AR options cover the one row. B is what
+    the engine decodes together: the deployment's batch, or batch.max_batch_size where that splits it."""
+    dep, b = view.dep, min(view.batch, recipe.batch.max_batch_size)
+    if recipe.drafter.kind == "none" or dep.drafter_kind == "none":
+        skipped.add("batch.controller and batch.ragged choose among draft lengths: the recipe has no drafter")
+        return []
+    if b <= 1:
+        skipped.add("batch.controller and batch.ragged: the recipe decodes one request at a time (B = 1); the "
+                    "algorithm agent's k and AR options cover a single row")
+        return []
+    if not view.per_position:
+        skipped.add("batch.controller and batch.ragged: no acceptance measured per position to price them")
+        return []
+    acc = list(view.per_position)
+    at_batch = replace(dep, batch=b)
+    now_controller, now_ragged = recipe.batch.controller, recipe.batch.ragged
+    cur = view.predict(replace(at_batch, controller=now_controller, ragged=now_ragged), acc)
+    plain = view.predict(replace(at_batch, controller="none", ragged=False), acc)
+    controlled = view.predict(replace(at_batch, controller="cost", ragged=False), acc)
+    now = f"{_describe_current(recipe)} at B={b}"
+    out: list[Option] = []
+
+    if now_controller == "cost":
+        skipped.add("batch.controller already cost")
+    else:
+        gain = controlled.tokens_per_s / cur.tokens_per_s - 1.0
+        losing = plain.tokens_per_s < plain.ar_tokens_per_s
+        if controlled.drafts == dep.k:
+            skipped.add(f"batch.controller cost: at B={b} the cost model picks k'={dep.k}, the recipe's k, for every "
+                        f"step ({_rates(controlled)} tok/s)")
+        elif gain < MIN_GAIN:
+            skipped.add(f"batch.controller cost: the cost model predicts {gain:+.1%} tok/s at B={b} (k'="
+                        f"{controlled.drafts}; below {MIN_GAIN:.0%})")
+        else:
+            verdict = (f"speculation at k={dep.k} is predicted below AR here ({plain.tokens_per_s:.0f} against "
+                       f"{plain.ar_tokens_per_s:.0f} tok/s)" if losing else
+                       f"k={dep.k} is not the best draft length here")
+            probe = (f"; after {recipe.batch.probe_every} AR steps in a row it probes k={dep.k}, to notice when "
+                     f"acceptance comes back" if controlled.drafts == 0 else "")
+            out.append(Option({"batch": {"controller": "cost"}}, (
+                f"batch.controller cost for {now}: {verdict}; with the measured per-position acceptance "
+                f"{positions(acc)} the calibrated cost model's rate per kind of step is {_rates(controlled)} tok/s, "
+                f"so the controller runs k'={controlled.drafts} ({controlled.tokens_per_s:.0f} against "
+                f"{cur.tokens_per_s:.0f} tok/s now, +{gain:.0%}){probe}"), (-gain,)))
+
+    if now_ragged:
+        skipped.add("batch.ragged already on")
+    elif view.availability is None:
+        skipped.add(f"batch.ragged: the profile does not measure draft availability (acceptance.draft_availability); "
+                    f"the first position's acceptance {acc[0]:.2f} only bounds it below")
+    elif view.availability >= RAGGED_MAX_AVAILABILITY:
+        skipped.add(f"batch.ragged: the measured draft availability {view.availability:.2f} (rows with at least one "
+                    f"draft a step) is at least {RAGGED_MAX_AVAILABILITY}: few draft slots are left empty to hand on")
+    else:
+        ragged = view.predict(replace(at_batch, controller="cost", ragged=True), acc)
+        gain = ragged.tokens_per_s / cur.tokens_per_s - 1.0
+        if gain < MIN_GAIN:
+            skipped.add(f"batch.ragged: the cost model predicts {gain:+.1%} tok/s at B={b} with a measured draft "
+                        f"availability of {view.availability:.2f} (below {MIN_GAIN:.0%})")
+        else:
+            # the rows with drafts split the step's drafts: about k'/p each (p at least a_1, as the cost model takes it)
+            share = min(dep.k, ragged.drafts / max(view.availability, acc[0]))
+            out.append(Option({"batch": {"controller": "cost", "ragged": True}}, (
+                f"batch.ragged with the cost controller for {now}: only {view.availability:.0%} of rows have a "
+                f"draft a step (measured), so a padded step leaves the others' draft slots empty; packed, a step of "
+                f"k'={ragged.drafts} gives its {ragged.drafts}x{b} drafts to those rows (about {share:.1f} each, up "
+                f"to {dep.k}): {ragged.tokens_per_step:.2f} tokens a row-step from the measured per-position "
+                f"acceptance {positions(acc)}, against {expected_tokens(ragged.drafts, acc):.2f} padded at the same "
+                f"k'; the calibrated cost model predicts {ragged.tokens_per_s:.0f} tok/s "
+                f"({_rates(ragged)}) against {controlled.tokens_per_s:.0f} with the controller alone and "
+                f"{cur.tokens_per_s:.0f} now (+{gain:.0%})"), (-gain,)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- kernel writer

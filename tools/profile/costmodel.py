@@ -15,9 +15,29 @@ and a forward's time is the sum over its kernels. Summing per-kernel maxima (rat
 whole forward) is what makes small-batch steps come out launch-bound, as measured: a decode GEMV's bytes take
 well under its node floor, so the step costs ~kernels x floor, while a large-batch verify turns the big GEMMs
 memory- or compute-bound one at a time. docs/COSTMODEL.md has the derivation and the byte and FLOP counts.
+
+Two recipe keys change which step runs (engine/decode.py, docs/RECIPE.md), and `predict` prices both:
+
+- `batch.controller: cost`: before each step the host picks k' in 0..k (0: an AR step, the drafter still searching)
+  with the most expected tokens per second. Predicted: every kind of step k' = 0..k at the deployment's batch, rate
+  B * E(k') / t(k'), and the best of them (ties to the shorter step, as the engine breaks them). So the prediction is
+  never below the rate of its own AR step, which is plain AR plus the drafter's search.
+- `batch.ragged: true` (with the controller): a step of kind k' verifies at most k' * B drafts across the batch, each
+  row up to k, given to the rows that have drafts. With availability p (the fraction of rows with at least one draft)
+  and per-position acceptance a_1..a_k measured over all rows (a_1 counts "draft 1 there and accepted", so p >= a_1),
+  a row with drafts accepts draft 1 at c_1 = a_1 / p and draft i >= 2 at c_i = a_i. When m of the B rows have drafts
+  (m ~ Binomial(B, p), rows independent), each gets a share s_m = min(k, k' * B / m), water-filled: floor(s_m) drafts,
+  or one more for a fraction f_m = s_m - floor(s_m) of them, and emits T(s_m) = (1 - f_m) C(floor(s_m)) +
+  f_m C(floor(s_m) + 1) tokens, C(n) = 1 + sum_{i<=n} prod_{j<=i} c_j; the others emit 1. Tokens per row:
+  E = sum_m P(m) [(B - m) + m T(s_m)] / B. At p = 1 (or B = 1: one row has nobody to hand drafts to) this is the
+  padded step's E(k'); below, more. The target's GEMMs, elementwise kernels and LM head see B * (k' + 1) packed
+  tokens, as a padded step of k' does; its attention reads the queries in the padded layout of B * (k + 1) slots
+  (engine/model.py puts them back there for the attention slot); the packing adds kernels per step and per layer
+  (packing_cost).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
@@ -30,6 +50,15 @@ KERNELS_PER_FORWARD = 9
 KERNELS_BOOKKEEPING = 20
 KERNELS_PER_NGRAM_ORDER = 10
 KERNELS_NGRAM_FIXED = 6
+# A ragged step's packing kernels, counted from the engine's code (unmeasured until a profile counts them). Per step
+# (engine/decode.py _pack, _finish_packed): the water-fill and the slot offsets (fused by torch.compile into about
+# four kernels), five scatters into the packed buffers (tokens, positions, cache rows, padded slots, live flags) and
+# acceptance's scatter of the argmaxes back to the padded layout. Per layer (engine/model.py unpacked, packed): the
+# queries into the padded layout for the attention slot (a zero buffer, an index_copy) and its outputs back (a zero
+# row, a cat, a gather).
+KERNELS_PACKING_PER_STEP = 10
+KERNELS_PACKING_PER_LAYER = 5
+CONTROLLERS = ("none", "cost")  # engine/recipe.py's batch.controller
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
 
 
@@ -142,12 +171,21 @@ class Deployment:
     kernels_bookkeeping: int | None = None
     cuda_graphs: bool = True
     attention: str = "math"  # "math" (bmm, softmax, bmm) or "sdpa" (one fused kernel)
+    controller: str = "none"  # batch.controller: "cost" picks each step's draft length k' in 0..k (predict's best)
+    ragged: bool = False  # batch.ragged: a step of kind k' verifies up to k' x B drafts, packed to the rows with drafts
+    kernels_packing: int | None = None  # a ragged step's packing kernels; None: counted from the code (above)
 
     def __post_init__(self):
         if self.drafter_kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter_kind {self.drafter_kind!r} is not one of {', '.join(DRAFTER_KINDS)}")
         if (self.drafter_kind == "none") != (self.k == 0):
             raise ValueError("k must be 0 exactly when there is no drafter")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"controller {self.controller!r} is not one of {', '.join(CONTROLLERS)}")
+        if self.controller != "none" and self.k == 0:
+            raise ValueError("a controller chooses a draft length: it needs a drafter")
+        if self.ragged and self.controller != "cost":
+            raise ValueError("ragged verification needs controller 'cost' (it chooses k')")
 
 
 @dataclass(frozen=True)
@@ -197,9 +235,10 @@ def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple]) -> Cost:
 
 def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: ModelShape | None = None,
                  n_layers: int | None = None, bytes_per_param: float | None = None,
-                 kernels: int | None = None) -> Cost:
+                 kernels: int | None = None, attention_tokens: int | None = None) -> Cost:
     """One forward of `tokens` tokens per row over the deployment's batch: the target's (with its kernel count)
-    unless a drafter's shape is given."""
+    unless a drafter's shape is given. `attention_tokens`: query slots per row the attention reads when that differs
+    (a ragged step's attention runs in the padded layout of k+1 slots a row); None: `tokens`."""
     m = shape or dep.model
     if kernels is None and shape is None:
         kernels = dep.kernels_per_target_forward
@@ -208,8 +247,9 @@ def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: Model
     B, S, d, M = dep.batch, dep.context_len, dep.dtype_bytes, dep.batch * tokens
     gemms = [(o * i * bpp + M * (i + o) * d, 2.0 * M * i * o, True, M) for o, i in m.matrices()]
     kv = B * S * m.kv_heads * m.head_dim * d  # K (or V) of one layer
-    q = M * m.heads * m.head_dim * d  # queries (or attention output)
-    sc = M * m.heads * S  # attention scores
+    Ma = B * (tokens if attention_tokens is None else attention_tokens)
+    q = Ma * m.heads * m.head_dim * d  # queries (or attention output)
+    sc = Ma * m.heads * S  # attention scores
     if dep.attention == "math":
         attn = [(kv + q + sc * d, 2.0 * sc * m.head_dim, True), (sc * (2 * d + 1), 5.0 * sc, False),
                 (kv + sc * d + q, 2.0 * sc * m.head_dim, True)]
@@ -232,8 +272,9 @@ def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: Model
     return replace(cost, memory_s=unavoidable / bw)
 
 
-def draft_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
-    B, k, d = dep.batch, dep.k, dep.dtype_bytes
+def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) -> Cost:
+    """The drafter proposing `drafts` drafts a row (None: k)."""
+    B, k, d = dep.batch, dep.k if drafts is None else drafts, dep.dtype_bytes
     if dep.drafter_kind == "none":
         return Cost()
     if dep.drafter_kind == "ngram":  # compare the history's windows with its tail: a few passes over int64 tokens
@@ -257,10 +298,25 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
     return fwd + _kernels(dev, dep.cuda_graphs, [(logits, 0.0, False)] * k)
 
 
-def bookkeeping_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
-    """Acceptance (argmax over the verify logits, prefix match) and history/length updates."""
+def bookkeeping_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) -> Cost:
+    """Acceptance (argmax over the verify logits of `drafts` + 1 tokens a row, None: k + 1, prefix match) and
+    history/length updates."""
     n = dep.kernels_bookkeeping or KERNELS_BOOKKEEPING
-    bytes_ = dep.batch * (dep.k + 1) * dep.model.vocab * dep.dtype_bytes
+    bytes_ = dep.batch * ((dep.k if drafts is None else drafts) + 1) * dep.model.vocab * dep.dtype_bytes
+    floor, bw = dev.kernel_floor(dep.cuda_graphs), dev.copy_bytes_per_s
+    return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
+
+
+def packing_cost(dev: DeviceCeilings, dep: Deployment) -> Cost:
+    """A ragged step's packing: its kernels (KERNELS_PACKING_PER_STEP + KERNELS_PACKING_PER_LAYER per layer, or
+    dep.kernels_packing) x node floor, or their traffic if larger: per layer the queries and the attention output
+    over the B x (k+1) padded slots, each written and read once more; per step the int64 buffers (tokens,
+    positions, rows, slots, flags) of those slots."""
+    m, slots, d = dep.model, dep.batch * (dep.k + 1), dep.dtype_bytes
+    n = dep.kernels_packing
+    if n is None:
+        n = KERNELS_PACKING_PER_STEP + KERNELS_PACKING_PER_LAYER * m.layers
+    bytes_ = m.layers * 4 * slots * m.heads * m.head_dim * d + 2 * 5 * slots * 8
     floor, bw = dev.kernel_floor(dep.cuda_graphs), dev.copy_bytes_per_s
     return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
 
@@ -278,6 +334,45 @@ def expected_tokens(k: int, acceptance: float | Sequence[float]) -> float:
     return total
 
 
+def ragged_expected_tokens(k: int, drafts: int, acceptance: float | Sequence[float], availability: float,
+                           batch: int) -> float:
+    """Tokens per row of a ragged step verifying at most `drafts` x `batch` drafts across the batch, each row up to k.
+
+    `acceptance` is measured over all rows (a_1 = P(draft 1 there and accepted)); `availability` p is the fraction of
+    rows with at least one draft, taken as at least a_1 (a row accepts a draft only if it had one). A row with drafts
+    accepts draft 1 at c_1 = a_1 / p and draft i >= 2 at c_i = a_i (reaching i already means it had drafts). With m of
+    the B rows having drafts (Binomial(B, p)), each gets s_m = min(k, drafts x B / m) drafts, water-filled (floor(s_m),
+    one more for a fraction f_m = s_m - floor(s_m) of them) and emits T(s_m) = (1 - f_m) C(floor(s_m)) +
+    f_m C(floor(s_m) + 1), C(n) = expected_tokens(n, c); the other rows emit 1.
+    E = sum_m P(m) [(B - m) + m T(s_m)] / B; at p = 1 or B = 1 it is expected_tokens(drafts, acceptance)."""
+    if isinstance(acceptance, (int, float)):
+        alphas = [float(acceptance)] * k
+    else:
+        alphas = (list(acceptance) + [0.0] * k)[:k]
+    if drafts <= 0 or k <= 0:
+        return 1.0
+    p = min(1.0, max(float(availability), alphas[0]))
+    if p <= 0.0:
+        return 1.0  # no row ever has a draft
+    given_drafts = [alphas[0] / p] + alphas[1:]
+
+    def row_tokens(share: float) -> float:
+        cap = math.floor(share)
+        low = expected_tokens(cap, given_drafts)
+        return low + (share - cap) * (expected_tokens(cap + 1, given_drafts) - low) if share > cap else low
+
+    total = 0.0
+    for m in range(1, batch + 1):
+        if p == 1.0:
+            chance = 1.0 if m == batch else 0.0
+        else:
+            chance = math.exp(math.lgamma(batch + 1) - math.lgamma(m + 1) - math.lgamma(batch - m + 1)
+                              + m * math.log(p) + (batch - m) * math.log1p(-p))
+        if chance:
+            total += chance * m * (row_tokens(min(float(k), drafts * batch / m)) - 1.0)
+    return 1.0 + total / batch
+
+
 @dataclass(frozen=True)
 class Prediction:
     draft: Cost
@@ -288,6 +383,13 @@ class Prediction:
     batch: int
     k: int
     gaps: dict = field(default_factory=dict)  # component -> predicted - floor (s); "acceptance" in tokens/step
+    draft_length: int | None = None  # k' the step verifies (a row's drafts; ragged: k' x B across the batch); None: k
+    rates: dict = field(default_factory=dict)  # controller: k' -> predicted tokens/s of each kind of step, 0 = AR
+
+    @property
+    def drafts(self) -> int:
+        """k' of the predicted step: the controller's pick, else k."""
+        return self.k if self.draft_length is None else self.draft_length
 
     @property
     def step_s(self) -> float:
@@ -319,8 +421,8 @@ class Prediction:
 
     @property
     def perfect_tokens_per_s(self) -> float:
-        """Every draft accepted (k+1 tokens a step) at the same step time."""
-        return self.batch * (self.k + 1) / self.step_s
+        """Every draft accepted (k'+1 tokens a step, k' = k without a controller) at the same step time."""
+        return self.batch * (self.drafts + 1) / self.step_s
 
     @property
     def perfect_speedup(self) -> float:
@@ -332,20 +434,54 @@ class Prediction:
         for name in ("step_s", "tokens_per_step", "tokens_per_s", "ar_step_s", "ar_tokens_per_s", "speedup",
                      "memory_floor_s", "compute_floor_s", "launch_floor_s", "perfect_tokens_per_s", "perfect_speedup"):
             out[name] = getattr(self, name)
-        return out | {"gaps": dict(self.gaps)}
+        return out | {"gaps": dict(self.gaps), "draft_length": self.drafts, "rates": dict(self.rates)}
 
 
 def ar_deployment(dep: Deployment) -> Deployment:
-    return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None)
+    return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None,
+                   controller="none", ragged=False)
 
 
-def predict(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float] = 0.0) -> Prediction:
-    """Predicted phase times, tokens per step (from one acceptance rate or a per-position profile) and gaps."""
-    verify = forward_cost(dev, dep, dep.k + 1, kernels=dep.kernels_per_target_forward)
-    draft, book = draft_cost(dev, dep), bookkeeping_cost(dev, dep)
+def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float], drafts: int,
+                    availability: float | None = None) -> Prediction:
+    """One kind of step, verifying up to `drafts` (k') drafts a row, or with dep.ragged k' x B across the batch.
+
+    Step: the drafter proposes k' drafts (k when ragged, a row may get up to k; k in an AR step, k' = 0, where the
+    engine's drafter still searches), the target verifies B x (k'+1) tokens (ragged, k' >= 1: its attention over the
+    padded B x (k+1) query slots, plus the packing), the bookkeeping reads B x (k'+1) logits. Tokens:
+    expected_tokens(k', acceptance), or ragged_expected_tokens with the availability (None: 1, every row has drafts,
+    and ragged verifies what padded does)."""
+    ragged = dep.ragged and drafts > 0
+    verify = forward_cost(dev, dep, drafts + 1, kernels=dep.kernels_per_target_forward,
+                          attention_tokens=dep.k + 1 if ragged else None)
+    if ragged:
+        verify += packing_cost(dev, dep)
+    draft = draft_cost(dev, dep, drafts if drafts and not ragged else dep.k)
+    book = bookkeeping_cost(dev, dep, drafts)
     ar = ar_deployment(dep)
     ar_step = (forward_cost(dev, ar, 1, kernels=dep.kernels_per_target_forward) + bookkeeping_cost(dev, ar)).time_s
-    tokens = expected_tokens(dep.k, acceptance)
+    if ragged:
+        tokens = ragged_expected_tokens(dep.k, drafts, acceptance, 1.0 if availability is None else availability,
+                                        dep.batch)
+    else:
+        tokens = expected_tokens(drafts, acceptance)
     gaps = {name: c.time_s - c.floor_s for name, c in (("draft", draft), ("verify", verify), ("bookkeeping", book))}
-    gaps["acceptance"] = dep.k + 1 - tokens
-    return Prediction(draft, verify, book, ar_step, tokens, dep.batch, dep.k, gaps)
+    gaps["acceptance"] = drafts + 1 - tokens
+    return Prediction(draft, verify, book, ar_step, tokens, dep.batch, dep.k, gaps, drafts)
+
+
+def predict(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float] = 0.0,
+            availability: float | None = None) -> Prediction:
+    """Predicted phase times, tokens per step (from one acceptance rate or a per-position profile) and gaps.
+
+    Without a controller: the step verifying k drafts. With controller "cost": the best kind of step k' in 0..k by
+    tokens/s, B x E(k') / t(k') (ties to the shorter step), with every kind's rate in `rates`. `availability` (the
+    fraction of rows with at least one draft a step) matters only to ragged steps; see ragged_expected_tokens."""
+    if dep.controller == "none":
+        return step_prediction(dep, dev, acceptance, dep.k, availability)
+    kinds = [step_prediction(dep, dev, acceptance, d, availability) for d in range(dep.k + 1)]
+    best = kinds[0]
+    for p in kinds[1:]:
+        if p.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+            best = p
+    return replace(best, rates={p.drafts: p.tokens_per_s for p in kinds})

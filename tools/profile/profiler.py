@@ -97,8 +97,11 @@ def _acceptance(rows_by_batch: list[list], k: int) -> dict:
     reach = [sum(1 for n in steps if n >= i) for i in range(k + 1)]
     per_pos = [reach[i] / reach[i - 1] if reach[i - 1] else 0.0 for i in range(1, k + 1)]
     batch_steps = sum(max((len(r.accepted) for r in rows), default=0) * len(rows) for rows in rows_by_batch)
+    found = [n for rows in rows_by_batch for r in rows for n in r.found]
     return {"k": k, "tau": (sum(steps) + len(steps)) / max(1, len(steps)), "perfect_tau": k + 1,
             "per_position": per_pos, "row_steps": len(steps),
+            # row-steps whose drafter found at least one draft (what ragged verification lends to the others)
+            "draft_availability": sum(1 for n in found if n > 0) / len(found) if found else None,
             "active_fraction": len(steps) / batch_steps if batch_steps else 1.0}
 
 
@@ -120,7 +123,8 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       context_len=dec._cache.max_len,
                       kernels_per_target_forward=round(kernels["verify"]) if kernels.get("verify") else None,
                       kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
-                      kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention)
+                      kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention,
+                      controller=recipe.batch.controller, ragged=recipe.batch.ragged)
 
 
 def _gap(component, measured, floor, step_s, agent, reason) -> dict:
