@@ -1,9 +1,11 @@
 """The token-forcing gate on CUDA: a recipe's greedy tokens against the stock AR's, ties forced.
 
 What it measures. `specpilot check` (docs/GATE.md; the candidate in its own process, SPECPILOT_GATE_LAUNCH=
-subprocess), bf16, B = 1, 4 questions x 128 new tokens a workload, for each recipe: `armiss` (the adaptive min-2
-n-gram with ar_after_miss on the fused layer, overlap on: verification with dead slots skipped and AR steps after a
-miss), `lossless12` (stock with 12-bit weights and the 12-bit linear kernels), or a recipe JSON file. Per run:
+subprocess), bf16, 4 questions x 128 new tokens a workload (`--limit 8` for the B = 8 recipes), for each recipe:
+`armiss` (B = 1: the adaptive min-2 n-gram with ar_after_miss on the fused layer, overlap on: verification with
+dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit weights and the 12-bit linear
+kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), or a recipe
+JSON file. Per run:
 PASS/FAIL, tokens checked, exact, ties forced. `--identity` adds token identity without forcing (4 prompts x 192
 tokens, 2 code and 2 summarization): fp32 against our modular AR, bf16 against the fused AR.
 
@@ -26,6 +28,14 @@ RECIPES = {
                "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True, "ar_after_miss": True}},
     "lossless12": {"drafter": {"kind": "ngram"}, "k": 4, "weights": {"format": "lossless12"},
                    "kernels": {"linear": "builtin:lossless12"}},
+    # armiss with the batch controller, padded and ragged, gated at B = 8 (the gate's batch is the recipe's
+    # max_batch_size): rows of different lengths verified together, packed in the ragged one
+    "cost-b8": {"k": 4, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 8, "controller": "cost"},
+                "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True, "ar_after_miss": True}},
+    "ragged-b8": {"k": 4, "layer": "fused", "overlap": True,
+                  "batch": {"max_batch_size": 8, "controller": "cost", "ragged": True},
+                  "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
+                              "ar_after_miss": True}},
 }
 
 

@@ -6,6 +6,14 @@ batches; every system first decodes a warm-up (not counted), then each batch is 
 rotated per batch, so that drift (clocks, caches, other load) hits all systems alike. A system that fails in a cell
 becomes an error entry; the others are still measured. results.json is rewritten after every cell.
 
+Isolation (docs/BENCH.md, "A bench that survives a fault"): on CUDA this process does not load the model. A worker
+process, `python -m specpilot.tools.bench.worker` (worker.py), loads the target and the systems once and measures the
+cells in order (all systems of a cell in that one process), sending back one JSON line per finished cell and one
+before and after each system's call. A system that leaves the CUDA context dead (the worker finds a tiny CUDA op
+failing after the system raised) or kills the worker (a signal, an exit) becomes that system's error entry for that
+cell; a fresh worker measures the cell again without it and goes on with the remaining cells. On CPU the bench runs
+in this process unless asked otherwise (measure(isolate=True), or SPECPILOT_BENCH_ISOLATE=1; =0 turns it off on CUDA).
+
 A recipe that names candidate kernel files (`kernels.<slot>` a .py path, not a built-in) is candidate code: this
 process never imports it. The whole bench (every system, so that the comparison stays in one process) then runs in a
 sandboxed child, `python -m specpilot.tools.bench.run` through tools/sandbox/process.run_python, with the same
@@ -17,12 +25,16 @@ handed in by the caller (`run_bench(args, sandbox=process)`): tools/bench may no
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -42,9 +54,19 @@ from .systems import BatchRun, BenchSkip, EngineSystem, System, memory_kind
 from .hf_baselines import HF_SYSTEMS, HFSystem, load_hf_model
 
 SCHEMA = "specpilot-bench/1"
-BASELINES = ("hf", "none")
+BASELINES = ("hf", "hf-static", "none")
+
+
+def hf_systems(baselines: str) -> tuple[str, ...]:
+    """The HF baselines `--baselines` asks for: hf both, hf-static the static cache alone (HF's prompt lookup
+    decodes one row at a time: slow to measure at large batches)."""
+    return {"hf": HF_SYSTEMS, "hf-static": ("hf-static",)}.get(baselines, ())
 CHILD = "specpilot.tools.bench.run"  # the sandboxed child's module (main() below)
 SANDBOX_TIMEOUT_S = 3 * 3600.0  # the default wall-clock limit of a sandboxed bench
+WORKER = "specpilot.tools.bench.worker"  # the isolated bench's worker (worker.py; named, not imported: it imports us)
+ISOLATE_ENV = "SPECPILOT_BENCH_ISOLATE"  # 1: cells in a worker process, 0: in this process (default: 1 on CUDA only)
+FAULT_EXIT = 3  # a worker's exit status after it reported a system that left the CUDA context dead
+STDERR_LINES = 50  # a worker's last stderr lines kept for the message of its death
 
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
@@ -63,7 +85,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="times each batch is measured per system (median kept)")
-    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup")
+    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup; hf-static: only the first")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
@@ -132,33 +154,51 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=1) + "\n")
         os.replace(tmp, self.out / "results.json")
 
+    # What a bench worker (worker.py) tells its parent; in this process they do nothing more than the lines say.
+    def running(self, system: str | None, workload: str, batch_size: int) -> None:
+        """`system`'s call (warm-up, prepare or a timed decode) starts; None: it has ended."""
+
+    def building(self, systems: list[str]) -> None:
+        """These systems are being built (an engine, or the HF model both HF baselines share)."""
+
+    def system_failed(self, system: System, workload: str, batch_size: int, message: str) -> None:
+        """`system` raised in this cell: its error entry."""
+        self.error(system.name, workload, batch_size, message)
+
     def _try(self, system: System, workload: str, batch_size: int, prompts: list[list[int]]) -> BatchRun | None:
+        self.running(system.name, workload, batch_size)
         try:
             return system.run(prompts, self.args.max_new_tokens, self.args.ignore_eos)
         except BenchSkip as e:
             self.error(system.name, workload, batch_size, str(e))
         except Exception as e:  # one broken system must not cost the others their measurements
-            self.error(system.name, workload, batch_size, f"{system.name}: {type(e).__name__}: {e}")
+            self.system_failed(system, workload, batch_size, f"{system.name}: {type(e).__name__}: {e}")
+        finally:
+            self.running(None, workload, batch_size)
         return None
 
     def _prepare(self, system: System, workload: str, batch_size: int, batches: list[list[list[int]]]) -> bool:
+        self.running(system.name, workload, batch_size)
         try:
             system.prepare(batches, self.args.max_new_tokens)
+            # a fault of its warm-up work surfaces here, charged to it, not at the next system's first synchronize
+            if system.device.type == "cuda":
+                torch.cuda.synchronize(system.device)
             return True
         except Exception as e:  # a system that cannot warm up is an error entry, like one that cannot decode
-            self.error(system.name, workload, batch_size, f"{system.name}: warm-up: {type(e).__name__}: {e}")
+            self.system_failed(system, workload, batch_size, f"{system.name}: warm-up: {type(e).__name__}: {e}")
             return False
+        finally:
+            self.running(None, workload, batch_size)
 
     def measure_cell(self, systems: list[System], workload: str, batch_size: int, requests: list[BenchRequest],
                      progress) -> None:
-        requests = requests[: cell_size(len(requests), batch_size, self.args.cell_requests)]
-        units = len(systems) * (1 + -(-len(requests) // batch_size) * self.args.repeats)
-        if batch_size > len(requests):
-            self.error(None, workload, batch_size, f"batch size {batch_size} is above the {len(requests)} "
-                       f"requests of workload {workload}: cell skipped")
-            progress.update(units)
-            self.write()
-            return
+        units = cell_units(len(systems), len(requests), batch_size, self.args.cell_requests, self.args.repeats)
+        # A batch larger than the workload takes its requests again, in order, to fill one batch: each row decodes
+        # on its own, so a repeated prompt is load like any other. The cell's runs say how many rows repeated.
+        n_cell = cell_size(len(requests), batch_size, self.args.cell_requests)
+        repeated = max(0, n_cell - len(requests))
+        requests = [requests[i % len(requests)] for i in range(n_cell)]
         done_before = progress.n
         prompts = [r.prompt for r in requests]
         batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -185,10 +225,10 @@ class Bench:
                             measured[s.name][i].append(run)
                     progress.update(1)
         progress.update(units - (progress.n - done_before))
-        self._add_runs(systems, workload, batch_size, measured, batches)
+        self._add_runs(systems, workload, batch_size, measured, batches, repeated)
 
     def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]],
-                  batches: list[list[list[int]]]) -> None:
+                  batches: list[list[list[int]]], repeated: int = 0) -> None:
         # Per batch, the repeat of median time (the lower median for an even count), so that every figure of a
         # run comes from one actual decode.
         chosen = {name: [sorted(reps, key=lambda r: r.seconds)[(len(reps) - 1) // 2] for reps in per_batch]
@@ -201,6 +241,7 @@ class Bench:
                                          s.device.type == "cpu", self.args.repeats)
         for name, run in cell.items():
             compare_to_ar(run, chosen[name], cell.get("ar"), ar_runs)
+            run["repeated_requests"] = repeated
             # What was timed, request by request: the optimize graph judges these tokens against the reference
             # (tools/gate/timed.py), so a candidate cannot behave only while it is being checked.
             run["outputs"] = [{"prompt": prompt, "tokens": tokens, "finish": finish}
@@ -211,20 +252,32 @@ class Bench:
 
 
 def cell_size(n_requests: int, batch_size: int, cell_requests: int | None) -> int:
-    """How many of a workload's requests one cell decodes (--cell-requests N: the first max(N, B))."""
-    return n_requests if cell_requests is None else min(n_requests, max(cell_requests, batch_size))
+    """How many requests one cell decodes: all of the workload's, with --cell-requests N the first max(N, B); at
+    least one full batch (B), the workload's requests repeated where it has fewer."""
+    n = n_requests if cell_requests is None else min(n_requests, max(cell_requests, batch_size))
+    return max(n, batch_size)
+
+
+def cell_units(n_systems: int, n_requests: int, batch_size: int, cell_requests: int | None, repeats: int) -> int:
+    """The progress bar's units of one cell: per system a warm-up and every batch's repeats."""
+    return n_systems * (1 + -(-cell_size(n_requests, batch_size, cell_requests) // batch_size) * repeats)
 
 
 def build_systems(bench: Bench, target, recipes: list[tuple[str, Recipe]], baselines: str) -> list[System]:
-    systems: list[System] = [EngineSystem(name, target, recipe) for name, recipe in recipes]
-    if baselines == "hf":
+    systems: list[System] = []
+    for name, recipe in recipes:
+        bench.building([name])
+        systems.append(EngineSystem(name, target, recipe))
+    names = hf_systems(baselines)
+    if names:
+        bench.building(list(names))
         try:
             hf_model = load_hf_model(target)
         except Exception as e:  # e.g. an architecture HF cannot build from this directory
-            for name in HF_SYSTEMS:
+            for name in names:
                 bench.error(name, None, None, f"{name}: cannot run on this target: {type(e).__name__}: {e}")
         else:
-            systems += [HFSystem(name, hf_model, target) for name in HF_SYSTEMS]
+            systems += [HFSystem(name, hf_model, target) for name in names]
     return systems
 
 
@@ -268,7 +321,29 @@ def run_bench(args, sandbox=None) -> int:
     return 0
 
 
-def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
+def isolation_wanted(device: str, isolate: bool | None = None) -> bool:
+    """Whether measure() runs the cells in worker processes: `isolate` when given, else SPECPILOT_BENCH_ISOLATE (1 or
+    0), else on CUDA only (a fault there is sticky: the context is dead for every later system; a CPU has none)."""
+    if isolate is not None:
+        return bool(isolate)
+    value = os.environ.get(ISOLATE_ENV, "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise SpecPilotError(f"{ISOLATE_ENV}={value!r}: expected 1 (cells in a worker process) or 0 (in this process)")
+    return device.startswith("cuda")
+
+
+def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True,
+            isolate: bool | None = None) -> Bench:
+    """The bench: every cell measured, results.json rewritten after each, the report at the end (`report`). In worker
+    processes when isolation is on (isolation_wanted: by default on CUDA), else in this process."""
+    if isolation_wanted(device, isolate):
+        return measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out, report)
+    return measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out, report)
+
+
+def measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
     """The bench in this process: load, measure every cell, results.json after each (and the report at the end)."""
     from tqdm import tqdm
 
@@ -279,7 +354,7 @@ def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, rep
     reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
     requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
                 for w, qs in workloads.items()}
-    total = sum(len(systems) * (1 + -(-cell_size(len(rs), b, args.cell_requests) // b) * args.repeats)
+    total = sum(cell_units(len(systems), len(rs), b, args.cell_requests, args.repeats)
                 for rs in requests.values() for b in batch_sizes)
     bench.write()
     try:
@@ -293,6 +368,238 @@ def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, rep
         if report:
             bench_report.write_report(out, bench.results)
     return bench
+
+
+# -- isolation: the cells in worker processes ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class WorkerEnd:
+    """How one worker process ended, as far as its lines and its exit status tell."""
+
+    how: str  # done | fault (a system left the CUDA context dead) | failed (the bench itself raised) | died
+    phase: str  # what it was doing: load, build (systems), requests (ar's answers for later turns), cells
+    systems: list[str]  # whose code was running: the systems being built, or the one whose call was in progress
+    message: str  # one line, for an end other than done
+
+
+def exit_description(status: int | None) -> str:
+    """'killed by SIGSEGV' for a signal, else the exit status."""
+    if status is not None and status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"ended with exit status {status} before it had finished"
+
+
+def last_words(lines) -> str:
+    """The line of a worker's stderr that says most about its end: Python's fatal error line (faulthandler, which
+    the worker enables, writes a traceback after it), else the last line it wrote."""
+    lines = [line.strip() for line in lines if line.strip()]
+    fatal = [line for line in lines if line.startswith("Fatal Python error")]
+    return one_line((fatal or lines or ["no output on stderr"])[-1], 300)
+
+
+def forward_stderr(stream, tail: collections.deque, write) -> None:
+    """The worker's stderr goes on to ours as it comes (warnings, tracebacks), its last lines kept for messages."""
+    for line in stream:
+        tail.append(line)
+        write(line.rstrip("\n"))
+
+
+class WorkerRun:
+    """The parent's side of an isolated bench: starts a worker (normally one for the whole run), writes results.json
+    from its lines, and after a worker's fault or death decides what the next one measures. Every restart either
+    leaves one more system out of one cell, leaves a cell or a system out of the run, or stops it, so there are
+    finitely many."""
+
+    def __init__(self, args, batch_sizes, workloads, recipes, device, dtype, out: Path, progress):
+        self.args, self.batch_sizes, self.workloads, self.recipes = args, batch_sizes, workloads, recipes
+        self.device, self.dtype, self.out, self.progress = device, dtype, out, progress
+        self.cells = [(w, b) for w in workloads for b in batch_sizes]
+        self.next_cell = 0  # the first cell no worker has finished
+        self.skip: dict[int, set[str]] = {}  # cell -> the systems left out of it: each faulted there once
+        self.left_out: set[str] = set()  # systems left out of the run: building them killed a worker
+        self.requests: dict | None = None  # every cell's prompts, built once by the first worker, handed to the next
+        self.bench: Bench | None = None  # made when the first worker reports its header
+        self.early_errors: list[dict] = []  # errors recorded before any header
+        self.units_done = 0  # progress units of the finished cells
+        self.workers = 0
+
+    def error(self, system: str | None, workload: str | None, batch_size: int | None, message: str) -> None:
+        if self.bench is not None:
+            self.bench.error(system, workload, batch_size, message)
+        else:
+            self.early_errors.append({"system": system, "workload": workload, "batch_size": batch_size,
+                                      "message": message})
+            print(f"specpilot: warning: {message}", file=sys.stderr)
+
+    def config(self) -> dict:
+        """What the next worker measures: the cells from next_cell on, each without the systems that faulted there."""
+        hf = bool(hf_systems(self.args.baselines)) and not self.left_out & set(HF_SYSTEMS)
+        return {
+            "parent": os.getpid(), "device": self.device, "dtype": self.dtype, "batch_sizes": self.batch_sizes,
+            "args": {"target": self.args.target, "max_new_tokens": self.args.max_new_tokens,
+                     "ignore_eos": self.args.ignore_eos, "repeats": self.args.repeats, "limit": self.args.limit,
+                     "cell_requests": getattr(self.args, "cell_requests", None), "baselines": self.args.baselines if hf else "none",
+                     "argv": list(getattr(self.args, "argv", None) or sys.argv[1:])},
+            "workloads": {w: [[q.question_id, q.category, list(q.turns)] for q in qs]
+                          for w, qs in self.workloads.items()},
+            "recipes": [[name, dataclasses.asdict(r)] for name, r in self.recipes if name not in self.left_out],
+            "cells": [[w, b, sorted(self.skip.get(i, ()))] for i, (w, b) in enumerate(self.cells)
+                      if i >= self.next_cell],
+            "requests": self.requests,
+        }
+
+    def run(self) -> None:
+        """Workers until every cell is measured, skipped, or the run is stopped by a worker that cannot start."""
+        while self.next_cell < len(self.cells):
+            end = self.run_worker()
+            if end.how == "done" or self.next_cell == len(self.cells):  # an end after the last cell costs nothing
+                return
+            if end.how == "failed":  # the bench's own error, as the in-process bench would raise it
+                raise SpecPilotError(end.message)
+            if end.phase == "cells":
+                w, b = self.cells[self.next_cell]
+                if end.systems:
+                    [name] = end.systems
+                    what = end.message if end.how == "fault" else f"{name}: {end.message}"  # a fault's names it
+                    self.error(name, w, b, f"{what}; the cell is measured again without {name} in a fresh worker")
+                    self.skip.setdefault(self.next_cell, set()).add(name)
+                else:
+                    self.error(None, w, b, f"{end.message}, between systems' calls: cell not measured")
+                    self.next_cell += 1
+            elif end.phase == "build" and "ar" not in end.systems:
+                # ar is every comparison's reference and answers the earlier turns: without it the run stops (below)
+                for name in end.systems:
+                    self.error(name, None, None, f"{name}: {end.message} while {', '.join(end.systems)} "
+                                                 f"{'was' if len(end.systems) == 1 else 'were'} being built: left out "
+                                                 "of the run")
+                self.left_out.update(end.systems)
+            else:
+                doing = {"load": "while loading the target", "requests": "while ar answered the earlier turns",
+                         "build": "while building ar"}[end.phase]
+                for w, b in self.cells[self.next_cell:]:
+                    self.error(None, w, b, f"{end.message} {doing}: not measured")
+                self.next_cell = len(self.cells)
+
+    def run_worker(self) -> WorkerEnd:
+        """One worker, from its start to its end; its lines update results.json and the progress bar as they come."""
+        from tqdm import tqdm
+
+        self.workers += 1
+        tail: collections.deque = collections.deque(maxlen=STDERR_LINES)
+        # same interpreter, environment and working directory: relative paths in recipes and workloads still hold
+        proc = subprocess.Popen([sys.executable, "-m", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, encoding="utf-8", errors="replace")
+        forwarder = threading.Thread(target=forward_stderr, args=(proc.stderr, tail,
+                                                                  lambda s: tqdm.write(s, file=sys.stderr)),
+                                     daemon=True)
+        forwarder.start()
+        phase, systems, end = "load", [], None
+        try:
+            try:
+                proc.stdin.write(json.dumps(self.config()))
+                proc.stdin.close()
+            except OSError:  # it died before reading: its exit status says how
+                pass
+            for line in proc.stdout:
+                try:
+                    event = json.loads(line)
+                    kind = event["event"]
+                except (ValueError, TypeError, KeyError):  # not a protocol line (printed before the worker took
+                    tqdm.write(line.rstrip("\n"), file=sys.stderr)  # its stdout): shown, not obeyed
+                    continue
+                if kind == "building":
+                    phase, systems = "build", event["systems"]
+                elif kind == "requests":
+                    phase, systems = "requests", ["ar"]
+                elif kind == "ready":
+                    phase, systems = "cells", []
+                    self.on_ready(event)
+                elif kind == "running":
+                    systems = [event["system"]] if event["system"] else []
+                elif kind == "postfix":
+                    self.progress.set_postfix_str(event["text"])
+                elif kind == "progress":
+                    self.progress.update(event["n"])
+                elif kind == "cell":
+                    self.on_cell(event)
+                elif kind == "fault":
+                    end = WorkerEnd("fault", "cells", [event["system"]], event["message"])
+                elif kind == "failed":
+                    end = WorkerEnd("failed", phase, systems, event["message"])
+                elif kind == "done":
+                    end = WorkerEnd("done", phase, [], "")
+            status = proc.wait()
+            forwarder.join(timeout=10)
+        finally:
+            if proc.poll() is None:  # this process is leaving (an exception, ^C): the worker goes with it
+                proc.kill()
+                proc.wait()
+        if end is None:
+            end = WorkerEnd("died", phase, systems, f"the bench worker was {exit_description(status)} "
+                                                    f"(stderr: {last_words(tail)})")
+        return end
+
+    def on_ready(self, event: dict) -> None:
+        """The worker has loaded the target and built its systems; the first one's header is the run's."""
+        if self.bench is None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.bench = Bench(self.args, self.out, event["header"])
+            # the worker printed its own errors (an HF baseline that cannot be built); later workers repeat them
+            self.bench.results["errors"] = self.early_errors + event["errors"]
+        if self.requests is None:
+            self.requests = event["requests"]
+        self.progress.total = self.units_done + event["units"]
+        self.progress.n = self.units_done
+        self.progress.refresh()
+        self.bench.write()
+
+    def on_cell(self, event: dict) -> None:
+        w, b = self.cells[self.next_cell]
+        if (event["workload"], event["batch_size"]) != (w, b):
+            raise SpecPilotError(f"the bench worker answered cell {event['workload']} B={event['batch_size']} where "
+                                 f"{w} B={b} was next")
+        self.bench.results["runs"] += event["runs"]
+        self.bench.results["errors"] += event["errors"]  # printed by the worker already
+        self.units_done += event["units"]
+        self.progress.n = self.units_done
+        self.progress.refresh()
+        self.next_cell += 1
+        self.bench.write()
+
+    def finish_without_header(self) -> None:
+        """No worker reported a header (each ended before loading): a results.json all the same, with the errors, its
+        header built here from the settings. This process does not touch the GPU: the device is named as given."""
+        if self.bench is not None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        head = header(self.args, torch.device("cpu"), self.dtype, list(self.workloads), self.batch_sizes)
+        if self.device != "cpu":
+            head.update(device=self.device, device_name=f"unknown (no bench worker reached the {self.device} device)",
+                        cuda=torch.version.cuda)
+        self.bench = Bench(self.args, self.out, head)
+        self.bench.results["errors"] = self.early_errors
+
+
+def measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
+    """The bench with its cells in worker processes (WorkerRun): results.json after each cell, the report at the end,
+    as measure_in_process writes them."""
+    from tqdm import tqdm
+
+    with tqdm(total=0, desc="bench", unit="decode", file=sys.stderr,
+              disable=not (getattr(args, "progress", False) or sys.stderr.isatty())) as progress:
+        run = WorkerRun(args, batch_sizes, workloads, recipes, device, dtype, out, progress)
+        try:
+            run.run()
+            run.finish_without_header()
+        finally:
+            if run.bench is not None:
+                run.bench.write()
+                if report:
+                    bench_report.write_report(out, run.bench.results)
+    return run.bench
 
 
 # -- candidate code: the bench in a sandboxed child -----------------------------------------------------------------
@@ -373,8 +680,10 @@ def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe
     argv += [f"--cell-requests={args.cell_requests}"] if args.cell_requests else []
     argv += ["--ignore-eos"] if args.ignore_eos else []
     # ar and stock come first and the child adds them itself (recipes_to_measure); the rest go as JSON
+    # isolation as decided here (SPECPILOT_BENCH_ISOLATE is not in the sandbox's environment): on CUDA the child's
+    # cells run in a worker process of its own, inside the same sandbox
     payload = {"argv": argv, "recipes": [recipe_for_child(r) for _, r in recipes[2:]],
-               "command": list(getattr(args, "argv", None) or sys.argv[1:])}
+               "command": list(getattr(args, "argv", None) or sys.argv[1:]), "isolate": isolation_wanted(device)}
     cuda = device.startswith("cuda")
     limits = sandbox.SandboxLimits(wall_s=float(getattr(args, "sandbox_timeout", None) or SANDBOX_TIMEOUT_S),
                                    memory_bytes=child_memory_bytes(cuda), gpu=cuda)
@@ -402,7 +711,8 @@ def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe
 
 
 def main() -> int:
-    """The sandboxed child: the payload {"argv", "recipes", "command"} on stdin, the results as the last stdout line."""
+    """The sandboxed child: the payload {"argv", "recipes", "command", "isolate"} on stdin, the results as the last
+    stdout line."""
     payload = json.load(sys.stdin)
     work = Path.cwd()  # the sandbox's temp dir
     try:
@@ -414,7 +724,8 @@ def main() -> int:
         args.argv = payload["command"]
         with contextlib.redirect_stdout(sys.stderr):
             bench = measure(args, parse_batch_sizes(args.batch_sizes), load_workloads(args.workload, args.limit),
-                            recipes_to_measure(args.recipe), args.device, args.dtype, work / "out", report=False)
+                            recipes_to_measure(args.recipe), args.device, args.dtype, work / "out", report=False,
+                            isolate=payload.get("isolate"))
         answer = {"results": bench.results}
     except Exception as e:  # noqa: BLE001 - the parent reports it as one line
         answer = {"error": one_line(f"{type(e).__name__}: {e}")}

@@ -1,0 +1,93 @@
+"""Speculation against AR at every batch size: one `specpilot bench` run, B = 1..64, code, chat and summarize.
+
+What it measures (issue #20 item 5). One `specpilot bench` run over B in {1, 2, 4, 8, 16, 32, 64} and the code, chat
+and summarize workloads, 128 new tokens, `--cell-requests 8` (a cell decodes max(8, B) requests), with `ar` (the
+reference), our fastest AR (the fused layer with overlap), `stock`, the shipped n-gram recipe (adaptive min-2,
+ar_after_miss, fused, overlap), the same with the batch controller, padded and ragged, and HF's static cache
+(`--baselines hf-static`; HF's prompt lookup decodes a row at a time). Every system warms every shape of a cell before anything is timed; each run reports
+`captures_while_timed`. The table: tok/s per cell and the ratio to our fastest AR; the bench's results.json is in
+NAME.json, from which tools/bench/report.write_report draws report.md and speedup_vs_batch.png.
+
+`--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
+ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
+
+Device minutes: about 4 for `--crash-check`, 8-9 for the sweep.
+"""
+from __future__ import annotations
+
+import json
+
+import harness
+
+MINUTES = 9
+FASTEST_AR = "ar-fused-overlap"
+RECIPES = ("ar-fused-overlap", "ngram2-k4-adaptive-armiss-fused-overlap", "ngram2-k4-cost-fused-overlap",
+           "ngram2-k4-ragged-fused-overlap")
+# The recipe of issue #20's crash, as the issue gives it.
+CRASH_RECIPE = {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
+                            "ar_after_miss": True}, "k": 4, "layer": "fused", "overlap": True}
+
+
+def arguments(p) -> None:
+    p.add_argument("--workloads", default="code,chat,summarize")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--cell-requests", type=int, default=8)
+    p.add_argument("--baselines", default="hf-static")
+    p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
+    p.add_argument("--no-sweep", action="store_true", help="only the crash check")
+
+
+def bench(ctx, label: str, argv: list, timeout: float) -> dict:
+    out = ctx.scratch / label
+    step = ctx.module(label, "specpilot.cli", ["bench", "--target", ctx.target, "--device", ctx.device,
+                                               "--out", out, *argv], timeout=timeout)
+    return json.loads(ctx.need(out / "results.json", step).read_text())  # (its report and plots: from these)
+
+
+def table(results: dict, reference: str) -> str:
+    cells = harness.bench_cells(results)
+    systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
+    rows = []
+    for (wl, b), c in cells.items():
+        base = (c.get(reference) or {}).get("tokens_per_s")
+        row = [wl, b]
+        for s in systems:
+            tps = (c.get(s) or {}).get("tokens_per_s")
+            row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / base:.2f})" if base else ""))
+        rows.append(row)
+    errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
+    captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
+                for r in results["runs"] if r.get("captures_while_timed")}
+    return (harness.md_table(["workload", "B"] + systems, rows) + f"\n\nIn parentheses: over {reference} in the "
+            f"same cell. Shapes captured while timed: {captured or 'none'}." + errors)
+
+
+def run(out_dir, args):
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    ctx = args.ctx
+    found, text = {}, []
+    workloads, limit, tokens = harness.smoke_sized(args, args.workloads, 64, args.max_new_tokens)
+    if args.crash_check:
+        recipe = ctx.recipe("R", CRASH_RECIPE)
+        argv = ["--recipe", recipe, "--workload", "chat", "--batch-sizes", "8,32", "--max-new-tokens", 128,
+                "--limit", 32, "--cell-requests", 32, "--baselines", "hf"]
+        if args.smoke:
+            argv = ["--recipe", recipe, "--workload", "chat", "--batch-sizes", "2", "--max-new-tokens", 8,
+                    "--limit", 2, "--cell-requests", 2]
+        found["crash_check"] = bench(ctx, "crash_check", argv, timeout=330)
+        text.append("## Issue #20's crash command\n\n" + table(found["crash_check"], "ar"))
+    if not args.no_sweep:
+        sizes = args.batch_sizes.split(",")
+        if args.smoke:
+            sizes = sizes[:2]
+        argv = ["--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes), "--max-new-tokens", tokens,
+                "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests]
+        for name in RECIPES:
+            argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
+        if args.baselines and not args.smoke:
+            argv += ["--baselines", args.baselines]
+        found["sweep"] = bench(ctx, "sweep", argv, timeout=570)
+        text.append("## Every batch size\n\n" + table(found["sweep"], FASTEST_AR))
+    return found, "\n\n".join(text)
