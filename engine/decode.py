@@ -15,6 +15,7 @@ steps, so verification resumes as soon as it finds drafts again.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -131,11 +132,19 @@ def water_fill(found: list[int], budget: int) -> list[int]:
 def step_tokens(found: list[int], acceptance_by_position, k_step: int, ragged: bool, bucket: int) -> float:
     """Expected tokens of a step of kind k_step for live rows with `found` drafts each: padded, each row verifies at
     most k_step of its drafts; ragged, the batch verifies at most k_step x bucket drafts, water-filled over the rows
-    that have them; 0, a plain AR step (one token a row)."""
+    that have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for
+    every kind before every step); 0, a plain AR step (one token a row)."""
     if k_step == 0:
         return float(len(found))
-    alloc = water_fill(found, k_step * bucket) if ragged else [min(v, k_step) for v in found]
-    return sum(expected_tokens(acceptance_by_position, n) for n in alloc)
+    rows = Counter(found)  # drafts found -> rows
+    gain = [expected_tokens(acceptance_by_position, n) for n in range(max(rows, default=0) + 2)]
+    if not ragged:
+        return sum(c * gain[min(v, k_step)] for v, c in rows.items())
+    budget, cap = k_step * bucket, 0
+    while cap < max(rows, default=0) and sum(c * min(v, cap + 1) for v, c in rows.items()) <= budget:
+        cap += 1
+    extra = min(budget - sum(c * min(v, cap) for v, c in rows.items()), sum(c for v, c in rows.items() if v > cap))
+    return sum(c * gain[min(v, cap)] for v, c in rows.items()) + max(0, extra) * (gain[cap + 1] - gain[cap])
 
 
 def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float]) -> int:

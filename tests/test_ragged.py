@@ -41,6 +41,22 @@ def test_water_fill():
     assert water_fill([], 3) == [] and water_fill([2, 2], 0) == [0, 0]
 
 
+def test_step_tokens_is_water_fill_row_by_row():
+    """The controller's expected tokens of a ragged step (counted over rows grouped by drafts found) equal the sum
+    over water_fill's allocation, row by row; padded, over min(found, k')."""
+    from specpilot.engine.decode import expected_tokens, step_tokens
+
+    rng = random.Random(0)
+    for _ in range(500):
+        B, k = rng.choice((1, 2, 4, 8, 16)), rng.randint(1, 6)
+        found = [rng.randint(0, k) for _ in range(rng.randint(0, B))]
+        p, k_step = [rng.random() for _ in range(k)], rng.randint(1, k)
+        ragged = sum(expected_tokens(p, n) for n in water_fill(found, k_step * B))
+        assert step_tokens(found, p, k_step, True, B) == pytest.approx(ragged)
+        assert step_tokens(found, p, k_step, False, B) == pytest.approx(sum(expected_tokens(p, min(n, k_step))
+                                                                            for n in found))
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_pack_matches_brute_force(seed):
     rng = random.Random(seed)
