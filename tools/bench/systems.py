@@ -30,7 +30,8 @@ class BatchRun:
     seconds: float = 0.0  # wall time of the whole call, device synchronized
     cpu_seconds: float = 0.0  # process CPU time of the call (all threads)
     peak_memory_bytes: int = 0
-    captures: int = 0  # step or prefill shapes our engine captured (compiled) inside this timed call: should be 0
+    captures: int = 0  # step or prefill shapes our engine captured (compiled) inside this timed call, for an HF
+    # baseline the graphs torch.compile built in it: should be 0
 
 
 class BenchSkip(Exception):
