@@ -487,9 +487,10 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows (B = 1) run as they are.
 
     `live` (int32 [B * T], optional): 0 marks a token whose outputs nobody reads, a verification slot past its row's
-    valid drafts. Such tokens are skipped where a program holds one token (attention, and every kernel on the FMA
-    path): their outputs and cache slots are left as they were. Since every kernel skips the same tokens, and a live
-    token reads only live tokens' K/V (valid drafts are a prefix), nothing reads what was skipped."""
+    valid drafts. On the FMA path (up to FMA_MAX_TOKENS tokens, a program a token) every kernel skips such tokens:
+    their outputs and cache slots are left as they were. Since every kernel skips the same tokens, and a live token
+    reads only live tokens' K/V (valid drafts are a prefix), nothing reads what was skipped. On the tensor-core path
+    no kernel skips them (a GEMV tile holds 16 tokens), so every value they leave, in the cache too, is computed."""
     cfg = block.cfg
     if kv_cache.stride(-1) != 1:
         raise ValueError("fused layer: the KV cache needs unit stride along head_dim")
@@ -506,8 +507,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
     on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
     pdl = dict(PDL=on, launch_pdl=on)
+    # Dead tokens are skipped by every kernel of the layer or by none: only the FMA path (a program a token) can
+    # skip them in its GEMVs, so only there. A token that one kernel skips and the next reads is read from
+    # uninitialized memory (in a CUDA graph: whatever the pool last held, NaN included), and on the tensor-core path
+    # its K/V, computed from that, went into the cache past the row's end, where the modular layer's attention (the
+    # next prefill; steps of more than 16 tokens) multiplies masked slots by zero: 0 x NaN = NaN (issue #20: garbage
+    # tokens from the first one on, B = 2-8 on the H200).
+    skip = dict(SKIP_DEAD=live is not None and skips_dead_tokens(M))
     live = live if live is not None else pos  # a pointer either way; read only with SKIP_DEAD
-    skip = dict(SKIP_DEAD=live is not pos)
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
     # 1. residual + norm + q/k/v + RoPE + cache write
@@ -536,7 +543,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, H, H // Hkv,
         block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
-        num_warps=setting["num_warps"], **pdl, **skip)
+        num_warps=setting["num_warps"], **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
@@ -566,22 +573,28 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 
+def skips_dead_tokens(n_tokens: int) -> bool:
+    """Whether a step of `n_tokens` tokens skips its dead tokens: on the FMA path (one token a program) only."""
+    return n_tokens <= FMA_MAX_TOKENS
+
+
 def _token_skip(skip: dict, cfg: dict) -> dict:
-    """A GEMV skips dead tokens on the FMA path only, where a program holds one token."""
-    return dict(SKIP_DEAD=skip["SKIP_DEAD"] and not cfg["DOT"])
+    assert not (skip["SKIP_DEAD"] and cfg["DOT"]), "dead tokens are skipped on the FMA path only"
+    return dict(SKIP_DEAD=skip["SKIP_DEAD"])
 
 
 def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                live: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm(x + delta) over the last dim, with the modular tail's numerics (engine.model.Transformer.forward);
-    rows of dead tokens (`live`, as in fused_layer) are left unwritten."""
+    rows of dead tokens (`live`, as in fused_layer, and where the layers skipped them) are left unwritten."""
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
     pdl = x2.shape[0] <= FMA_MAX_TOKENS and _pdl(x.device)
-    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, live if live is not None else x2, hidden, eps,
+    skip = live is not None and skips_dead_tokens(x2.shape[0])
+    _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, live if skip else x2, hidden, eps,
                                   BLOCK_K=triton.next_power_of_2(hidden), num_warps=4, PDL=pdl, launch_pdl=pdl,
-                                  SKIP_DEAD=live is not None)
+                                  SKIP_DEAD=skip)
     return out.view(x.shape)
 
 

@@ -3,8 +3,9 @@
 HF compiles its decoding step (static cache) per batch size and cache length; it does so on CUDA only unless the
 generation config's compile config says `_compile_all_devices` (HF's switch for testing). The tiny model here says so,
 with dynamo's eager backend: the same graphs, guards and recompiles as on CUDA, without inductor's code generation.
-Independently of compiling, a forward hook records the shape of every decoding step (batch size, cache length),
-and every shape a timed call runs must have run in `prepare`.
+Independently of compiling, the shape of every forward (each prefill's batch size and prompt width, each decoding
+step's batch size and cache length) is recorded, and every shape a timed call runs must have run in `prepare`, in the
+same cache objects.
 """
 from __future__ import annotations
 
@@ -26,20 +27,23 @@ def cell_batches() -> list[list[list[int]]]:
     return [[torch.randint(1, 256, (w,), generator=gen).tolist() for w in batch] for batch in WIDTHS]
 
 
-class StepShapes:
-    """Records (batch size, cache length) of each decoding step: one new token a row, the mask spanning the cache.
-    Read from the inputs `generate` prepares for each forward, outside the compiled call (whose Python does not run
-    again once compiled)."""
+class Shapes:
+    """Records the shape of each forward `generate` runs: ("prefill", batch size, prompt width) or ("step", batch
+    size, cache length) for a decoding step (one new token a row, the mask spanning the cache). Read from the inputs
+    `generate` prepares for each forward, outside the compiled call (whose Python does not run again once compiled)."""
 
     def __init__(self, model):
-        self.seen: list[tuple[int, int]] = []
+        self.seen: set[tuple[str, int, int]] = set()
         self.prepare_inputs = model.prepare_inputs_for_generation
         model.prepare_inputs_for_generation = self.record
 
     def record(self, *args, **kwargs):
         inputs = self.prepare_inputs(*args, **kwargs)
-        if inputs["input_ids"].shape[1] == 1:  # a decoding step (a prefill without padding may have no mask)
-            self.seen.append((inputs["input_ids"].shape[0], inputs["attention_mask"].shape[-1]))
+        batch, width = inputs["input_ids"].shape
+        if width > 1:  # (a prefill without padding may have no mask)
+            self.seen.add(("prefill", batch, width))
+        else:
+            self.seen.add(("step", batch, inputs["attention_mask"].shape[-1]))
         return inputs
 
 
@@ -62,7 +66,7 @@ def bench_warmup(system: HFSystem, batches) -> None:
 
 def test_prepared_cell_compiles_nothing_while_timed(hf_static):
     batches = cell_batches()
-    shapes = StepShapes(hf_static.model)
+    shapes = Shapes(hf_static.model)
     bench_warmup(hf_static, batches)
     compiled_before = dynamo_graphs()
     hf_static.prepare(batches, MAX_NEW)
@@ -73,8 +77,11 @@ def test_prepared_cell_compiles_nothing_while_timed(hf_static):
     assert [r.captures for r in runs] == [0, 0, 0]
     length = static_cache_length(300, MAX_NEW)
     assert hf_static.cache_length == length == 512
-    assert set(shapes.seen) == {(3, length), (1, length)} <= prepared
-    # The timed calls decode in the caches prepare filled (on CUDA a cache at new addresses is a new recording)
+    # every shape timed ran in prepare: each batch's prefill, the decoding step at both batch sizes
+    assert shapes.seen == {("prefill", 3, 14), ("prefill", 3, 300), ("prefill", 1, 23), ("step", 3, length),
+                           ("step", 1, length)}
+    assert shapes.seen <= prepared
+    # in the caches prepare filled (on CUDA a cache at new addresses is a new recording)
     assert hf_static.caches.keys() == caches.keys() == {3, 1}
     assert all(hf_static.caches[b] is cache for b, cache in caches.items())
     assert all(len(row) == MAX_NEW for r in runs for row in r.tokens)

@@ -283,3 +283,15 @@ def test_load_hub_id_from_local_cache(tiny_model_dir, tmp_path):
     done = subprocess.run([sys.executable, "-c", code_missing], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0 and "model not found" in done.stderr
+
+
+def test_step_functions_may_compile_every_shape_a_bench_runs():
+    """compiled() lifts dynamo's per-function recompile limits (default 8, and 64 before: issue #20's sweep hit it
+    with seven batch buckets x five kinds of step x six systems, FailOnRecompileLimitHit) to RECOMPILE_LIMIT."""
+    import torch._dynamo
+
+    from specpilot.engine.model import RECOMPILE_LIMIT, compiled
+
+    compiled(lambda x: x + 1)
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT >= 7 * 5 * 6 * 2
+    assert torch._dynamo.config.accumulated_recompile_limit >= RECOMPILE_LIMIT

@@ -250,7 +250,7 @@ def _five_token_step(model, first: int, seed: int):
 def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
     """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
     norm are bit for bit those of the full step. On the FMA path every kernel skips the dead tokens, so their cache
-    slots are left as they were; on the tensor-core path attention and the final norm skip them."""
+    slots are left as they were; on the tensor-core path none does: the whole step is the full step's."""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
     model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
     cfg = model.cfg
@@ -266,11 +266,54 @@ def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_toke
         assert torch.equal(a[:, :2], b[:, :2])
     assert torch.equal(part_cache[..., 20:22, :], full_cache[..., 20:22, :])
     assert not torch.equal(full_cache[..., 22:25, :], cache[..., 22:25, :])  # the full step writes them
-    if fma_max_tokens >= 5:  # the q/k/v kernel skips them too
-        assert torch.equal(part_cache[..., 22:25, :], cache[..., 22:25, :])
     norm_full = triton_fused_layer.final_norm(*full, model.norm, cfg.rms_eps)
     norm_part = triton_fused_layer.final_norm(*full, model.norm, cfg.rms_eps, live)
     assert torch.equal(norm_part[:, :2], norm_full[:, :2])
+    if fma_max_tokens >= 5:  # FMA path: the dead tokens' cache slots untouched
+        assert torch.equal(part_cache[..., 22:25, :], cache[..., 22:25, :])
+    else:  # tensor cores: nothing skipped, everything computed
+        assert torch.equal(part_cache, full_cache) and torch.equal(norm_part, norm_full)
+        assert all(torch.equal(a, b) for a, b in zip(part, full))
+
+
+class _PoisonedTorch:
+    """torch, but every empty()/empty_like() is NaN-filled: what a CUDA graph's pool may hold where a kernel reads a
+    buffer that nothing wrote."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+    @staticmethod
+    def empty_like(*args, **kwargs):
+        return torch.empty_like(*args, **kwargs).fill_(float("nan"))
+
+
+def test_fused_layer_dead_tokens_leave_nothing_unwritten_behind(tiny_model_dir, monkeypatch):
+    """Issue #20's garbage tokens at B = 2-8 on the H200: on the tensor-core path the attention kernel skipped dead
+    tokens while the GEMVs did not, so the GEMVs read the skipped tokens' never-written attention output, and the
+    next layer wrote K/V computed from it (NaN) into the cache, where the modular layer's masked attention multiplied
+    it by zero. With every fresh buffer NaN (a pool's leftovers), two layers of a five-token step with two live
+    tokens, both paths: every value the step leaves, in the cache included, is finite."""
+    monkeypatch.setattr(triton_fused_layer, "torch", _PoisonedTorch())
+    model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
+    positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=3)
+    live = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32)
+    rows = torch.zeros(1, 5, dtype=torch.long)
+    for fma_max_tokens in (8, 1):
+        monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
+        kv = cache.clone()
+        h, d = x, delta
+        for block in model.layers[:2]:
+            h, d = triton_fused_layer.fused_layer(block, h, d, cos, sin, kv, rows, positions, {}, model.default_ops,
+                                                  live=live)
+        assert torch.isfinite(kv).all(), fma_max_tokens
+        assert torch.isfinite(h[:, :2]).all() and torch.isfinite(d[:, :2]).all()
+        if fma_max_tokens == 1:  # tensor cores: nothing skipped, every output computed
+            assert torch.isfinite(h).all() and torch.isfinite(d).all()
 
 
 def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):

@@ -12,8 +12,9 @@ graph trees still record a CUDA graph for each new size. Left to itself, HF size
 (keeping the longest so far) and builds a new one in every call: a wider prompt grows it inside a timed call (a
 recompile or a recording), and every call's cache sits at new addresses, which the graph trees record anew (the cache
 is marked static). So the cache is ours: one StaticCache per batch size, of the cell's length (`prepare`), reset and
-passed to every call, as HF's cache guide does for repeated calls; `prepare` decodes a few tokens at each batch size
-of the cell before anything is timed. Prompt lookup keeps a dynamic cache: nothing compiles.
+passed to every call, as HF's cache guide does for repeated calls; before anything is timed, `prepare` decodes a few
+tokens at each batch size of the cell and prefills each of its (batch size, prompt width). Prompt lookup keeps a
+dynamic cache: nothing compiles.
 """
 from __future__ import annotations
 
@@ -99,18 +100,21 @@ class HFSystem(System):
         self.caches = {}  # batch size -> the StaticCache of length cache_length that every call of that size reuses
 
     def prepare(self, batches, max_new_tokens) -> None:
-        """Fix the cell's static cache length (its longest prompt), then decode WARMUP_NEW_TOKENS at each batch size
-        the cell has (the first batch of that size) in the cache its timed calls will reuse, so that HF compiles and
-        records every graph they run here. Prompt widths need no warm-up of their own: the prefill runs eagerly."""
+        """Fix the cell's static cache length (its longest prompt), then run every shape of the cell in the caches its
+        timed calls will reuse: at each batch size WARMUP_NEW_TOKENS tokens (HF compiles and records the decoding
+        step here), and each further (batch size, prompt width) a prefill alone (eager, but on the H200 a call with a
+        new width took 50-90 ms longer than its repeat, SmolLM2's shapes in bf16)."""
         if self.lookup:
             return
         longest = max(len(p) for batch in batches for p in batch)
         self._grow_cache_length(static_cache_length(longest, max_new_tokens))
-        first_of_size = {}
+        first_of_shape = {}
         for batch in batches:
-            first_of_size.setdefault(len(batch), batch)
-        for batch in first_of_size.values():
-            self.decode(batch, WARMUP_NEW_TOKENS, ignore_eos=True)
+            first_of_shape.setdefault((len(batch), max(len(p) for p in batch)), batch)
+        decoded = set()
+        for (size, _), batch in first_of_shape.items():
+            self.decode(batch, 1 if size in decoded else WARMUP_NEW_TOKENS, ignore_eos=True)
+            decoded.add(size)
 
     def decode(self, prompts, max_new_tokens, ignore_eos) -> BatchRun:
         if self.lookup and len(prompts) > 1:
