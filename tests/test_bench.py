@@ -255,3 +255,17 @@ def test_engine_bench_without_our_ar(tiny_smol_dir, tmp_path, capsys):
     [row] = json.loads((tmp_path / "engine_bench.json").read_text())["table"]
     assert row["system"] == "ngram-k4" and row["identical_to_ar"] is None
     assert "over ngram-k4's" in capsys.readouterr().out
+
+
+def test_tiny_bench_counts_step_kinds(tiny_run):
+    """Each engine run counts its steps by kind: ar only AR steps, stock (k = 4, no controller) only k = 4 steps, as
+    many as its rows' longest verification count per batch; HF runs count none."""
+    _, results = tiny_run
+    for r in results["runs"]:
+        kinds = r["step_kinds"]
+        if r["system"].startswith("hf-"):
+            assert kinds == {}
+        elif r["system"] == "ar":
+            assert set(kinds) == {"0"} and kinds["0"] > 0
+        elif r["system"] == "stock":
+            assert set(kinds) == {"4"} and kinds["4"] >= max(1, r["tokens"] // r["requests"] // 5)

@@ -77,6 +77,10 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         "identical_to_ar": None,
         "finish_reasons": dict(Counter(f for r in runs for f in r.finish_reasons)),
         "captures_while_timed": sum(r.captures for r in runs),
+        # our engine's steps by kind k' (drafts a row verified at most; ragged: per row on average; 0: AR steps), as
+        # "k'": count: what the batch controller chose
+        "step_kinds": {str(kind): n for kind, n in sorted(sum((Counter(r.step_kinds) for r in runs),
+                                                              Counter()).items())},
     }
 
 

@@ -202,13 +202,15 @@ class Bench:
         done_before = progress.n
         prompts = [r.prompt for r in requests]
         batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
-        # Warm-up: compiles, captured graphs and caches for every batch shape of the cell (the last may be short).
+        # Warm-up: compiles, captured graphs and caches for every batch shape of the cell (the last may be short):
+        # the system's own preparation first (it fixes shapes, e.g. HF's static cache length, so that the decodes
+        # after it compile nothing new), then a decode of each batch shape.
         warm = batches[:1] + (batches[-1:] if len(batches[-1]) != batch_size else [])
         live = []
         for s in systems:
             progress.set_postfix_str(f"{workload} B={batch_size} {s.name} warm-up")
-            if all(self._try(s, workload, batch_size, b) is not None for b in warm) and self._prepare(s, workload,
-                                                                                                    batch_size, batches):
+            if self._prepare(s, workload, batch_size, batches) and all(
+                    self._try(s, workload, batch_size, b) is not None for b in warm):
                 live.append(s)
             progress.update(1)
         measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in batches] for s in live}

@@ -10,7 +10,8 @@ import resource
 import sys
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,7 @@ class BatchRun:
     peak_memory_bytes: int = 0
     captures: int = 0  # step or prefill shapes our engine captured (compiled) inside this timed call, for an HF
     # baseline the graphs torch.compile built in it: should be 0
+    step_kinds: dict[int, int] = field(default_factory=dict)  # our engine: steps run of each kind k' (0: AR steps)
 
 
 class BenchSkip(Exception):
@@ -101,7 +103,7 @@ class EngineSystem(System):
         size = self.engine.recipe.batch.max_batch_size
         t0 = time.perf_counter()
         run = BatchRun([], [], [], [])
-        captures = self.engine.decoder.captures
+        captures, kinds = self.engine.decoder.captures, Counter()
         for i in range(0, len(prompts), size):
             offset = time.perf_counter() - t0
             for row in self.engine.generate(prompts[i: i + size], max_new_tokens, ignore_eos=ignore_eos):
@@ -109,7 +111,9 @@ class EngineSystem(System):
                 run.token_times.append([offset + t for t in row.token_times])
                 run.accepted.append(row.accepted)
                 run.finish_reasons.append(row.finish_reason)
+            kinds.update(self.engine.decoder.last_stats.draft_lengths)
         run.captures = self.engine.decoder.captures - captures
+        run.step_kinds = dict(sorted(kinds.items()))
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
