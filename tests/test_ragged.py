@@ -204,3 +204,17 @@ def test_recipe_key():
     assert r.batch.ragged and not parse({}).batch.ragged
     with pytest.raises(RecipeError, match="batch.ragged"):
         parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"ragged": True}})
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_shipped_batch_recipe_is_ar(tiny, tiny_reference, ragged):
+    """The batched recipe the benchmarks ship: the adaptive min-2 n-gram with ar_after_miss and overlap, under the
+    cost controller (padded or ragged) with prices where a draft slot costs a quarter of an AR step: its own choices
+    every step, and AR's tokens for every family."""
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
+                                                 "ar_after_miss": True}, "k": 4, "overlap": True, "cuda_graphs": False,
+                                     "batch": {"controller": "cost", "ragged": ragged}}))
+    eng.decoder.prices = {3: {k: 1 + 0.25 * k for k in range(5)}}
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    assert all(len(r.found) == len(r.accepted) for r in rows)
