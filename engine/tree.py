@@ -1,0 +1,140 @@
+"""Draft trees: their shape, the attention mask of a tree step, greedy acceptance and the KV compaction after it.
+
+A tree step verifies N tokens a row in one target forward: node 0 is the row's last token (the root), every other
+node a draft whose parent is an earlier node. A static tree's shape is given by paths, as Medusa and EAGLE write them:
+the path [i, j] is the j-th child of the i-th child of the root (0-based, children ranked by the drafter). Nodes are
+numbered in path order sorted by depth (breadth first), so a parent always comes before its children.
+
+Node n of a row whose last token sits at position P has position P + depth(n) (what RoPE sees) and cache slot
+P + n (where its K/V go: every node needs a slot of its own). It attends to the row's cache before P and to its
+ancestors (itself included) among the tree's slots. Greedy acceptance keeps the deepest node whose every ancestor
+(itself included, the root excepted) is its parent's target argmax; the row emits that path's drafts and the
+target's argmax at its end. Then each accepted node's K/V moves from slot P + n to slot P + depth(n), so the cache
+holds the accepted sequence in order, as a chain step leaves it.
+
+Everything here has static shapes (the tree's shape is fixed per step), so a tree step captures as one CUDA graph.
+This module knows nothing of models or drafters (SGLang keeps tree building apart from the model the same way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static draft tree: `parents[n]` of each node (node 0, the root, has -1), its `depth`, and the path of child
+    ranks that names it. `ancestors[n][m]` is True when m is an ancestor of n or n itself."""
+    paths: tuple[tuple[int, ...], ...]  # per node, node 0's is ()
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def ancestors(self, device=None) -> torch.Tensor:
+        """bool [N, N]: row n marks n's ancestors and n itself."""
+        anc = torch.zeros(self.nodes, self.nodes, dtype=torch.bool)
+        for n in range(self.nodes):
+            m = n
+            while m >= 0:
+                anc[n, m] = True
+                m = self.parents[m]
+        return anc.to(device)
+
+    def ancestor_at_depth(self, device=None) -> torch.Tensor:
+        """long [N, depth + 1]: node n's ancestor at each depth d <= depth(n) (n itself at its own depth; 0 beyond)."""
+        out = torch.zeros(self.nodes, self.depth + 1, dtype=torch.long)
+        for n in range(self.nodes):
+            m = n
+            while m >= 0:
+                out[n, self.depths[m]] = m
+                m = self.parents[m]
+        return out.to(device)
+
+
+def tree_from_paths(paths) -> TreeShape:
+    """The tree of these paths (lists of child ranks), each path's every prefix included, breadth first. Refused
+    with a ValueError naming the problem: an empty or negative path entry, or more than 256 nodes."""
+    seen = set()
+    for p in paths:
+        p = tuple(p)
+        if not p or any(not isinstance(c, int) or c < 0 for c in p):
+            raise ValueError(f"tree path {list(p)}: must be a non-empty list of child ranks >= 0")
+        for i in range(1, len(p) + 1):
+            seen.add(p[:i])
+    ordered = [()] + sorted(seen, key=lambda p: (len(p), p))
+    if len(ordered) > 256:
+        raise ValueError(f"a draft tree of {len(ordered)} nodes: at most 256")
+    index = {p: i for i, p in enumerate(ordered)}
+    return TreeShape(tuple(ordered), tuple(index[p[:-1]] if p else -1 for p in ordered),
+                     tuple(len(p) for p in ordered))
+
+
+def chains(branches: int, depth: int) -> TreeShape:
+    """`branches` chains of `depth` drafts from the root: what a drafter with several candidate continuations (the
+    n-gram drafter's several matches) fills."""
+    return tree_from_paths([[b] + [0] * (d - 1) for b in range(branches) for d in range(1, depth + 1)])
+
+
+def tree_positions(last_positions: torch.Tensor, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, cache slots) [B, N] of a tree step for rows whose last token sits at `last_positions` [B]."""
+    depth = torch.tensor(shape.depths, device=last_positions.device)
+    index = torch.arange(shape.nodes, device=last_positions.device)
+    return last_positions[:, None] + depth[None], last_positions[:, None] + index[None]
+
+
+def tree_mask(last_positions: torch.Tensor, ancestors: torch.Tensor, cache_slots: int) -> torch.Tensor:
+    """bool [B, N, S]: query node n of row b may attend to cache slot s when s is before the row's last token's slot
+    P_b, or s = P_b + m for an ancestor m of n (itself included)."""
+    N = ancestors.shape[0]
+    slot = torch.arange(cache_slots, device=last_positions.device)
+    rel = slot[None, :] - last_positions[:, None]  # [B, S]: the slot's node, where 0 <= rel < N
+    in_tree = (rel >= 0) & (rel < N)
+    seen = ancestors[:, rel.clamp(0, N - 1)].permute(1, 0, 2)  # [B, N, S]: ancestors[n, rel[b, s]]
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)
+
+
+def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, parents: torch.Tensor,
+                ancestors: torch.Tensor, depths: torch.Tensor, at_depth: torch.Tensor):
+    """Greedy acceptance of a tree step. tokens [B, N] (node 0 the root), valid bool [B, N] (a node the drafter
+    filled; the root always), logits [B, N, V]. Returns (n_accepted [B], emitted [B, depth + 1], path [B, depth + 1]):
+    the deepest node all of whose non-root ancestors match their parent's argmax (ties: the lowest index), its depth,
+    the tokens the row emits (the path's drafts, then the target's argmax at the path's end; junk past n_accepted),
+    and the path's nodes by depth (0 past its end)."""
+    target = logits.argmax(-1)  # [B, N]
+    match = valid & (tokens == target.gather(1, parents.clamp(min=0)[None].expand_as(tokens)))
+    match[:, 0] = True
+    accepted = ~((~match)[:, None, :] & ancestors[None]).any(-1)  # [B, N]: every ancestor (and itself) matched
+    N = tokens.shape[1]
+    score = torch.where(accepted, depths[None] * (N + 1) + (N - torch.arange(N, device=tokens.device))[None], -1)
+    best = score.argmax(-1)  # [B]
+    n_acc = depths[best]
+    path = at_depth[best]  # [B, depth + 1]
+    depth_range = torch.arange(path.shape[1], device=tokens.device)[None]
+    drafts = tokens.gather(1, path[:, 1:])  # the path's drafts by depth 1..depth
+    bonus = target.gather(1, best[:, None])
+    emitted = torch.cat([drafts, bonus], 1)  # position n_acc gets the bonus below
+    emitted = torch.where(depth_range == n_acc[:, None], bonus, emitted)
+    return n_acc, emitted, torch.where(depth_range <= n_acc[:, None], path, 0)
+
+
+def compact_tree_kv(kv: torch.Tensor, last_positions: torch.Tensor, path: torch.Tensor) -> None:
+    """Move each row's accepted path into place: the K/V of the path's node at depth d, written at slot P + node,
+    copied to slot P + d (d = 1..depth; past the path's end the copies land past the row's new end, where nothing
+    reads before the next step overwrites them). kv: [2, layers, B, kv_heads, S, head_dim], in place."""
+    B, D = path.shape[0], path.shape[1] - 1
+    if D == 0:
+        return
+    S = kv.shape[4]
+    src = (last_positions[:, None] + path[:, 1:]).clamp(max=S - 1)  # [B, D]
+    dst = (last_positions[:, None] + torch.arange(1, D + 1, device=path.device)[None]).clamp(max=S - 1)
+    rows = torch.arange(B, device=path.device)[:, None].expand(B, D)
+    moved = kv[:, :, rows, :, src]  # [B, D, 2, layers, kv_heads, head_dim]: gathered whole before any write
+    kv[:, :, rows, :, dst] = moved
