@@ -11,6 +11,9 @@ NAME.json, from which tools/bench/report.write_report draws report.md and speedu
 `--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
 ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
 
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (issue #20 item 5): its first run is the tenth lease's
+A, docs/benchmarks/2026-12-01-tenth-lease.md (not quotable: it exposed the fused layer's dead-token bug).
+
 Device minutes: about 4 for `--crash-check`, 8-9 for the sweep.
 """
 from __future__ import annotations
