@@ -25,7 +25,7 @@ from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
-from .model import Block, KVCache, Packing, Transformer, compiled
+from .model import Block, KVCache, Packing, Transformer, compiled, unpacked
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -365,6 +365,8 @@ class Decoder:
         if controller not in ("none", "cost"):
             raise ValueError(f"controller must be 'none' or 'cost', got {controller!r}")
         self.model, self.drafter, self.k = model, drafter, k
+        # The target layers whose outputs the drafter reads (an EAGLE-3 head): every target forward returns them too.
+        self.aux_layers = drafter.needs_hidden_states if drafter is not None else None
         self.adaptive_drafts = adaptive_drafts and k > 0
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
@@ -447,30 +449,39 @@ class Decoder:
         if ragged:
             valid, tokens, at, rows, slots, live = self._pack(inputs, positions, valid, st.active, drafts_k * st.batch,
                                                               st.batch * (drafts_k + 1), st.history.shape[1])
-            logits = self.model(tokens[None], at[None], self._cache, ops=self.ops, layer_fn=self.layer_fn, live=live,
-                                packing=Packing(rows, slots, positions))
+            logits, hidden = self._forward(tokens[None], at[None], live=live, packing=Packing(rows, slots, positions))
+            if hidden is not None:  # each packed token's states back at its row's slot
+                hidden = unpacked(hidden[0], slots, st.batch, inputs.shape[1])
             self._mark("verify")
             n_acc = self._finish_packed(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits[0],
                                         slots, found)
         elif sampling.greedy:
             skip = {} if live is None else {"live": live}
-            logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **skip)
+            logits, hidden = self._forward(inputs, positions, **skip)
             self._mark("verify")
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
                                  self.ops.accept, found)
         else:
-            logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn)
+            logits, hidden = self._forward(inputs, positions)
             self._mark("verify")
             q = prop.probs[:, : inputs.shape[1] - 1] if drafts is not None and prop.probs is not None else None
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)  # q None: one-hot
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
             st.out[:, -2].copy_(valid)
             st.out[:, -1].copy_(found)
-        if drafts is not None:
-            if self.adaptive_drafts:
-                self._update_budget(st.budget, valid, n_acc, k)
+        if drafts is not None and self.adaptive_drafts:
+            self._update_budget(st.budget, valid, n_acc, k)
+        if hidden is not None:  # every step, AR steps too: the drafter reads the states of every token emitted
+            self.drafter.update(n_acc, hidden=hidden)
+        elif drafts is not None:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
+
+    def _forward(self, tokens, positions, **kwargs):
+        """The target's forward over a step's tokens: (logits, the hidden states the drafter reads or None)."""
+        out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn,
+                         aux_layers=self.aux_layers, **kwargs)
+        return out if self.aux_layers is not None else (out, None)
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int) -> None:
         if not sampling.greedy:
@@ -524,6 +535,7 @@ class Decoder:
         back afterwards: replays only append junk past them."""
         graph = self._graph(st, SamplingParams(), drafts_k)
         saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
+        drafter_state = self.drafter.snapshot() if self.drafter is not None else None
         st.active.fill_(True)
         cuda = st.out.device.type == "cuda"
         if cuda:
@@ -542,6 +554,8 @@ class Decoder:
             seconds = time.perf_counter() - t0
         for buf, value in zip((st.lengths, st.budget, st.active), saved):
             buf.copy_(value)
+        if self.drafter is not None:
+            self.drafter.restore(drafter_state)
         return seconds / replays
 
     def _prices(self, st: DecodeState) -> dict[int, float]:
@@ -583,6 +597,7 @@ class Decoder:
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
         saved = (st.history.clone(), st.lengths.clone())
+        drafter_state = self.drafter.snapshot() if self.drafter is not None else None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -590,6 +605,8 @@ class Decoder:
                 self._step(st, sampling, None, drafts_k)
                 st.history.copy_(saved[0])
                 st.lengths.copy_(saved[1])
+                if self.drafter is not None:
+                    self.drafter.restore(drafter_state)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
@@ -597,7 +614,10 @@ class Decoder:
         return graph
 
     def _prefill_forward(self, tokens, positions, lengths):
-        return self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops)[:, 0]
+        """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's."""
+        out = self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops,
+                         aux_layers=self.aux_layers)
+        return out[:, 0] if self.aux_layers is None else (out[0][:, 0], out[1])
 
     def _prefill_graph(self, batch: int, width: int):
         """The prefill of this bucket and width: with CUDA graphs a graph captured once on zero prompts (its inputs
@@ -723,11 +743,16 @@ class Decoder:
             positions = torch.arange(width, device=device)[None].expand(rows, width)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
             logits = self._prefill(padded, positions, lengths)
+            prompt_hidden = None
+            if self.aux_layers is not None:
+                logits, prompt_hidden = logits
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
                 first = torch.multinomial(probabilities(logits, sampling), 1, generator=generator).squeeze(1)
-            if self.drafter is not None:
+            if prompt_hidden is not None:
+                self.drafter.prefill(padded, positions, max_len, hidden=prompt_hidden, lengths=lengths)
+            elif self.drafter is not None:
                 self.drafter.prefill(padded, positions, max_len)
             st.history.zero_()
             st.history[:, :width] = padded

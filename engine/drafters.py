@@ -40,21 +40,39 @@ class Drafter(ABC):
     # True when the drafter finds a different number of drafts for each row (valid < k), at the same cost for any k:
     # the decoder then always asks for k, and what it found tells the batch controller which rows have drafts.
     variable_drafts = False
+    # The target layers (0-based) whose outputs the drafter reads (an EAGLE-3 head: three of them). None: none. When
+    # set, the target's forwards also return those hidden states (Transformer.forward's `aux_layers`), and the
+    # decoder hands them over: the prompt's to `prefill` (hidden=, lengths=), each step's to `update` (hidden=).
+    needs_hidden_states: tuple[int, ...] | None = None
 
     def reserve(self, rows: int, max_len: int) -> None:
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
         (re)allocates its own cache, and captured steps then keep pointing at the same memory for every batch size."""
 
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> None:
-        """See the (right-padded) prompts; `max_len` bounds every position this batch will use."""
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
+                hidden: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
+        """See the (right-padded) prompts; `max_len` bounds every position this batch will use. A drafter with
+        `needs_hidden_states` is also given `hidden` ([B, T, n * hidden], the target's states of the prompt tokens)
+        and `lengths` ([B], each prompt's length)."""
 
     @abstractmethod
     def propose(self, history: torch.Tensor, lengths: torch.Tensor, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         """Up to k tokens per row after `history[b, :lengths[b]]`."""
 
-    def update(self, accepted: torch.Tensor) -> None:
-        """Learn from the number of drafts each row accepted this step ([B] long, on device)."""
+    def update(self, accepted: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        """Learn from the number of drafts each row accepted this step ([B] long, on device). Called after every
+        verification step; with `needs_hidden_states` after every step, AR steps too (accepted 0), with `hidden`
+        [B, T, n * hidden]: the target's states of the step's T verified slots, row b's first accepted[b] + 1 of them
+        those of tokens now in the history (the rest are junk, possibly not even finite)."""
+
+    def snapshot(self):
+        """The device state a step changes, or None: the decoder runs steps it then undoes (warm-ups before a CUDA
+        graph capture, timing a step for the controller's prices) and puts this back afterwards with `restore`."""
+        return None
+
+    def restore(self, state) -> None:
+        """Put back what `snapshot` returned."""
 
     def prepare(self, ops, layer_fn, compile: bool) -> None:
         """Use the decoder's kernel implementations and layer function; compile device work when asked."""

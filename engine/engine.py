@@ -7,6 +7,7 @@ from . import loader
 from ..kernels import resolve as resolve_kernels
 from .decode import Decoder, RowResult, StopCondition
 from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .eagle3 import Eagle3Drafter, load_head
 from .errors import SpecPilotError
 from .loader import LoadedModel
 from .recipe import Recipe
@@ -35,6 +36,8 @@ def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None
         if spec.layers >= n:
             raise SpecPilotError(f"recipe key 'drafter.layers': {spec.layers} must be below the target's {n} layers")
         return ModelDrafter(target.model, n_layers=spec.layers, name="layerskip")
+    if spec.kind == "eagle3":
+        return Eagle3Drafter(load_head(spec.model, target.model), recipe.k)
     if draft is None:
         draft = loader.load(spec.model, spec.dtype or target.model.dtype, str(target.model.device))
     check_same_vocabulary(target, draft)

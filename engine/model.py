@@ -227,7 +227,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
-                layer_fn=None, live: torch.Tensor | None = None, packing: Packing | None = None) -> torch.Tensor:
+                layer_fn=None, live: torch.Tensor | None = None, packing: Packing | None = None,
+                aux_layers: tuple[int, ...] | None = None):
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
@@ -236,6 +237,9 @@ class Transformer(nn.Module):
         `live` (int32 [B * T]) marks with 0 the tokens whose logits nobody reads (verification slots past a row's
         valid drafts): a layer function that can skip them (`skips_dead_tokens`) does, and their logits are junk.
         `packing`: tokens [1, N] are packed tokens of several rows (Packing says where each belongs).
+        `aux_layers` (layer indices i, 0-based): also return the residual stream after each of those layers, the
+        output of layer i, concatenated in the order given: (logits, [B, T, len(aux_layers) * hidden]). An EAGLE-3
+        head reads them (engine/eagle3.py); they come from this forward, at no extra pass.
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
@@ -263,8 +267,11 @@ class Transformer(nn.Module):
         skip = {"live": live} if live is not None and getattr(layer_fn, "skips_dead_tokens", False) else {}
         if packing is not None:
             skip["unpack"] = packing.slots
+        after = {}  # layer index -> its output, for aux_layers
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)
+            if aux_layers is not None and i in aux_layers:
+                after[i] = x + delta  # a layer returns its MLP output unadded (Block): the sum is its output
         h = None
         final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
         if final_norm is not None and logits_at is None:
@@ -275,7 +282,10 @@ class Transformer(nn.Module):
             if logits_at is not None:
                 x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
             h = ops.rmsnorm(x, self.norm, self.cfg.rms_eps)
-        return ops.linear(h, self.lm_head, None)
+        logits = ops.linear(h, self.lm_head, None)
+        if aux_layers is None:
+            return logits
+        return logits, torch.cat([after[i] for i in aux_layers], -1)
 
 
 def from_hf_state_dict(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:

@@ -17,7 +17,7 @@ from ..kernels import DEFAULTS as KERNEL_DEFAULTS, check_choice as check_kernel,
 from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
-DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3")
 VERIFICATION_KINDS = ("chain",)
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
@@ -35,7 +35,7 @@ class DrafterSpec:
     max_ngram: int = 3  # ngram
     min_ngram: int = 1  # ngram
     layers: int = 0  # layerskip: how many of the target's first layers draft
-    model: str = ""  # model: path, alias or cached hub id of the draft model
+    model: str = ""  # model: path, alias or cached hub id of the draft model; eagle3: the head's directory
     dtype: str = ""  # model: its dtype ("" = the target's)
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
     ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
@@ -144,6 +144,10 @@ def _check(r: Recipe) -> Recipe:
         bad("drafter.layers", "a layer-skip drafter needs layers >= 1")
     if r.drafter.kind == "model" and not r.drafter.model:
         bad("drafter.model", "a model drafter needs the draft model's path or alias")
+    if r.drafter.kind == "eagle3" and not r.drafter.model:
+        bad("drafter.model", "an eagle3 drafter needs the head's directory (config.json + *.safetensors)")
+    if r.drafter.kind == "eagle3" and r.drafter.dtype:
+        bad("drafter.dtype", "an eagle3 head runs in the target's dtype (it reads the target's hidden states)")
     for slot, impl in r.kernels.items():
         why = check_kernel(slot, impl)
         if why:

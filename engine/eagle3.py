@@ -1,0 +1,485 @@
+"""EAGLE-3 draft heads in the on-disk format SGLang and vLLM load, and the chain drafter that runs one.
+
+A head is a directory: `config.json` (a Llama config, `architectures: ["LlamaForCausalLMEagle3"]`) and
+`*.safetensors`. What follows is what the serving engines and the trainer do, read from their sources
+(sgl-project/sglang at 03d5a77, vllm-project/vllm at 00bd149, sgl-project/SpecForge at a6b6b02); the engine does
+the same unless it says otherwise.
+
+Weights (H = hidden_size, Ht = target_hidden_size or H, I = intermediate_size, V = vocab_size, Vd =
+draft_vocab_size), names without a "model." prefix (vLLM's Eagle3LlamaForCausalLM.load_weights prefixes "model." to
+every name but lm_head; SGLang's LlamaForCausalLMEagle3.load_weights maps both):
+- `fc.weight` [H, 3 Ht]: fuses the target's three hidden states, concatenated low, middle, high (SGLang
+  llama_eagle3.py LlamaModel: `fc = Linear(hidden_size_in * 3, hidden_size, bias=config.bias)`, hidden_size_in =
+  target_hidden_size when the config has it; vLLM: bias False; SpecForge llama3_eagle.py the same). `fc.bias` is
+  read when present (SGLang's `bias` key).
+- `midlayer.input_layernorm.weight`, `midlayer.hidden_norm.weight` [H]; `midlayer.self_attn.{q,k,v}_proj.weight`
+  [heads * head_dim, 2 H] (SGLang overrides qkv_proj with input 2 * hidden_size; vLLM `qkv_input_size = 2 *
+  hidden_size` for layer 0; biases only with vLLM's `attention_bias`, read when present), `o_proj.weight`
+  [H, heads * head_dim]; `midlayer.post_attention_layernorm.weight` [H]; `midlayer.mlp.{gate,up}_proj.weight`
+  [I, H], `down_proj.weight` [H, I]. One decoder layer (`num_hidden_layers: 1`; SGLang and vLLM build more as
+  plain layers, which no published head has; refused here).
+- `norm.weight` [H]; `lm_head.weight` [Vd, H] (SGLang: ParallelLMHead(draft_vocab_size); with no
+  draft_vocab_size the target's lm_head is loaded instead, `load_lm_head_from_target`; vLLM: the target's only when
+  the checkpoint has none, process_eagle_weight).
+- `d2t` [Vd] int64: target id = draft id + d2t[draft id] (SGLang: `hot_token_id = d2t + arange`; vLLM
+  compute_logits: `targets = arange(draft_vocab_size) + draft_id_to_target_id`). `t2d` [V] bool marks the target
+  ids in the draft vocabulary; both engines skip it on load; here it is checked against d2t when present.
+- `embed_tokens.weight` [V, H] is usually absent: SpecForge's export drops every "embed" tensor
+  (specforge/export/to_sglang.py) and the engines use the target's embeddings (SGLang's eagle worker `set_embed`
+  always, unless the hidden sizes differ; vLLM when the checkpoint has none). Here: the head's own when present
+  (as vLLM), else the target's.
+
+The layer (SGLang LlamaDecoderLayer.forward in llama_eagle3.py; SpecForge LlamaDecoderLayer.forward the same):
+residual = hidden; x = cat(input_layernorm(embedding), hidden_norm(hidden)); h = residual + o_proj(attention(x));
+out = h + mlp(post_attention_layernorm(h)); logits = lm_head(norm(out)). vLLM's `norm_before_residual: true`
+(speculators checkpoints) takes residual = hidden_norm(hidden); read here. `out`, before the final norm, is what
+the next draft step reads as its hidden state (SGLang LlamaModel returns `hidden_states_to_aux`, the pre-norm sum;
+vLLM `hidden_prenorm`); the fc applies only to the target's states (SGLang: only when the width is not H).
+
+Which target states (Transformer.forward's `aux_layers`, here the output of layer i, 0-based): SGLang's target
+models append `hidden_states + residual` to the aux states *before* running layer i for i in `layers_to_capture`
+(sglang models/llama.py LlamaModel.forward), which is [2, L // 2, L - 3] by default and [i + 1 for i in ids] for
+the ids of the head's `eagle_config.eagle_aux_hidden_state_layer_ids` (set_eagle3_layers_to_capture; "for the ith
+layer, it takes the output of the (i-1)th layer"); SpecForge hooks the output of layers[i] for those ids, default
+[1, L // 2 - 1, L - 4] (modeling/target/eagle3_target_model.py), and writes them nested in eagle_config
+(configs/gpt-oss-20B-eagle3.json). So: nested ids name layer outputs; the default is the outputs of layers 1,
+L // 2 - 1, L - 4. vLLM appends the same sum before layer idx for idx in the ids taken *as they are* from the top
+level `eagle_aux_hidden_state_layer_ids` (or, failing that, the nested key; gpu_model_runner
+_get_eagle3_aux_layers_from_config), default (2, L // 2, L - 3): its ids are capture points, the output of layer
+id - 1. The two engines thus read the same nested number one layer apart; here the nested key follows SGLang and
+SpecForge (who write it) and the top-level key follows vLLM (id - 1); both present and naming different layers is
+refused, and so is vLLM's id 0 (the embeddings).
+
+Pairing and positions (vLLM v1 spec_decode/eagle.py propose: "Shift the input ids by one token", positions left
+as the target's; SpecForge trains on input_ids shifted left by one): at position t the head reads the target's
+state of token t with the embedding of token t + 1 and predicts token t + 2; each further draft step reads the
+head's own pre-norm output at t and the token it just drafted, at position t + 1. Rotary embeddings from the
+head's own config (rope_theta, rope_scaling).
+
+The drafter keeps the head's K/V cache in the batch's positions. After a verification step that accepted n drafts
+of a row whose history now has `len` tokens, the pairs (state of token len - 2 - n + j, token len - 1 - n + j),
+j = 0..n, are new (the last verified token and the accepted drafts, each with its successor: the accepted drafts and
+the target's own token); the next `propose` runs them in one forward (k + 1 slots, those past n zeroed and written
+where the draft steps overwrite them before anyone reads them), drafts the first token from slot n, then k - 1 more
+one at a time. After prefill the new pair is (state of the last prompt token, the first generated token). Cache
+slots below len - 2 - n always hold pairs of the target's own states, as at training, and the draft steps' own
+entries sit above them (the training's test-time-training steps attend the same way).
+
+Not here: tree drafting. vLLM's `logit_scale` is not applied (greedy drafts are unchanged by it; sampled ones
+come from an unscaled q, which speculative sampling accepts as any other q). SpecForge's own `fc_norm` /
+`norm_output: false` variants are refused (SGLang's loader reads neither). A head whose `tie_word_embeddings` is true
+still uses its own lm_head (SpecForge configs set it for tied targets while training a separate [Vd, H] lm_head;
+vLLM ignores the key). Costs: the prompt's states [B, T, 3 Ht] live through prefill; an AR step (the controller's
+k' = 0, ar_after_miss) still runs the head's k draft steps, as the decoder asks every drafter for k then, though
+only the first forward (the new pairs) is needed.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import resolve as resolve_kernels
+from ..kernels.builtin import attention_sdpa
+from .drafters import Drafter, Proposal, rows_of
+from .errors import SpecPilotError
+from .model import KVCache, Transformer, compiled, rope_inv_freq, rotate
+from .sampling import probabilities
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...]  # the target layers (0-based) whose outputs fc fuses, in order
+    norm_before_residual: bool
+
+
+def aux_layers_of(config: dict, n_target_layers: int, fail) -> tuple[int, ...]:
+    """The target layers whose outputs the head reads (see the module docstring for the two conventions)."""
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    found = []
+    if nested is not None:
+        found.append(("eagle_config.eagle_aux_hidden_state_layer_ids", nested, 0))
+    if top is not None:
+        found.append(("eagle_aux_hidden_state_layer_ids", top, 1))  # vLLM: capture points, layer id - 1's output
+    for key, ids, _ in found:
+        if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+            fail(f"config key {key} must list three layer ids, got {ids!r}")
+    layers = {key: tuple(i - shift for i in ids) for key, ids, shift in found}
+    if len(set(layers.values())) > 1:
+        fail("config keys eagle_config.eagle_aux_hidden_state_layer_ids (SGLang: layer outputs) and "
+             "eagle_aux_hidden_state_layer_ids (vLLM: layer inputs) name different target layers: "
+             + ", ".join(f"{k} -> outputs of layers {list(v)}" for k, v in layers.items()))
+    if layers:
+        key, chosen = next(iter(layers.items()))
+    else:
+        key, chosen = "the default", (1, n_target_layers // 2 - 1, n_target_layers - 4)
+    if any(not 0 <= i < n_target_layers for i in chosen):
+        fail(f"reads the outputs of target layers {list(chosen)} ({key}), but the target has layers "
+             f"0..{n_target_layers - 1}")
+    return chosen
+
+
+def read_config(directory: Path, target: Transformer, fail) -> tuple[Eagle3Config, object]:
+    """The head's config checked against the target, and the HF LlamaConfig its rotary embedding comes from."""
+    path = directory / "config.json"
+    if not path.is_file():
+        fail("has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        fail(f"config.json is not valid JSON: {e}")
+    arch = raw.get("architectures") or []
+    if ARCHITECTURE not in arch:
+        fail(f"config.json names architectures {arch}, not [{ARCHITECTURE!r}] (an EAGLE-3 head)")
+    if raw.get("num_hidden_layers", 1) != 1:
+        fail(f"has {raw['num_hidden_layers']} decoder layers; heads of one (midlayer.*) are supported")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        fail(f"MLP activation {raw['hidden_act']!r} is not supported (silu)")
+    if (raw.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False:
+        fail("does not read the target's hidden states (eagle_config.use_aux_hidden_state false): not EAGLE-3")
+    if raw.get("fc_norm") or raw.get("norm_output", True) is False:
+        fail("uses SpecForge's fc_norm / norm_output variants, which SGLang's and vLLM's loaders do not read")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if not isinstance(raw.get(key), int):
+            fail(f"config.json lacks the integer {key}")
+    cfg_t = target.cfg
+    hidden = raw["hidden_size"]
+    target_hidden = raw.get("target_hidden_size") or hidden
+    if target_hidden != cfg_t.hidden_size:
+        fail(f"reads target hidden states of size {target_hidden} (fc takes 3 x {target_hidden}), the target's are "
+             f"{cfg_t.hidden_size}")
+    if raw["vocab_size"] != cfg_t.vocab_size:
+        fail(f"has vocab_size {raw['vocab_size']}, the target has {cfg_t.vocab_size} token ids")
+    draft_vocab = raw.get("draft_vocab_size") or raw["vocab_size"]
+    if not 0 < draft_vocab <= raw["vocab_size"]:
+        fail(f"draft_vocab_size {draft_vocab} must be between 1 and vocab_size {raw['vocab_size']}")
+    n_heads = raw["num_attention_heads"]
+    n_kv = raw.get("num_key_value_heads") or n_heads
+    if n_heads % n_kv:
+        fail(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig.from_dict(raw)
+    cfg = Eagle3Config(
+        hidden_size=hidden, target_hidden_size=target_hidden, intermediate_size=raw["intermediate_size"],
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=raw.get("head_dim") or hidden // n_heads,
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)), vocab_size=raw["vocab_size"], draft_vocab_size=draft_vocab,
+        aux_layers=aux_layers_of(raw, cfg_t.n_layers, fail),
+        norm_before_residual=bool(raw.get("norm_before_residual", False)))
+    return cfg, hf
+
+
+def read_weights(directory: Path, fail) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        fail("has no *.safetensors file (EAGLE-3 heads are read from safetensors)")
+    weights = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    weights[name] = st.get_tensor(name)
+        except Exception as e:  # safetensors raises its own types for a truncated or foreign file
+            fail(f"could not read {f.name}: {type(e).__name__}: {e}")
+    return weights
+
+
+class Eagle3Head:
+    """A loaded head in the target's dtype and device: q/k/v and gate/up fused into one matrix each (as Block does),
+    the target's embeddings (and lm_head) where the head has none, and each draft id's target id."""
+
+    def __init__(self, directory: str | Path, target: Transformer):
+        directory = Path(directory)
+        source = str(directory)
+
+        def fail(why: str):
+            raise SpecPilotError(f"EAGLE-3 head {source}: {why}")
+
+        if not directory.is_dir():
+            fail("is not a directory")
+        cfg, hf = read_config(directory, target, fail)
+        weights = read_weights(directory, fail)
+        H, Ht, I, V, Vd = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                           cfg.draft_vocab_size)
+        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        a, m = "midlayer.self_attn.", "midlayer.mlp."
+        required = {"fc.weight": (H, 3 * Ht), "midlayer.input_layernorm.weight": (H,),
+                    "midlayer.hidden_norm.weight": (H,), a + "q_proj.weight": (q_out, 2 * H),
+                    a + "k_proj.weight": (kv_out, 2 * H), a + "v_proj.weight": (kv_out, 2 * H),
+                    a + "o_proj.weight": (H, q_out), "midlayer.post_attention_layernorm.weight": (H,),
+                    m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H), m + "down_proj.weight": (H, I),
+                    "norm.weight": (H,)}
+        optional = {"fc.bias": (H,), a + "q_proj.bias": (q_out,), a + "k_proj.bias": (kv_out,),
+                    a + "v_proj.bias": (kv_out,), a + "o_proj.bias": (H,), "lm_head.weight": (Vd, H),
+                    "embed_tokens.weight": (V, H), "d2t": (Vd,), "t2d": (V,)}
+        for name in weights:
+            if name not in required and name not in optional:
+                fail(f"has a weight {name!r} that an EAGLE-3 head of one decoder layer does not have")
+        for name, shape in {**required, **optional}.items():
+            if name not in weights:
+                if name in required:
+                    fail(f"lacks the weight {name!r}")
+                continue
+            if tuple(weights[name].shape) != shape:
+                fail(f"weight {name!r} has shape {list(weights[name].shape)}, expected {list(shape)} from "
+                     f"config.json and the target")
+        biases = [a + f"{n}_proj.bias" for n in "qkv"]
+        if any(b in weights for b in biases) and not all(b in weights for b in biases):
+            fail("has biases for some of q/k/v_proj but not all")
+
+        self.cfg, self.source = cfg, source
+        self.draft_to_target = self._vocabulary(weights, cfg, fail).to(target.device)
+        dtype, device = target.dtype, target.device
+
+        def take(name: str) -> torch.Tensor | None:
+            t = weights.get(name)
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        self.fc, self.fc_bias = take("fc.weight"), take("fc.bias")
+        self.input_norm, self.hidden_norm = take("midlayer.input_layernorm.weight"), take("midlayer.hidden_norm.weight")
+        self.wqkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+        self.bqkv = torch.cat([take(b) for b in biases]) if biases[0] in weights else None
+        self.wo, self.bo = take(a + "o_proj.weight"), take(a + "o_proj.bias")
+        self.post_norm = take("midlayer.post_attention_layernorm.weight")
+        self.w13 = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        self.w2 = take(m + "down_proj.weight")
+        self.norm = take("norm.weight")
+        if "embed_tokens.weight" in weights:
+            self.embed = take("embed_tokens.weight")
+        elif H != target.cfg.hidden_size:
+            fail(f"has no embed_tokens.weight, and the target's embeddings are {target.cfg.hidden_size} wide, "
+                 f"the head's hidden size {H}")
+        else:
+            self.embed = target.embed
+        if "lm_head.weight" in weights:
+            self.lm_head = take("lm_head.weight")
+        elif Vd != V or H != target.cfg.hidden_size:
+            fail(f"lacks the weight 'lm_head.weight' (the target's LM head serves only a head with the target's "
+                 f"vocabulary and hidden size)")
+        else:
+            self.lm_head = target.lm_head
+        inv_freq, self.attention_scaling = rope_inv_freq(hf)
+        self.inv_freq = inv_freq.float()
+        self.dtype, self.device = dtype, device
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _vocabulary(weights, cfg: Eagle3Config, fail) -> torch.Tensor:
+        """Each draft id's target id [Vd], from d2t (target id = draft id + d2t[draft id]), checked against t2d."""
+        V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+        d2t = weights.get("d2t")
+        if d2t is None:
+            if Vd != V:
+                fail(f"has a draft vocabulary of {Vd} ids but no d2t map to the target's {V}")
+            ids = torch.arange(V)
+        else:
+            if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+                fail(f"d2t must hold integer offsets, got {d2t.dtype}")
+            ids = torch.arange(Vd) + d2t.long()
+            bad = (ids < 0) | (ids >= V)
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                fail(f"d2t maps draft id {i} to target id {int(ids[i])}, outside the target's 0..{V - 1}")
+            if ids.unique().numel() != Vd:
+                fail("d2t maps two draft ids to the same target id")
+        t2d = weights.get("t2d")
+        if t2d is not None:
+            if t2d.dtype != torch.bool:
+                fail(f"t2d must be a bool mask over the target vocabulary, got {t2d.dtype}")
+            if int(t2d.sum()) != Vd or not bool(t2d[ids].all()):
+                fail("t2d does not mark exactly the target ids that d2t maps the draft vocabulary to")
+        return ids
+
+    def ensure_rope(self, max_len: int) -> None:
+        """cos/sin tables [max_len, head_dim] in the model dtype, as Transformer._ensure_rope computes them."""
+        if self.rope is not None and self.rope[0].shape[0] >= max_len:
+            return
+        pos = torch.arange(max_len, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope = ((emb.cos() * self.attention_scaling).to(self.dtype),
+                     (emb.sin() * self.attention_scaling).to(self.dtype))
+
+    def new_cache(self, rows: int, max_len: int) -> KVCache:
+        self.ensure_rope(max_len)
+        return KVCache(1, rows, self.cfg.n_kv_heads, max_len, self.cfg.head_dim, self.dtype, self.device)
+
+
+def fuse(head: Eagle3Head, states: torch.Tensor, ops) -> torch.Tensor:
+    """fc over the target's concatenated states [..., 3 Ht] -> [..., H]."""
+    return ops.linear(states, head.fc, head.fc_bias)
+
+
+def midlayer(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             kv: torch.Tensor, ops) -> torch.Tensor:
+    """The decoder layer over pairs (tokens [B, T], hidden [B, T, H]) at `positions` [B, T]: writes their K/V to
+    `kv` [2, B, kv_heads, S, head_dim] and attends to slots 0..position of the row; returns the pre-norm output."""
+    cfg = head.cfg
+    B, T = tokens.shape
+    eps, nh, nkv, hd = cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    normed = ops.rmsnorm(hidden, head.hidden_norm, eps)
+    residual = normed if cfg.norm_before_residual else hidden
+    x = torch.cat([ops.rmsnorm(F.embedding(tokens, head.embed), head.input_norm, eps), normed], -1)
+    q, k, v = ops.linear(x, head.wqkv, head.bqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
+    cos, sin = (t[positions].unsqueeze(2) for t in head.rope)
+    q, k = rotate(q.view(B, T, nh, hd), cos, sin), rotate(k.view(B, T, nkv, hd), cos, sin)
+    rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
+    kv[:, rows, :, positions] = torch.stack((k, v.view(B, T, nkv, hd)), 2)
+    rep = nh // nkv
+    key_pos = torch.arange(kv.shape[3], device=tokens.device)
+    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None].expand(B, 1, rep, T, kv.shape[3])
+    q = q.view(B, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, rep * T, hd)
+    o = ops.attention(q, kv[0], kv[1], mask.reshape(B, 1, rep * T, kv.shape[3]))
+    o = o.view(B, nkv, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
+    h = residual + ops.linear(o, head.wo, head.bo)
+    gate, up = ops.linear(ops.rmsnorm(h, head.post_norm, eps), head.w13, None).chunk(2, dim=-1)
+    return h + ops.linear(F.silu(gate) * up, head.w2, None)
+
+
+def draft_logits(head: Eagle3Head, out: torch.Tensor, ops) -> torch.Tensor:
+    """Logits over the draft vocabulary [..., Vd] from pre-norm outputs [..., H]."""
+    return ops.linear(ops.rmsnorm(out, head.norm, head.cfg.rms_eps), head.lm_head, None)
+
+
+def first_draft(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
+                lengths: torch.Tensor, kv: torch.Tensor, ops):
+    """The new pairs of each row (module docstring) in one forward over `pending.shape[1]` slots; returns the
+    pre-norm output at each row's last new pair [B, 1, H] and its draft logits [B, Vd]."""
+    B, S = history.shape
+    j = torch.arange(pending.shape[1], device=history.device)[None]
+    positions = (lengths[:, None] - 2 - n_new[:, None] + j).clamp(0, S - 1)
+    tokens = history.gather(1, (positions + 1).clamp(max=S - 1))
+    out = midlayer(head, tokens, fuse(head, pending, ops), positions, kv, ops)
+    last = out.gather(1, n_new[:, None, None].expand(B, 1, out.shape[-1]))
+    return last, draft_logits(head, last[:, 0], ops)
+
+
+def next_draft(head: Eagle3Head, token: torch.Tensor, last: torch.Tensor, position: torch.Tensor,
+               kv: torch.Tensor, ops):
+    """One more draft step: (the head's previous output, the token it drafted) at `position` [B, 1]."""
+    out = midlayer(head, token[:, None], last, position.clamp(max=kv.shape[3] - 1), kv, ops)
+    return out, draft_logits(head, out[:, 0], ops)
+
+
+class Eagle3Drafter(Drafter):
+    """Chain drafting with an EAGLE-3 head: k tokens a row, each the head's argmax mapped to its target id (sampled:
+    drawn from the head's warped distribution, returned as q over the target vocabulary)."""
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, k: int):
+        if k < 1:
+            raise ValueError(f"an EAGLE-3 drafter needs k >= 1, got {k}")
+        self.head, self.k = head, k
+        self.needs_hidden_states = head.cfg.aux_layers
+        self.ops = resolve_kernels()
+        self._first, self._next = first_draft, next_draft
+        self._base: KVCache | None = None
+        self.cache: KVCache | None = None  # the current batch's rows of `_base`
+        # Each row's new pairs since the last propose: the target's states of up to k + 1 slots (zero past the
+        # accepted ones) and how many were accepted; their tokens are read from the history at propose time.
+        self._pending_base: torch.Tensor | None = None
+        self._new_base: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
+        self._new: torch.Tensor | None = None
+
+    def prepare(self, ops, layer_fn, compile):
+        self.ops = ops
+        if compile:
+            self._first, self._next = compiled(first_draft), compiled(next_draft)
+
+    def reserve(self, rows, max_len):
+        head = self.head
+        if self._base is None or self._base.k.shape[1] < rows or self._base.max_len < max_len:
+            self._base = head.new_cache(rows, max_len)
+        if self._pending_base is None or self._pending_base.shape[0] < rows:
+            self._pending_base = torch.zeros(rows, self.k + 1, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
+                                             device=head.device)
+            self._new_base = torch.zeros(rows, dtype=torch.long, device=head.device)
+
+    def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
+        if hidden is None or lengths is None:
+            raise ValueError("the EAGLE-3 drafter's prefill needs the prompt's hidden states and lengths")
+        B, T = tokens.shape
+        self.reserve(B, max_len)
+        self.cache = rows_of(self._base, B)
+        self._pending, self._new = self._pending_base[:B], self._new_base[:B]
+        head, kv = self.head, self.cache.kv[:, 0]
+        if T > 1:
+            # pairs (state of token t, token t + 1) for t up to each prompt's second-to-last token; those past it
+            # (padding) are zeroed and land in slots that the first propose and its draft steps overwrite
+            inside = (torch.arange(T - 1, device=tokens.device)[None] < (lengths - 1)[:, None])[..., None]
+            states = torch.where(inside, hidden[:, :-1], 0)
+            midlayer(head, tokens[:, 1:], fuse(head, states, self.ops), positions[:, :-1], kv,
+                     self.ops._replace(attention=attention_sdpa))
+        # the new pair: (state of the last prompt token, the first generated token), at the next propose
+        self._pending.zero_()
+        last = hidden.gather(1, (lengths - 1)[:, None, None].expand(B, 1, hidden.shape[-1]))
+        self._pending[:, :1].copy_(last)
+        self._new.zero_()
+
+    def propose(self, history, lengths, k, sampling, generator):
+        head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
+        last, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        tokens, probs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                tok = head.draft_to_target[logits.argmax(-1)]
+            else:
+                q = probabilities(logits, sampling)  # over the draft vocabulary
+                tok = head.draft_to_target[torch.multinomial(q, 1, generator=generator).squeeze(1)]
+                full = q.new_zeros(q.shape[0], head.cfg.vocab_size)
+                probs.append(full.scatter_(1, head.draft_to_target[None].expand_as(q), q))
+            tokens.append(tok)
+            if i + 1 < k:
+                last, logits = self._next(head, tok, last, (lengths - 2 + i + 1)[:, None], kv, ops)
+        valid = torch.full_like(lengths, k)
+        return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)
+
+    def update(self, accepted, hidden=None):
+        if hidden is None:
+            raise ValueError("the EAGLE-3 drafter's update needs the step's hidden states")
+        T = hidden.shape[1]
+        kept = (torch.arange(T, device=hidden.device)[None] <= accepted[:, None])[..., None]
+        # torch.where, not a product: the slots past the accepted ones may hold anything, NaN included (a layer
+        # that skips dead tokens never wrote them)
+        self._pending[:, :T].copy_(torch.where(kept, hidden, 0))
+        if T < self._pending.shape[1]:
+            self._pending[:, T:].zero_()
+        self._new.copy_(accepted)
+
+    def snapshot(self):
+        if self._pending is None:
+            return None
+        return self._pending.clone(), self._new.clone()
+
+    def restore(self, state):
+        # The K/V cache needs no restoring: steps only write slots at or past the new pairs' first position, which
+        # the next propose writes again before reading (module docstring).
+        if state is not None:
+            self._pending.copy_(state[0])
+            self._new.copy_(state[1])
+
+
+def load_head(spec: str | Path, target: Transformer) -> Eagle3Head:
+    """The head in directory `spec` (or an alias / cached hub id of one: loader.source_dir) for this target."""
+    from . import loader
+
+    return Eagle3Head(loader.source_dir(str(spec)), target)

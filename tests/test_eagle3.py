@@ -1,0 +1,469 @@
+"""EAGLE-3 heads (issue #21 item 1): a randomly initialized head in the on-disk format SGLang and vLLM load
+(tests/eagle3_head.py writes it) loads, its forward equals a plain reference written here from the safetensors, the
+target's hidden states come from its own forward (equal to HF's layer outputs), decoding gives AR's tokens for every
+tiny family (padded, ragged, with AR steps), every proposal is the reference head's argmax on HF's hidden states,
+a head built to know the target is always accepted, and heads that do not fit the target are refused in one line."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import _COMMON, TINY_FAMILIES, build_tiny_hf
+from eagle3_head import default_aux_ids, head_config, save_head, write_head
+from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, midlayer
+from specpilot.engine.engine import Engine
+from specpilot.engine.errors import SpecPilotError
+from specpilot.engine.loader import load
+from specpilot.engine.recipe import RecipeError, parse
+from specpilot.engine.sampling import SamplingParams
+from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
+
+
+# -- a plain reference: the head written out from its files, no fusion, no cache, full causal attention -----------
+def rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class ReferenceHead:
+    """SGLang's LlamaDecoderLayer (llama_eagle3.py) over a whole sequence of (token, hidden) pairs."""
+
+    def __init__(self, path, target_embed):
+        self.cfg = json.loads((path / "config.json").read_text())
+        self.w = load_file(str(path / "model.safetensors"))
+        self.embed = self.w.get("embed_tokens.weight", target_embed)
+
+    def layer(self, tokens, hidden, positions):
+        c, w, p = self.cfg, self.w, "midlayer."
+        eps, nh, nkv, hd = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        T = tokens.shape[0]
+        normed = rms(hidden, w[p + "hidden_norm.weight"], eps)
+        residual = normed if c.get("norm_before_residual") else hidden
+        x = torch.cat([rms(self.embed[tokens], w[p + "input_layernorm.weight"], eps), normed], -1)
+
+        def proj(name):
+            bias = w.get(p + f"self_attn.{name}_proj.bias")
+            return F.linear(x, w[p + f"self_attn.{name}_proj.weight"], bias)
+
+        q, k, v = proj("q").view(T, nh, hd), proj("k").view(T, nkv, hd), proj("v").view(T, nkv, hd)
+        inv_freq = 1.0 / (c["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        freqs = positions.float()[:, None] * inv_freq[None]
+        cos, sin = torch.cat((freqs, freqs), -1).cos()[:, None], torch.cat((freqs, freqs), -1).sin()[:, None]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
+        scores = scores.masked_fill(positions[None, None, :] > positions[None, :, None], float("-inf"))
+        o = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, nh * hd)
+        h = residual + F.linear(o, w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+        g = rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        mlp = F.linear(F.silu(F.linear(g, w[p + "mlp.gate_proj.weight"])) * F.linear(g, w[p + "mlp.up_proj.weight"]),
+                       w[p + "mlp.down_proj.weight"])
+        return h + mlp
+
+    def logits(self, out):
+        return F.linear(rms(out, self.w["norm.weight"], self.cfg["rms_norm_eps"]), self.w["lm_head.weight"])
+
+    def target_id(self, draft_id: int) -> int:
+        return draft_id + int(self.w["d2t"][draft_id])
+
+    def propose(self, states, context: list[int], k: int) -> list[int]:
+        """k greedy drafts after `context`, from the target's states of its tokens 0..len-2 [len - 1, 3 Ht]: pairs
+        (state of token t, token t + 1) at positions t, then the head's own output with each draft."""
+        hidden = F.linear(states, self.w["fc.weight"], self.w.get("fc.bias"))
+        tokens = torch.tensor(context[1:])
+        drafts = []
+        for _ in range(k):
+            out = self.layer(tokens, hidden, torch.arange(tokens.shape[0]))
+            draft = self.target_id(int(self.logits(out[-1]).argmax()))
+            drafts.append(draft)
+            hidden, tokens = torch.cat([hidden, out[-1:]]), torch.cat([tokens, torch.tensor([draft])])
+        return drafts
+
+
+def hf_layer_outputs(hf, tokens: list[int], layers) -> torch.Tensor:
+    """HF's outputs of the given decoder layers for `tokens` [T, len(layers) * hidden], by forward hooks on the
+    layers (as SpecForge's HF target backend captures them)."""
+    got = {}
+    hooks = [hf.model.layers[i].register_forward_hook(
+        lambda mod, args, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in set(layers)]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([got[i][0] for i in layers], -1)
+
+
+# -- fixtures ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def head_dir(tiny, tmp_path_factory):
+    """A random head for each tiny family (low / middle / high layer outputs, draft vocabulary 160 of 256)."""
+    return write_head(tmp_path_factory.mktemp(f"eagle3-{tiny.family}"), tiny.hf.config, seed=3)
+
+
+@pytest.fixture(scope="session")
+def llama_target(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    return load(str(path), "fp32", "cpu"), path
+
+
+def eagle3_recipe(path, k=4, **extra):
+    return parse({"drafter": {"kind": "eagle3", "model": str(path)}, "k": k, "cuda_graphs": False, **extra})
+
+
+def record_proposals(eng):
+    """Every propose call's (history, lengths, active rows, drafts), from now on."""
+    drafter, calls, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
+
+    def propose(history, lengths, k, sampling, generator):
+        out = real(history, lengths, k, sampling, generator)
+        calls.append((history.clone(), lengths.clone(), eng.decoder._state.active.clone(), out.tokens.clone()))
+        return out
+
+    drafter.propose = propose
+    return calls
+
+
+def check_proposals(calls, hf, head_path, target_embed, aux_layers) -> int:
+    """Each active row's drafts at each call equal the reference head's on HF's hidden states; returns the number
+    of rows checked."""
+    ref, checked = ReferenceHead(head_path, target_embed), 0
+    for history, lengths, active, drafts in calls:
+        for b in range(history.shape[0]):
+            if not active[b]:
+                continue
+            context = history[b, : int(lengths[b])].tolist()
+            states = hf_layer_outputs(hf, context[:-1], aux_layers)
+            assert ref.propose(states, context, drafts.shape[1]) == drafts[b].tolist(), (b, len(context))
+            checked += 1
+    return checked
+
+
+# -- the target's hidden states ------------------------------------------------------------------------------------
+def test_aux_hidden_states_are_the_layer_outputs(tiny):
+    """Transformer.forward(aux_layers=...) returns each named layer's output (HF's, hooked), in the order named,
+    from the same forward; the logits are those of the plain forward."""
+    model, n = tiny.loaded.model, tiny.loaded.model.cfg.n_layers
+    layers = (n - 1, 0, n // 2, 0)
+    tokens = tiny_prompts()[0]
+    ids = torch.tensor([tokens])
+    positions = torch.arange(len(tokens))[None]
+    with torch.no_grad():
+        plain = model(ids, positions, model.new_cache(1, 64))
+        logits, states = model(ids, positions, model.new_cache(1, 64), aux_layers=layers)
+    assert torch.equal(logits, plain)
+    assert states.shape == (1, len(tokens), len(layers) * model.cfg.hidden_size)
+    torch.testing.assert_close(states[0], hf_layer_outputs(tiny.hf, tokens, layers), rtol=1e-4, atol=1e-4)
+
+
+# -- the head's forward against the reference ---------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["plain", "narrow-own-embeddings", "vllm-options"])
+def test_head_forward_matches_the_reference(llama_target, tmp_path, variant):
+    """fc, the midlayer with attention over [input_layernorm(embedding); hidden_norm(hidden)], the final norm, the
+    LM head and the d2t map, on random inputs: the engine's fused forward equals the reference written from the
+    files. Variants: a head narrower than the target (fc 3 x 64 -> 32, its own embeddings) and vLLM's options
+    (q/k/v/o biases, norm_before_residual)."""
+    loaded, _ = llama_target
+    hf_cfg = loaded.hf_config
+    kwargs = {"plain": {}, "narrow-own-embeddings": {"hidden": 32, "own_embeddings": True},
+              "vllm-options": {"config_changes": {"attention_bias": True, "norm_before_residual": True}}}[variant]
+    path = write_head(tmp_path / "head", hf_cfg, seed=11, **kwargs)
+    if variant == "vllm-options":
+        g = torch.Generator().manual_seed(5)
+        w = load_file(str(path / "model.safetensors"))
+        for n, size in (("q", 64), ("k", 32), ("v", 32), ("o", 64)):
+            w[f"midlayer.self_attn.{n}_proj.bias"] = torch.randn(size, generator=g) * 0.2
+        save_head(path, json.loads((path / "config.json").read_text()), w)
+    head = Eagle3Head(path, loaded.model)
+    ref = ReferenceHead(path, loaded.model.embed.detach())
+    ops = loaded.model.default_ops
+    g = torch.Generator().manual_seed(0)
+    B, T = 2, 7
+    tokens = torch.randint(0, 256, (B, T), generator=g)
+    states = torch.randn(B, T, 3 * 64, generator=g)
+    positions = torch.arange(T)[None].expand(B, T)
+    cache = head.new_cache(B, 32)
+    with torch.no_grad():  # in two calls: the second attends to the first's K/V in the head's cache
+        out = torch.cat([midlayer(head, tokens[:, s], fuse(head, states[:, s], ops), positions[:, s], cache.kv[:, 0],
+                                  ops) for s in (slice(0, 4), slice(4, T))], 1)
+        logits = draft_logits(head, out, ops)
+    for b in range(B):
+        hidden = F.linear(states[b], ref.w["fc.weight"])
+        want = ref.layer(tokens[b], hidden, positions[b])
+        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[b], ref.logits(want), rtol=1e-5, atol=1e-5)
+        drafted = head.draft_to_target[logits[b].argmax(-1)]
+        assert drafted.tolist() == [ref.target_id(int(i)) for i in ref.logits(want).argmax(-1)]
+    # the draft vocabulary maps into the target's, as t2d says
+    assert ref.w["t2d"][head.draft_to_target].all() and int(ref.w["t2d"].sum()) == 160
+
+
+# -- decoding -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", (3, 4))
+def test_eagle3_decodes_ar_tokens(tiny, tiny_reference, head_dir, k):
+    """Greedy fp32, three prompts of different lengths in one batch: HF's greedy tokens, for every family."""
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, k))
+    assert eng.decoder.drafter.name == "eagle3" and eng.decoder.aux_layers == tuple(default_aux_ids(
+        tiny.loaded.model.cfg.n_layers))
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    for r in rows:
+        assert all(0 <= a <= k for a in r.accepted) and r.finish_reason == "length"
+
+
+def test_eagle3_proposals_are_the_reference_heads(tiny, tiny_reference, head_dir):
+    """Every draft of every step is the reference head's greedy draft, run on HF's own hidden states of the row's
+    context: the layer outputs, the pairing (state of token t with token t + 1 at position t), the head's cache
+    across steps and the d2t map are all as in SGLang and vLLM."""
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3))
+    calls = record_proposals(eng)
+    rows = eng.generate(tiny_prompts(), 12, ignore_eos=True)
+    assert [r.tokens for r in rows] == [ref[:12] for ref in tiny_reference]
+    checked = check_proposals(calls, tiny.hf, head_dir, tiny.loaded.model.embed.detach(),
+                              eng.decoder.drafter.needs_hidden_states)
+    assert checked >= 3 * 4
+
+
+def test_eagle3_ragged_steps_and_measured_prices(tiny, tiny_reference, head_dir):
+    """With the batch controller and ragged verification (each kind of step in turn, AR steps among them; the
+    hidden states of packed tokens go back to their rows), AR's tokens; and the steps the controller times for its
+    prices (undone afterwards, the drafter's state too) leave every later proposal the reference head's."""
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 4, batch={"controller": "cost", "ragged": True}))
+    kinds = iter([4, 1, 0, 2, 3] * 1000)
+    eng.decoder.controller.choose = lambda prices: next(kinds)  # prices still measured: first use of the bucket
+    calls = record_proposals(eng)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    assert set(eng.decoder.last_stats.draft_lengths) == {0, 1, 2, 3, 4}
+    if tiny.family == "llama":  # the reference check once (it replays HF per row and step)
+        assert check_proposals(calls, tiny.hf, head_dir, tiny.loaded.model.embed.detach(),
+                               eng.decoder.drafter.needs_hidden_states) > 0
+
+
+def test_eagle3_narrow_head_with_its_own_embeddings(llama_target, tmp_path):
+    """A head of hidden size 32 on the 64-wide target (config target_hidden_size; its own embed_tokens): AR's
+    tokens and the reference's drafts."""
+    loaded, path = llama_target
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    head = write_head(tmp_path / "narrow", loaded.hf_config, seed=4, hidden=32, own_embeddings=True)
+    eng = Engine(loaded, eagle3_recipe(head, 3))
+    calls = record_proposals(eng)
+    rows = eng.generate(tiny_prompts(), 10, ignore_eos=True)
+    want = Engine(loaded, parse({})).generate(tiny_prompts(), 10, ignore_eos=True)
+    assert [r.tokens for r in rows] == [r.tokens for r in want]
+    assert check_proposals(calls, hf, head, loaded.model.embed.detach(), (0, 1, 1)) > 0
+
+
+def test_eagle3_sampling(llama_target, head_dir_llama):
+    """Sampled decoding runs with the head's q: each step's proposal distribution over the target vocabulary sums
+    to 1, lives on the draft vocabulary's target ids, and each draft is one of them."""
+    loaded, _ = llama_target
+    eng = Engine(loaded, eagle3_recipe(head_dir_llama, 3))
+    drafter, seen, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
+
+    def propose(*args):
+        out = real(*args)
+        seen.append(out)
+        return out
+
+    drafter.propose = propose
+    rows = eng.generate(tiny_prompts(), 16, SamplingParams(temperature=0.8, top_k=50), seed=1, ignore_eos=True)
+    assert all(len(r.tokens) == 16 for r in rows)
+    in_draft = torch.zeros(256, dtype=torch.bool)
+    in_draft[drafter.head.draft_to_target] = True
+    for p in seen:
+        assert p.probs is not None and p.probs.shape == (3, 3, 256)
+        torch.testing.assert_close(p.probs.sum(-1), torch.ones(3, 3))
+        assert (p.probs[..., ~in_draft] == 0).all() and in_draft[p.tokens].all()
+
+
+@pytest.fixture(scope="session")
+def head_dir_llama(llama_target, tmp_path_factory):
+    loaded, _ = llama_target
+    return write_head(tmp_path_factory.mktemp("eagle3-llama"), loaded.hf_config, seed=3)
+
+
+@pytest.fixture(scope="session")
+def bigram_target(tmp_path_factory):
+    """A tiny Llama whose layers add nothing (o_proj and down_proj zero): its residual stream is the token's
+    embedding, so its next token after x is f(x) = argmax lm_head(norm(embed(x))). Its HF model and our load."""
+    cls, kw = TINY_FAMILIES["llama"]
+    hf = build_tiny_hf(cls, 5, **{**_COMMON, **kw})
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    path = tmp_path_factory.mktemp("bigram-target")
+    hf.save_pretrained(path)
+    return hf, load(str(path), "fp32", "cpu")
+
+
+def head_that_knows(hf, path, noise: float = 0.0, seed: int = 0):
+    """An honest construction for `bigram_target`: fc and hidden_norm zero (with vLLM's norm_before_residual the
+    residual is then zero too), q and k constant through their biases, so that rotary attention is sharp on the
+    query's own position, v and o_proj the identity on the embedding half, no MLP, the target's final norm and its
+    LM head's rows for a draft vocabulary holding every f(x). At position t the head then outputs
+    norm(embed(token t + 1)) and drafts f(token t + 1) = token t + 2, and from its own output the same again. With
+    `noise`, N(0, noise) is added to fc, hidden_norm, q/k/v and the MLP: the drafts then depend on the target's
+    states, the head's cache and its own outputs, and are right only some of the time."""
+    emb, norm_w, lm = (t.detach() for t in (hf.model.embed_tokens.weight, hf.model.norm.weight, hf.lm_head.weight))
+    follows = (rms(emb, norm_w, hf.config.rms_norm_eps) @ lm.T).argmax(-1).unique()
+    g = torch.Generator().manual_seed(seed)
+    rest = torch.tensor([i for i in torch.randperm(256, generator=g).tolist() if i not in set(follows.tolist())])
+    ids = torch.cat([follows, rest[: max(0, 160 - follows.numel())]]).sort().values
+    Vd, H = ids.numel(), 64
+    cfg = head_config(hf.config, draft_vocab=Vd, aux_ids=[0, 1, 1])
+    cfg.update(num_key_value_heads=4, attention_bias=True, norm_before_residual=True)
+
+    def jitter(*shape):
+        return noise * torch.randn(*shape, generator=g)
+
+    eye, zeros = torch.eye(H), torch.zeros(H, H)
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    t2d = torch.zeros(256, dtype=torch.bool)
+    t2d[ids] = True
+    weights = {"fc.weight": jitter(H, 3 * H), "midlayer.input_layernorm.weight": torch.ones(H),
+               "midlayer.hidden_norm.weight": jitter(H),
+               a + "q_proj.weight": jitter(H, 2 * H), a + "q_proj.bias": torch.full((H,), 10.0),
+               a + "k_proj.weight": jitter(H, 2 * H), a + "k_proj.bias": torch.full((H,), 10.0),
+               a + "v_proj.weight": torch.cat([eye, zeros], 1) + jitter(H, 2 * H), a + "v_proj.bias": torch.zeros(H),
+               a + "o_proj.weight": eye, a + "o_proj.bias": torch.zeros(H),
+               "midlayer.post_attention_layernorm.weight": torch.ones(H),
+               m + "gate_proj.weight": jitter(2 * H, H), m + "up_proj.weight": jitter(2 * H, H),
+               m + "down_proj.weight": jitter(H, 2 * H), "norm.weight": norm_w.clone(),
+               "lm_head.weight": lm[ids].clone(), "d2t": ids - torch.arange(Vd), "t2d": t2d}
+    return save_head(path, cfg, weights)
+
+
+def test_a_head_built_to_know_the_target_is_always_accepted(bigram_target, tmp_path):
+    """Every draft is right (head_that_knows), so every step accepts all k: only a wrong pairing, position, draft
+    step or d2t map could lose one."""
+    hf, loaded = bigram_target
+    head = head_that_knows(hf, tmp_path / "head")
+    k = 4
+    rows = Engine(loaded, eagle3_recipe(head, k)).generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    want = Engine(loaded, parse({})).generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == [r.tokens for r in want]
+    for r in rows:  # the last step may have been cut by the length limit
+        assert r.accepted[:-1] == [k] * (len(r.accepted) - 1), r.accepted
+
+
+@pytest.mark.parametrize("variant", ["padded", "ragged", "junk-past-accepted", "fused"])
+def test_proposals_after_partial_acceptance_are_the_reference_heads(bigram_target, tmp_path, variant):
+    """The random heads above are never right, so each of their steps adds one new pair; this head (noisy
+    head_that_knows) is right some of the time: steps accept 0, some or all of k drafts, and every proposal after
+    any of them is still the reference head's on HF's states. Padded; ragged with every kind of step in turn (AR
+    steps among them) and the controller's prices measured in the middle of the batch; with NaN in the hidden
+    states of the slots past each row's accepted drafts (what a layer that skips dead tokens may leave there); and
+    on the fused layer (Triton's interpreter), which does skip them."""
+    hf, loaded = bigram_target
+    head = head_that_knows(hf, tmp_path / "head", noise=0.05)
+    k = 4
+    extra = {"ragged": {"batch": {"controller": "cost", "ragged": True}}, "fused": {"layer": "fused"}}.get(variant, {})
+    eng = Engine(loaded, eagle3_recipe(head, k, **extra))
+    if variant == "ragged":
+        kinds = iter([4, 1, 0, 2, 3] * 1000)
+        eng.decoder.controller.choose = lambda prices: next(kinds)
+    if variant == "junk-past-accepted":
+        drafter, real_update = eng.decoder.drafter, eng.decoder.drafter.update
+
+        def update(accepted, hidden=None):
+            past = torch.arange(hidden.shape[1])[None] > accepted[:, None]
+            return real_update(accepted, hidden=hidden.masked_fill(past[..., None], float("nan")))
+
+        drafter.update = update
+    calls = record_proposals(eng)
+    n = 12 if variant == "fused" else TINY_NEW
+    rows = eng.generate(tiny_prompts(), n, ignore_eos=True)
+    want = Engine(loaded, parse({})).generate(tiny_prompts(), n, ignore_eos=True)
+    assert [r.tokens for r in rows] == [r.tokens for r in want]
+    accepted = {a for r in rows for a in r.accepted}
+    assert 0 in accepted and accepted & {2, 3}, accepted
+    assert check_proposals(calls, hf, head, loaded.model.embed.detach(), (0, 1, 1)) > 10
+
+
+# -- heads that do not fit ----------------------------------------------------------------------------------------
+BAD_HEADS = {
+    "wrong hidden size": (dict(config_changes={"target_hidden_size": 48}), r"target hidden states of size 48"),
+    "wrong vocabulary": (dict(config_changes={"vocab_size": 300}), r"vocab_size 300, the target has 256"),
+    "layer id out of range": (dict(aux_ids=[0, 1, 7]), r"target layers \[0, 1, 7\].*layers 0\.\.1"),
+    "default layers on a 2-layer target": (dict(aux_key="none"), r"\(the default\)"),
+    "vLLM and SGLang ids disagree": (dict(aux_ids=[0, 1, 1], config_changes={
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}), r"name different target layers"),
+    "vLLM id 0 (the embeddings)": (dict(aux_ids=[0, 1, 2], aux_key="top"), r"target layers \[-1, 0, 1\]"),
+    "missing weight": (dict(weight_changes={"midlayer.mlp.up_proj.weight": None}),
+                       r"lacks the weight 'midlayer.mlp.up_proj.weight'"),
+    "missing lm_head with a draft vocabulary": (dict(weight_changes={"lm_head.weight": None}), r"lm_head"),
+    "q/k/v over one hidden, not two": (dict(weight_changes={"midlayer.self_attn.k_proj.weight": torch.zeros(32, 64)}),
+                                       r"k_proj.weight' has shape \[32, 64\], expected \[32, 128\]"),
+    "a second decoder layer": (dict(weight_changes={"midlayers.1.mlp.up_proj.weight": torch.zeros(128, 64)}),
+                               r"midlayers.1.mlp.up_proj.weight"),
+    "two decoder layers in config": (dict(config_changes={"num_hidden_layers": 2}), r"2 decoder layers"),
+    "not an EAGLE-3 head": (dict(config_changes={"architectures": ["LlamaForCausalLMEagle"]}), r"not \["),
+    "d2t out of range": (dict(weight_changes={"d2t": torch.full((160,), 200)}),
+                         r"d2t maps draft id 56 to target id 256, outside the target's 0\.\.255"),
+    "d2t not one to one": (dict(weight_changes={"d2t": -torch.arange(160)}), r"same target id"),
+    "t2d not d2t's": (dict(weight_changes={"t2d": torch.ones(256, dtype=torch.bool)}), r"t2d does not mark"),
+    "no draft map": (dict(weight_changes={"d2t": None}), r"no d2t map"),
+    "SpecForge fc_norm": (dict(config_changes={"fc_norm": True}), r"fc_norm"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADS))
+def test_bad_heads_are_refused_in_one_line(llama_target, tmp_path, case):
+    loaded, _ = llama_target
+    kwargs, message = BAD_HEADS[case]
+    path = write_head(tmp_path / "head", loaded.hf_config, **kwargs)
+    with pytest.raises(SpecPilotError, match=message) as err:
+        Engine(loaded, eagle3_recipe(path))
+    text = str(err.value)
+    assert text.startswith(f"EAGLE-3 head {path}: ") and "\n" not in text
+
+
+def test_head_files_refused(llama_target, tmp_path):
+    loaded, _ = llama_target
+    path = write_head(tmp_path / "head", loaded.hf_config)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(SpecPilotError, match=r"no \*\.safetensors"):
+        Eagle3Head(path, loaded.model)
+    with pytest.raises(SpecPilotError, match="model not found"):
+        Engine(loaded, eagle3_recipe(tmp_path / "nowhere"))
+
+
+def test_layer_id_conventions(llama_target, tiny_model_dir, tmp_path):
+    """eagle_config's ids (SGLang, SpecForge) are layer outputs; top-level ids (vLLM) are layer inputs, id - 1's
+    outputs; both may be given when they agree; none: the engines' default, outputs of 1, L // 2 - 1, L - 4."""
+    loaded, _ = llama_target
+    nested = write_head(tmp_path / "nested", loaded.hf_config, aux_ids=[1, 0, 1])
+    assert Eagle3Head(nested, loaded.model).cfg.aux_layers == (1, 0, 1)
+    top = write_head(tmp_path / "top", loaded.hf_config, aux_ids=[2, 1, 2], aux_key="top")
+    assert Eagle3Head(top, loaded.model).cfg.aux_layers == (1, 0, 1)
+    both = write_head(tmp_path / "both", loaded.hf_config, aux_ids=[1, 0, 1],
+                      config_changes={"eagle_aux_hidden_state_layer_ids": [2, 1, 2]})
+    assert Eagle3Head(both, loaded.model).cfg.aux_layers == (1, 0, 1)
+    qwen3 = load(str(tiny_model_dir("qwen3")), "fp32", "cpu")  # 4 layers
+    default = write_head(tmp_path / "default", qwen3.hf_config, aux_key="none")
+    assert Eagle3Head(default, qwen3.model).cfg.aux_layers == (1, 1, 0)
+
+
+def test_recipe_keys(tmp_path):
+    r = parse({"drafter": {"kind": "eagle3", "model": "heads/h"}, "k": 4,
+               "batch": {"controller": "cost", "ragged": True}})
+    assert r.drafter.kind == "eagle3" and r.drafter.model == "heads/h"
+    with pytest.raises(RecipeError, match="drafter.model"):
+        parse({"drafter": {"kind": "eagle3"}, "k": 4})
+    with pytest.raises(RecipeError, match="drafter.dtype"):
+        parse({"drafter": {"kind": "eagle3", "model": "h", "dtype": "bf16"}, "k": 4})
