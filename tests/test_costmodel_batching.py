@@ -215,3 +215,25 @@ def test_ragged_controller_beats_padded_only_with_rows_left_without_drafts():
     assert 0.9 * padded.tokens_per_s < full.tokens_per_s < padded.tokens_per_s
     # without a measured availability every row is taken to have drafts: ragged gains nothing
     assert predict(replace(dep, ragged=True), XEON, ACC).tokens_per_s == full.tokens_per_s
+
+
+def test_eagle3_head_is_priced_as_its_layer_plus_fc_and_the_wider_qkv():
+    """An EAGLE-3 head costs what a one-layer draft model over its draft vocabulary costs, plus fc's 3H x H weights
+    once and q/k/v's second H of inputs at every draft: exactly those bytes more."""
+    from dataclasses import replace
+
+    from specpilot.engine.eagle3 import Eagle3Config
+    from specpilot.tools.profile.costmodel import DeviceCeilings, Deployment, ModelShape, draft_cost, eagle3_shape
+
+    head = eagle3_shape(Eagle3Config(hidden_size=64, target_hidden_size=64, intermediate_size=128, n_heads=4,
+                                     n_kv_heads=2, head_dim=16, rms_eps=1e-6, vocab_size=256, draft_vocab_size=160,
+                                     aux_layers=(0, 1, 2), norm_before_residual=False))
+    assert (head.vocab, head.layers, head.hidden) == (160, 1, 64)
+    target = ModelShape(256, 64, 128, 4, 4, 2, 16)
+    dev = DeviceCeilings(name="toy", copy_bytes_per_s=1e9, matmul_flops_per_s=1e12, launch_s=1e-6, graph_node_s=1e-6)
+    for k in (1, 4):
+        dep = Deployment(target, bytes_per_param=4, dtype_bytes=4, batch=2, k=k, drafter_kind="model",
+                         drafter_model=head)
+        plain, eagle = draft_cost(dev, dep), draft_cost(dev, replace(dep, drafter_kind="eagle3"))
+        assert eagle.bytes - plain.bytes == 4 * (3 * 64 * 64 + k * 64 * head.qkv_out)
+        assert eagle.kernels == plain.kernels + 1 + k and eagle.time_s > plain.time_s

@@ -55,7 +55,8 @@ def apply_patch(recipe: dict, patch: dict) -> Recipe:
 # The drafter fields each kind reads (docs/RECIPE.md); the others are ignored by the engine.
 DRAFTER_FIELDS = {"none": (), "ngram": ("max_ngram", "min_ngram", "adaptive", "ar_after_miss"),
                   "layerskip": ("layers", "adaptive", "ar_after_miss"), "model": ("model", "dtype", "adaptive",
-                                                                                  "ar_after_miss")}
+                                                                                  "ar_after_miss"),
+                  "eagle3": ("model", "adaptive", "ar_after_miss")}
 
 
 def recipe_effect(recipe: Recipe, kernel: KernelSource | None = None) -> str:

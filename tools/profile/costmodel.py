@@ -59,7 +59,7 @@ KERNELS_NGRAM_FIXED = 6
 KERNELS_PACKING_PER_STEP = 10
 KERNELS_PACKING_PER_LAYER = 5
 CONTROLLERS = ("none", "cost")  # engine/recipe.py's batch.controller
-DRAFTER_KINDS = ("none", "ngram", "layerskip", "model")
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,8 @@ class Deployment:
     batch: int = 1
     k: int = 0
     drafter_kind: str = "none"
-    drafter_model: ModelShape | None = None  # drafter_kind "model"
+    drafter_model: ModelShape | None = None  # drafter_kind "model"; "eagle3": the head as a one-layer model over
+    # its draft vocabulary (eagle3_shape)
     drafter_layers: int = 0  # drafter_kind "layerskip": the target's first layers
     drafter_bytes_per_param: float | None = None  # None: bytes_per_param
     ngram_orders: int = 3  # drafter_kind "ngram": max_ngram - min_ngram + 1
@@ -289,13 +290,26 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) 
         shape, layers, bpp = dep.model, dep.drafter_layers, dep.bytes_per_param
     else:
         if dep.drafter_model is None:
-            raise ValueError("drafter_kind 'model' needs drafter_model")
+            raise ValueError(f"drafter_kind {dep.drafter_kind!r} needs drafter_model")
         shape, layers, bpp = dep.drafter_model, None, dep.drafter_bytes_per_param or dep.bytes_per_param
     kw = dict(shape=shape, n_layers=layers, bytes_per_param=bpp, kernels=dep.kernels_per_draft_forward)
     # Catch-up forward over the last two tokens, then k-1 single-token forwards; an argmax over the logits per draft.
     fwd = forward_cost(dev, dep, 2, **kw) + forward_cost(dev, dep, 1, **kw) * (k - 1)
     logits = B * shape.vocab * d
-    return fwd + _kernels(dev, dep.cuda_graphs, [(logits, 0.0, False)] * k)
+    extra = []
+    if dep.drafter_kind == "eagle3":
+        # An EAGLE-3 head, beyond its one layer: fc fuses three target states (3H -> H) for the catch-up tokens, and
+        # its q/k/v read [embedding; hidden] (2H: the layer's shape counts H once), every draft.
+        h = shape.hidden
+        extra.append((3 * h * h * bpp, 2 * 2 * B * 3 * h * h, True, 2 * B))
+        extra += [(h * shape.qkv_out * bpp, 2 * B * h * shape.qkv_out, True, B)] * k
+    return fwd + _kernels(dev, dep.cuda_graphs, [(logits, 0.0, False)] * k + extra)
+
+
+def eagle3_shape(cfg) -> ModelShape:
+    """An EAGLE-3 head (engine.eagle3.Eagle3Config) as the cost model's one-layer model over the draft vocabulary."""
+    return ModelShape(cfg.draft_vocab_size, cfg.hidden_size, cfg.intermediate_size, 1, cfg.n_heads, cfg.n_kv_heads,
+                      cfg.head_dim, tied_embeddings=False)
 
 
 def bookkeeping_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) -> Cost:

@@ -36,7 +36,7 @@ from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
 from ...engine.workloads import absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import calibrate
-from .costmodel import Deployment, DeviceCeilings, ModelShape, predict
+from .costmodel import Deployment, DeviceCeilings, ModelShape, eagle3_shape, predict
 from .kernel_stats import phase_events, top_kernels
 from .native_stderr import quiet_profile
 from .phase_timer import DEVICE_PHASES, PHASES, PhaseTimer, loop_steps, trimmed_mean
@@ -113,6 +113,8 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
     drafter_model = None
     if recipe.drafter.kind == "model":
         drafter_model = ModelShape.from_config(dec.drafter.model.cfg)
+    elif recipe.drafter.kind == "eagle3":
+        drafter_model = eagle3_shape(dec.drafter.head.cfg)
     elem = model.embed.element_size()
     book = (kernels.get("bookkeeping") or 0) + (kernels.get("launch") or 0)
     attention = "sdpa" if recipe.kernels.get("attention") == "builtin:sdpa" else "math"
