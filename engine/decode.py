@@ -25,7 +25,8 @@ from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
-from .model import Block, KVCache, Packing, Transformer, compiled, unpacked
+from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
+from .tree import accept_tree, compact_tree_kv, tree_from_paths, tree_mask, tree_positions
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -357,7 +358,7 @@ class Decoder:
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
-                 ragged: bool = False):
+                 ragged: bool = False, tree_paths=None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -374,6 +375,20 @@ class Decoder:
         self.controller = DraftLengthController(k, probe_every, ragged) if controller == "cost" and k > 0 else None
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
+        # Tree verification (greedy steps): every verifying step verifies the tree's N nodes a row (engine/tree.py)
+        self.tree = None
+        if tree_paths is not None:
+            if drafter is None or not hasattr(drafter, "propose_tree"):
+                raise SpecPilotError("tree verification needs a drafter that proposes branches (the n-gram drafter)")
+            shape = tree_from_paths(tree_paths)
+            if shape.depth != k:
+                raise SpecPilotError(f"tree verification: k must equal the tree's depth {shape.depth}, got {k}")
+            dev = model.device
+            self.tree = shape
+            self._tree_tensors = (torch.tensor(shape.parents, device=dev), shape.ancestors(dev),
+                                  torch.tensor(shape.depths, device=dev), shape.ancestor_at_depth(dev))
+        # Tokens a verifying step puts through the target for a row: k + 1, or the tree's nodes
+        self.verify_width = self.tree.nodes if self.tree is not None else k + 1
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
@@ -431,6 +446,11 @@ class Decoder:
         (with k), so that ar_after_miss and the controller know what it finds."""
         k = self.k
         drafts_k = k if drafts_k is None else drafts_k
+        if self.tree is not None and drafts_k > 0:
+            if not sampling.greedy:
+                raise SpecPilotError("tree verification is greedy only (multi-draft speculative sampling is not "
+                                     "built yet): use temperature 0, or verification 'chain'")
+            return self._tree_step(st)
         ragged = self.ragged and drafts_k > 0 and sampling.greedy
         drafts = proposed = prop = None
         found = torch.zeros_like(st.lengths)
@@ -475,6 +495,30 @@ class Decoder:
             self.drafter.update(n_acc, hidden=hidden)
         elif drafts is not None:
             self.drafter.update(n_acc)
+        self._mark("bookkeeping")
+
+    def _tree_step(self, st: DecodeState) -> None:
+        """A greedy tree step: the drafter fills the tree's nodes, the target scores all N nodes of every row in one
+        forward (each node at position P + depth, cache slot P + index, seeing the row's cache and its ancestors),
+        the deepest matching path is kept and moved into place in the cache."""
+        parents, ancestors, depths, at_depth = self._tree_tensors
+        node_tokens, node_valid = self.drafter.propose_tree(st.history, st.lengths, self.tree)
+        self._mark("draft")
+        S = st.history.shape[1]
+        last = st.lengths - 1  # the root's position
+        inputs = torch.cat([st.history.gather(1, last[:, None]), node_tokens], 1)
+        valid = torch.cat([torch.ones_like(node_valid[:, :1]), node_valid & st.active[:, None]], 1)
+        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(last, self.tree))
+        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn,
+                            tree=TreeStep(slots, tree_mask(last, ancestors, S)))
+        self._mark("verify")
+        n_acc, emitted, path = accept_tree(inputs, valid, logits, parents, ancestors, depths, at_depth)
+        n_acc = n_acc * st.active
+        compact_tree_kv(self._cache.kv, last, path)
+        _record(st.history, st.lengths, st.active, st.out, n_acc, emitted)
+        st.out[:, -2].copy_(valid[:, 1:].sum(1))
+        st.out[:, -1].copy_(node_valid.sum(1))
+        self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
     def _forward(self, tokens, positions, **kwargs):
@@ -697,8 +741,8 @@ class Decoder:
         warmed."""
         buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
         widths = prefill_widths(max_prompt_tokens) if self.bucketed or not self.cuda_graphs else [max_prompt_tokens]
-        self.reserve(max(buckets), max(cache_length(max_prompt_tokens, max_new_tokens, self.k, self.overlap),
-                                       widths[-1]))
+        need = cache_length(max_prompt_tokens, max_new_tokens, self.verify_width - 1, self.overlap)
+        self.reserve(max(buckets), max(need, widths[-1]))
         for batch in buckets:
             self.generate([[0]] * batch, StopCondition(2, ()))
             st = self._use(batch, 0)
@@ -720,7 +764,8 @@ class Decoder:
         # the start, no drafts verified), they take part in every step's fixed shapes and in no result.
         rows = batch_bucket(B) if self.bucketed else B
         width = prefill_width(longest) if self.bucketed else longest  # prompts right-padded to this
-        st = self._use(rows, max(cache_length(longest, stop.max_new_tokens, self.k, self.overlap), width))
+        need = cache_length(longest, stop.max_new_tokens, self.verify_width - 1, self.overlap)
+        st = self._use(rows, max(need, width))
         max_len = self._cache.max_len
         generator = None
         if not sampling.greedy:

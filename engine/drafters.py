@@ -108,6 +108,58 @@ class NgramDrafter(Drafter):
                 return Proposal(*ngram_search(history, lengths, k, self.max_ngram, self.min_ngram))
         return Proposal(*self._search(history, lengths, k))
 
+    def propose_branches(self, history, lengths, branches: int, depth: int):
+        """Up to `branches` candidate continuations a row, [B, branches, depth] tokens and [B, branches] valid
+        counts: what followed the `branches` latest occurrences of the longest tail n-gram that occurs (branch 0 is
+        `propose`'s chain). Fewer occurrences leave the other branches empty (valid 0). Torch ops on the device."""
+        B, S = history.shape
+        device = history.device
+        chosen = torch.full((B, branches), -1, dtype=torch.long, device=device)  # index of each branch's next token
+        cols = torch.arange(S, device=device)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if S <= n:
+                continue
+            tail_idx = (lengths[:, None] - n + torch.arange(n, device=device)[None]).clamp(min=0)
+            tail = history.gather(1, tail_idx)
+            hit = (history.unfold(1, n, 1) == tail[:, None, :]).all(-1)
+            starts = cols[: S - n + 1]
+            ok = hit & (starts[None] + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+            after = torch.where(ok, starts[None] + n, -1)
+            latest = after.topk(min(branches, after.shape[1]), dim=1).values  # descending; -1 where fewer
+            if latest.shape[1] < branches:
+                latest = torch.cat([latest, latest.new_full((B, branches - latest.shape[1]), -1)], 1)
+            take = (chosen[:, :1] < 0) & (latest[:, :1] >= 0)  # rows with no longer match take this n's
+            chosen = torch.where(take, latest, chosen)
+        offs = (chosen[..., None] + torch.arange(depth, device=device)).clamp(0, S - 1)
+        tokens = history.gather(1, offs.view(B, -1)).view(B, branches, depth)
+        valid = torch.where(chosen >= 0, (lengths[:, None] - chosen).clamp(0, depth), 0)
+        return tokens, valid
+
+    def propose_tree(self, history, lengths, shape):
+        """Draft-tree nodes (engine/tree.py) for every row: tokens and valid flags [B, N - 1] of nodes 1..N-1. A
+        node whose path is [b, 0, 0, ...] is draft d = len(path) of branch b (`propose_branches`); a node with any
+        other path (a second child below the first level) has no n-gram continuation and stays empty."""
+        index, depth, fillable = self._tree_index(shape, history.device)
+        branches = int(max(p[0] for p in shape.paths[1:])) + 1
+        tokens, valid = self.propose_branches(history, lengths, branches, shape.depth)
+        node_tokens = tokens.reshape(tokens.shape[0], -1)[:, index]
+        node_valid = fillable[None] & (valid.gather(1, (index // shape.depth)[None].expand(valid.shape[0], -1))
+                                       >= depth[None])
+        return node_tokens, node_valid
+
+    def _tree_index(self, shape, device):
+        """Per node 1..N-1: its (branch, draft) as an index into [branches x depth], its depth, whether n-gram
+        drafting can fill it."""
+        cached = getattr(self, "_tree_cache", None)
+        if cached is not None and cached[0] == (shape, device):
+            return cached[1]
+        paths = shape.paths[1:]
+        index = torch.tensor([p[0] * shape.depth + len(p) - 1 for p in paths], device=device)
+        depth = torch.tensor([len(p) for p in paths], device=device)
+        fillable = torch.tensor([all(c == 0 for c in p[1:]) for p in paths], device=device)
+        self._tree_cache = ((shape, device), (index, depth, fillable))
+        return index, depth, fillable
+
     def _search(self, history, lengths, k: int):
         B, S = history.shape
         device = history.device

@@ -106,6 +106,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
+class TreeStep:
+    """Where a tree step's nodes go (engine/tree.py): `slots` [B, N] their cache slots (not their positions:
+    siblings share a position), `visible` bool [B, N, S] the cache slots each may attend to."""
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass
 class Packing:
     """Where the N tokens of a packed forward (tokens [1, N]) belong: row `rows[n]` of the cache, and slot
     `slots[n]` of the padded layout [B, T] (row-major; B * T for a dead token, a trash slot) whose positions are
@@ -150,7 +158,7 @@ class Block(nn.Module):
         self.w13 = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x, delta, cos, sin, kv_cache, rows, positions, mask, ops: Kernels, unpack=None):
+    def forward(self, x, delta, cos, sin, kv_cache, rows, positions, mask, ops: Kernels, unpack=None, slots=None):
         cfg, linear = self.cfg, ops.linear
         B, T, _ = x.shape
         x = x + delta
@@ -163,8 +171,9 @@ class Block(nn.Module):
         if self.q_norm is not None:
             q, k = ops.rmsnorm(q, self.q_norm, cfg.rms_eps), ops.rmsnorm(k, self.k_norm, cfg.rms_eps)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        # kv_cache [2, B, kv_heads, S, head_dim]: the [B,T] index pairs select [B,T,2,kv_heads,head_dim] slots
-        kv_cache[:, rows, :, positions] = torch.stack((k, v), 2)
+        # kv_cache [2, B, kv_heads, S, head_dim]: the [B,T] index pairs select [B,T,2,kv_heads,head_dim] slots; a
+        # token's slot is its position, but in a tree step (`slots`), where siblings share a position
+        kv_cache[:, rows, :, positions if slots is None else slots] = torch.stack((k, v), 2)
         # Grouped-query attention without copying K/V: the `rep` query heads that share a kv head are stacked along
         # the query axis, so each kv head is read once by one SDPA call on any backend.
         rep = cfg.n_heads // cfg.n_kv_heads
@@ -228,7 +237,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
                 layer_fn=None, live: torch.Tensor | None = None, packing: Packing | None = None,
-                aux_layers: tuple[int, ...] | None = None):
+                aux_layers: tuple[int, ...] | None = None, tree: TreeStep | None = None):
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
@@ -240,6 +249,8 @@ class Transformer(nn.Module):
         `aux_layers` (layer indices i, 0-based): also return the residual stream after each of those layers, the
         output of layer i, concatenated in the order given: (logits, [B, T, len(aux_layers) * hidden]). An EAGLE-3
         head reads them (engine/eagle3.py); they come from this forward, at no extra pass.
+        `tree`: the tokens are draft-tree nodes (engine/tree.py): their K/V go to `tree.slots`, and each attends where
+        `tree.visible` says (the modular layer: the fused one masks by position only).
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
@@ -253,7 +264,17 @@ class Transformer(nn.Module):
         cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
         needs_masks = getattr(layer_fn, "needs_masks", None)  # a fused layer masks from positions itself
         masks = {}
-        if needs_masks is None or needs_masks(self.layers[0], B * T, tokens.device):
+        if tree is not None:
+            rep = self.cfg.n_heads // self.cfg.n_kv_heads
+            key_slot = torch.arange(cache.max_len, device=tokens.device)
+            for window in set(self.cfg.sliding_windows):
+                # A sliding window by slot: before the root, a slot is its position; a tree node's slot lies at or
+                # after the root's, inside any window longer than the tree is deep
+                m = tree.visible if window is None else \
+                    tree.visible & (key_slot[None, None, :] > positions[:, :, None] - window)
+                masks[window] = m[:, None, None].expand(B, 1, rep, T, cache.max_len).reshape(
+                    B, 1, rep * T, cache.max_len)
+        elif needs_masks is None or needs_masks(self.layers[0], B * T, tokens.device):
             Bm, Tm = mask_positions.shape
             key_pos = torch.arange(cache.max_len, device=tokens.device)
             visible = key_pos[None, None, :] <= mask_positions[:, :, None]  # [B,T,S]
@@ -267,6 +288,8 @@ class Transformer(nn.Module):
         skip = {"live": live} if live is not None and getattr(layer_fn, "skips_dead_tokens", False) else {}
         if packing is not None:
             skip["unpack"] = packing.slots
+        if tree is not None:
+            skip["slots"] = tree.slots
         after = {}  # layer index -> its output, for aux_layers
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)

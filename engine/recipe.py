@@ -18,7 +18,8 @@ from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3")
-VERIFICATION_KINDS = ("chain",)
+VERIFICATION_KINDS = ("chain", "tree")
+TREE_KINDS = ("static",)
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 LAYER_KINDS = ("modular", "fused")
@@ -42,6 +43,12 @@ class DrafterSpec:
 
 
 @dataclass
+class TreeSpec:
+    kind: str = "static"  # static: the same tree shape every step, from `paths`
+    paths: list = field(default_factory=list)  # child-rank paths from the root, e.g. [[0], [0, 0], [1]] (engine/tree.py)
+
+
+@dataclass
 class WeightsSpec:
     format: str = "native"  # native: the target's own dtype; lossless12: bf16 re-encoded in 12 bits (bit-exact)
 
@@ -61,7 +68,8 @@ class Recipe:
     description: str = ""
     drafter: DrafterSpec = field(default_factory=DrafterSpec)
     k: int = 0  # draft tokens verified per target forward
-    verification: str = "chain"
+    verification: str = "chain"  # chain: k drafts a row in a line; tree: the nodes of `tree` (k = its depth)
+    tree: TreeSpec = field(default_factory=TreeSpec)
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     kernels: dict[str, str] = field(default_factory=lambda: dict(KERNEL_DEFAULTS))  # slot -> implementation
     layer: str = "modular"  # modular: each layer from the kernel slots; fused: five Triton kernels a layer per step
@@ -132,6 +140,8 @@ def _check(r: Recipe) -> Recipe:
         bad("drafter.kind", f"{r.drafter.kind!r} is not one of {', '.join(DRAFTER_KINDS)}")
     if r.verification not in VERIFICATION_KINDS:
         bad("verification", f"{r.verification!r} is not one of {', '.join(VERIFICATION_KINDS)}")
+    if r.verification == "tree":
+        _check_tree(r, bad)
     if r.weights.format not in WEIGHT_FORMATS:
         bad("weights.format", f"{r.weights.format!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     if r.drafter.kind == "none" and r.k != 0:
@@ -174,6 +184,29 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
                             "batch.controller 'cost'")
     return r
+
+
+def _check_tree(r: Recipe, bad) -> None:
+    """A tree recipe: a static tree of valid paths whose depth is k, drafted by the n-gram drafter (its several
+    matches are the branches), greedy-only mechanisms that do not change the step's shape left out."""
+    from .tree import tree_from_paths
+
+    if r.tree.kind not in TREE_KINDS:
+        bad("tree.kind", f"{r.tree.kind!r} is not one of {', '.join(TREE_KINDS)}")
+    if not r.tree.paths:
+        bad("tree.paths", "a static tree needs paths, e.g. [[0], [0, 0], [1]]")
+    try:
+        shape = tree_from_paths(r.tree.paths)
+    except (TypeError, ValueError) as e:
+        bad("tree.paths", str(e))
+    if r.k != shape.depth:
+        bad("k", f"must equal the tree's depth {shape.depth} with verification 'tree', got {r.k}")
+    if r.drafter.kind != "ngram":
+        bad("verification", f"'tree' is drafted by the n-gram drafter (its matches are the branches); "
+                            f"drafter.kind {r.drafter.kind!r} drafts chains")
+    for key, on in (("drafter.adaptive", r.drafter.adaptive), ("batch.controller", r.batch.controller != "none")):
+        if on:
+            bad(key, "works on chains of drafts; verification 'tree' verifies the whole tree every step")
 
 
 def parse(data: dict) -> Recipe:

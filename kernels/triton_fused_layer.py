@@ -601,10 +601,11 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
 def layer_function(fallback):
     """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
     batches, the CPU without the interpreter) run `fallback`, the modular layer."""
-    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None):
-        if supports(block, x.shape[0] * x.shape[1], x.device) is None:  # packed or not: rows say where tokens go
+    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None, slots=None):
+        # packed or not, rows say where tokens go; a tree step (slots: nodes sharing positions) needs its mask
+        if slots is None and supports(block, x.shape[0] * x.shape[1], x.device) is None:
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live)
-        extra = {} if unpack is None else {"unpack": unpack}
+        extra = {k: v for k, v in (("unpack", unpack), ("slots", slots)) if v is not None}
         return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, **extra)
 
     def last(block, x, delta, weight, eps, live=None):

@@ -87,7 +87,7 @@ def test_root_must_be_an_object():
     ({"drafter": {"kind": "ngram", "min_ngram": 0}, "k": 4}, "drafter.min_ngram", "min_ngram"),
     ({"drafter": {"kind": "layerskip"}, "k": 4}, "drafter.layers", "layers >= 1"),
     ({"drafter": {"kind": "model"}, "k": 4}, "drafter.model", "draft model"),
-    ({"verification": "tree"}, "verification", "tree"),
+    ({"verification": "beam"}, "verification", "beam"),
     ({"weights": {"format": "int4"}}, "weights.format", "int4"),
     ({"kernels": {"matmul": "builtin:torch"}}, "kernels.matmul", "slot"),
     ({"kernels": {"linear": "triton:fast"}}, "kernels.linear", "triton:fast"),
