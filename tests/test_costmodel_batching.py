@@ -237,3 +237,26 @@ def test_eagle3_head_is_priced_as_its_layer_plus_fc_and_the_wider_qkv():
         plain, eagle = draft_cost(dev, dep), draft_cost(dev, replace(dep, drafter_kind="eagle3"))
         assert eagle.bytes - plain.bytes == 4 * (3 * 64 * 64 + k * 64 * head.qkv_out)
         assert eagle.kernels == plain.kernels + 1 + k and eagle.time_s > plain.time_s
+
+
+def test_tree_step_is_priced_as_a_forward_over_its_nodes():
+    """A tree of N nodes and depth k: its verify forward is a forward of N tokens a row, its bookkeeping reads N
+    logits a row, and its tokens follow the measured per-position acceptance over depth k, as a chain's."""
+    from dataclasses import replace
+
+    from specpilot.tools.profile.costmodel import (DeviceCeilings, Deployment, ModelShape, bookkeeping_cost,
+                                                   expected_tokens, forward_cost, predict)
+
+    dev = DeviceCeilings(name="toy", copy_bytes_per_s=1e9, matmul_flops_per_s=1e12, launch_s=1e-6, graph_node_s=1e-6)
+    chain = Deployment(ModelShape(256, 64, 128, 4, 4, 2, 16), bytes_per_param=4, dtype_bytes=4, batch=2, k=4,
+                       drafter_kind="ngram")
+    tree = replace(chain, tree_nodes=13)
+    acc = [0.6, 0.5, 0.4, 0.3]
+    p = predict(tree, dev, acc)
+    assert p.verify.time_s == pytest.approx(forward_cost(dev, tree, 13).time_s)
+    assert p.bookkeeping.time_s == pytest.approx(bookkeeping_cost(dev, tree, 12).time_s)
+    assert p.tokens_per_step == pytest.approx(expected_tokens(4, acc))
+    assert p.verify.time_s > predict(chain, dev, acc).verify.time_s
+    for bad in (dict(tree_nodes=4), dict(tree_nodes=13, controller="cost")):
+        with pytest.raises(ValueError, match="tree"):
+            replace(chain, **bad)

@@ -175,6 +175,7 @@ class Deployment:
     controller: str = "none"  # batch.controller: "cost" picks each step's draft length k' in 0..k (predict's best)
     ragged: bool = False  # batch.ragged: a step of kind k' verifies up to k' x B drafts, packed to the rows with drafts
     kernels_packing: int | None = None  # a ragged step's packing kernels; None: counted from the code (above)
+    tree_nodes: int | None = None  # verification "tree": the tree's nodes N (root included), k its depth
 
     def __post_init__(self):
         if self.drafter_kind not in DRAFTER_KINDS:
@@ -187,6 +188,8 @@ class Deployment:
             raise ValueError("a controller chooses a draft length: it needs a drafter")
         if self.ragged and self.controller != "cost":
             raise ValueError("ragged verification needs controller 'cost' (it chooses k')")
+        if self.tree_nodes is not None and (self.controller != "none" or self.tree_nodes <= self.k):
+            raise ValueError("a tree of tree_nodes > k nodes (k its depth), without a controller")
 
 
 @dataclass(frozen=True)
@@ -466,12 +469,15 @@ def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Se
     expected_tokens(k', acceptance), or ragged_expected_tokens with the availability (None: 1, every row has drafts,
     and ragged verifies what padded does)."""
     ragged = dep.ragged and drafts > 0
-    verify = forward_cost(dev, dep, drafts + 1, kernels=dep.kernels_per_target_forward,
+    # A tree step verifies its N nodes a row (a chain of N - 1 drafts' width); its tokens follow the acceptance
+    # measured on the tree, as a chain's do (per-position rates of the accepted path's length).
+    width = dep.tree_nodes if dep.tree_nodes is not None and drafts > 0 else drafts + 1
+    verify = forward_cost(dev, dep, width, kernels=dep.kernels_per_target_forward,
                           attention_tokens=dep.k + 1 if ragged else None)
     if ragged:
         verify += packing_cost(dev, dep)
     draft = draft_cost(dev, dep, drafts if drafts and not ragged else dep.k)
-    book = bookkeeping_cost(dev, dep, drafts)
+    book = bookkeeping_cost(dev, dep, width - 1)
     ar = ar_deployment(dep)
     ar_step = (forward_cost(dev, ar, 1, kernels=dep.kernels_per_target_forward) + bookkeeping_cost(dev, ar)).time_s
     if ragged:

@@ -126,7 +126,8 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       kernels_per_target_forward=round(kernels["verify"]) if kernels.get("verify") else None,
                       kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
                       kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention,
-                      controller=recipe.batch.controller, ragged=recipe.batch.ragged)
+                      controller=recipe.batch.controller, ragged=recipe.batch.ragged,
+                      tree_nodes=dec.verify_width if recipe.verification == "tree" else None)
 
 
 def _gap(component, measured, floor, step_s, agent, reason) -> dict:
