@@ -523,8 +523,9 @@ class Decoder:
 
     def _forward(self, tokens, positions, **kwargs):
         """The target's forward over a step's tokens: (logits, the hidden states the drafter reads or None)."""
-        out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn,
-                         aux_layers=self.aux_layers, **kwargs)
+        if self.aux_layers is not None:
+            kwargs["aux_layers"] = self.aux_layers
+        out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **kwargs)
         return out if self.aux_layers is not None else (out, None)
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int) -> None:
@@ -659,8 +660,8 @@ class Decoder:
 
     def _prefill_forward(self, tokens, positions, lengths):
         """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's."""
-        out = self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops,
-                         aux_layers=self.aux_layers)
+        aux = {} if self.aux_layers is None else {"aux_layers": self.aux_layers}
+        out = self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops, **aux)
         return out[:, 0] if self.aux_layers is None else (out[0][:, 0], out[1])
 
     def _prefill_graph(self, batch: int, width: int):

@@ -9,10 +9,11 @@ LAYERS = 1
 _forward = Transformer.forward
 
 
-def forward(self, tokens, positions, cache, n_layers=None, logits_at=None, ops=None, layer_fn=None, live=None):
+def forward(self, tokens, positions, cache, n_layers=None, logits_at=None, ops=None, layer_fn=None, live=None,
+            **more):
     if tokens.shape[1] > 1 and n_layers is None and logits_at is None:
         n_layers = LAYERS
-    return _forward(self, tokens, positions, cache, n_layers, logits_at, ops, layer_fn, live)
+    return _forward(self, tokens, positions, cache, n_layers, logits_at, ops, layer_fn, live, **more)
 
 
 Transformer.forward = forward
