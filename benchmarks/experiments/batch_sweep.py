@@ -60,6 +60,11 @@ def table(results: dict, reference: str) -> str:
             row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / base:.2f})" if base else ""))
         rows.append(row)
     errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
+    # what the batch controller chose, cell by cell: steps of each kind k' (0: AR steps)
+    kinds = [f"{r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}" for r in results["runs"]
+             if r.get("step_kinds") and len(r["step_kinds"]) > 1]
+    errors = ("\n\nSteps by kind k' (0: AR), where a run had more than one kind:\n\n" + "\n".join(
+        f"- {line}" for line in kinds) if kinds else "") + errors
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
     return (harness.md_table(["workload", "B"] + systems, rows) + f"\n\nIn parentheses: over {reference} in the "
