@@ -312,6 +312,32 @@ def bench_cells(results: dict) -> dict[tuple, dict]:
     return cells
 
 
+def specpilot_bench(ctx, label: str, argv: list, timeout: float) -> dict:
+    """One `specpilot bench` on the staged target and the run's device, out in the scratch folder: its results.json
+    (the bench's report and plots can be drawn from it with tools/bench/report.write_report)."""
+    out = ctx.scratch / label
+    step = ctx.module(label, "specpilot.cli", ["bench", "--target", ctx.target, "--device", ctx.device,
+                                               "--out", out, *argv], timeout=timeout)
+    return json.loads(ctx.need(out / "results.json", step).read_text())
+
+
+def bench_table(results: dict, reference: str) -> str:
+    """A `specpilot bench` results.json as one markdown table, a row a cell and a column a system: tok/s and, in
+    parentheses, the ratio to `reference` in the same cell; then the bench's error entries."""
+    systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
+    rows = []
+    for (wl, b), cell in bench_cells(results).items():
+        base = (cell.get(reference) or {}).get("tokens_per_s")
+        row = [wl, b]
+        for s in systems:
+            tps = (cell.get(s) or {}).get("tokens_per_s")
+            row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / base:.2f})" if base else ""))
+        rows.append(row)
+    errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
+    return md_table(["workload", "B"] + systems, rows) + f"\n\nIn parentheses: over {reference} in the same cell." \
+        + errors
+
+
 def engine_bench_arguments(p, systems: str, hf: str = "") -> None:
     """The flags of an experiment built on engine_bench, with its defaults: 5 prompts of code and summarization,
     256 new tokens (the figures of docs/BENCHMARKS.md)."""

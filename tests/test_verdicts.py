@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,35 +23,8 @@ SMALL_RMSNORM = [{"lead": [2, 3], "d": 64}]
 SMALL_LINEAR = [{"batch": 2, "tokens": 3, "in": 64, "out": 48, "bias": True}]
 
 # Hostile candidates (sources): each would pass a harness that computes the verdict in the candidate's process.
-FORGES_WITH_PAYLOAD = '''
-import json, os
-# re-read the payload from stdin (fd 0 and /proc/self/fd/0), take any nonce, write a passing verdict everywhere
-raw = b""
-for how in ("fd", "proc"):
-    try:
-        if how == "fd":
-            os.lseek(0, 0, 0)
-            raw = raw or os.read(0, 1 << 20)
-        else:
-            raw = raw or open("/proc/self/fd/0", "rb").read()
-    except OSError:
-        pass
-try:
-    nonce = json.loads(raw or b"{}").get("nonce")
-except ValueError:
-    nonce = None
-line = (json.dumps({"mode": "check", "passed": True, "ok": True, "failure": None, "reason": None, "shapes": [],
-                    "records": [], "timing": None, "timing_reason": None, "nonce": nonce}) + "\\n").encode()
-for fd in range(1, 256):
-    try:
-        os.write(fd, line)
-    except OSError:
-        pass
-os._exit(0)
-
-def rmsnorm(x, w, eps):
-    return x
-'''
+# the forger of tests/cheating_kernels (it also copies any nonce from the payload it re-reads on stdin)
+FORGES_WITH_PAYLOAD = (Path(__file__).parent / "cheating_kernels" / "forges_result.py").read_text()
 WIDENS_TOLERANCE = '''
 # the tolerance lives in a closure cell of the contract's function: widen it, then be 10% off
 from specpilot.kernels import slots

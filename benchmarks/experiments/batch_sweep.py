@@ -18,8 +18,6 @@ Device minutes: about 4 for `--crash-check`, 8-9 for the sweep.
 """
 from __future__ import annotations
 
-import json
-
 import harness
 
 MINUTES = 9
@@ -41,34 +39,17 @@ def arguments(p) -> None:
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
 
 
-def bench(ctx, label: str, argv: list, timeout: float) -> dict:
-    out = ctx.scratch / label
-    step = ctx.module(label, "specpilot.cli", ["bench", "--target", ctx.target, "--device", ctx.device,
-                                               "--out", out, *argv], timeout=timeout)
-    return json.loads(ctx.need(out / "results.json", step).read_text())  # (its report and plots: from these)
-
-
 def table(results: dict, reference: str) -> str:
-    cells = harness.bench_cells(results)
-    systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
-    rows = []
-    for (wl, b), c in cells.items():
-        base = (c.get(reference) or {}).get("tokens_per_s")
-        row = [wl, b]
-        for s in systems:
-            tps = (c.get(s) or {}).get("tokens_per_s")
-            row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / base:.2f})" if base else ""))
-        rows.append(row)
-    errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
-    # what the batch controller chose, cell by cell: steps of each kind k' (0: AR steps)
-    kinds = [f"{r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}" for r in results["runs"]
+    """The bench's table, then what the batch controller chose (steps of each kind k', 0: AR, where a run mixed
+    them) and the shapes captured while timed (none after the cells' warm-ups)."""
+    kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}" for r in results["runs"]
              if r.get("step_kinds") and len(r["step_kinds"]) > 1]
-    errors = ("\n\nSteps by kind k' (0: AR), where a run had more than one kind:\n\n" + "\n".join(
-        f"- {line}" for line in kinds) if kinds else "") + errors
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
-    return (harness.md_table(["workload", "B"] + systems, rows) + f"\n\nIn parentheses: over {reference} in the "
-            f"same cell. Shapes captured while timed: {captured or 'none'}." + errors)
+    text = harness.bench_table(results, reference) + f"\n\nShapes captured while timed: {captured or 'none'}."
+    if kinds:
+        text += "\n\nSteps by kind k' (0: AR), where a run had more than one kind:\n\n" + "\n".join(kinds)
+    return text
 
 
 def run(out_dir, args):
@@ -84,7 +65,7 @@ def run(out_dir, args):
         if args.smoke:
             argv = ["--recipe", recipe, "--workload", "chat", "--batch-sizes", "2", "--max-new-tokens", 8,
                     "--limit", 2, "--cell-requests", 2]
-        found["crash_check"] = bench(ctx, "crash_check", argv, timeout=330)
+        found["crash_check"] = harness.specpilot_bench(ctx, "crash_check", argv, timeout=330)
         text.append("## Issue #20's crash command\n\n" + table(found["crash_check"], "ar"))
     if not args.no_sweep:
         sizes = args.batch_sizes.split(",")
@@ -96,6 +77,6 @@ def run(out_dir, args):
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
-        found["sweep"] = bench(ctx, "sweep", argv, timeout=570)
+        found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
         text.append("## Every batch size\n\n" + table(found["sweep"], FASTEST_AR))
     return found, "\n\n".join(text)

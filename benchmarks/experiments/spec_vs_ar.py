@@ -16,8 +16,6 @@ Device minutes: about 5 for one search, 9 for `--search kernel,torch`; about 6 f
 """
 from __future__ import annotations
 
-import json
-
 import harness
 
 MINUTES = 5
@@ -64,26 +62,11 @@ def batched(args):
     if args.smoke:
         sizes, limit = sizes[:1], int(sizes[0])
     recipes = [ctx.recipe(name, S[name]) for name in (FASTEST_AR, RECIPE)]
-    out = ctx.scratch / "bench"
-    argv = ["bench", "--target", ctx.target, "--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes),
-            "--max-new-tokens", tokens, "--limit", limit, "--cell-requests", 1 if args.smoke else 8,
-            "--device", ctx.device, "--out", out]
+    argv = ["--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes), "--max-new-tokens", tokens,
+            "--limit", limit, "--cell-requests", 1 if args.smoke else 8]
     for r in recipes:
         argv += ["--recipe", r]
     if args.baselines:
         argv += ["--baselines", args.baselines]
-    step = ctx.module("bench", "specpilot.cli", argv, timeout=560)
-    results = json.loads(ctx.need(out / "results.json", step).read_text())
-    cells = harness.bench_cells(results)
-    systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
-    rows = []
-    for (wl, b), c in cells.items():
-        fast = (c.get(FASTEST_AR) or {}).get("tokens_per_s")
-        row = [wl, b]
-        for s in systems:
-            tps = (c.get(s) or {}).get("tokens_per_s")
-            row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / fast:.2f})" if fast else ""))
-        rows.append(row)
-    table = harness.md_table(["workload", "B"] + systems, rows)
-    errors = "".join(f"\n\nbench error: {e}" for e in results.get("errors", []))
-    return ({"bench": results}, table + f"\n\nIn parentheses: over {FASTEST_AR} in the same cell." + errors)
+    results = harness.specpilot_bench(ctx, "bench", argv, timeout=560)
+    return {"bench": results}, harness.bench_table(results, FASTEST_AR)

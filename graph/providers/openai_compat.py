@@ -307,9 +307,9 @@ class OpenAIProvider(Provider):
             self.trail.append(entry)
 
     def _secrets(self) -> dict[str, str]:
-        """{value: replacement} of what this provider knows is secret beyond the environment: the API key in use.
-        Every key from the environment is a secret, however short; only our own placeholder is not (replacing the
-        word "none" would garble the text)."""
+        """{value: replacement} of what this provider knows is secret beyond the environment: the API key in use,
+        whatever its length. The one exception is NO_KEY, our own placeholder when there is no key: it is not a
+        secret, and replacing every "none" in a text would garble it."""
         key = self._client.api_key
         return {key: "***"} if key and key != NO_KEY else {}
 
