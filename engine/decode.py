@@ -10,12 +10,14 @@ but work need not: greedy verification marks the slots past each row's valid dra
 skip them (the fused layer) does; with `drafter.adaptive` each row's draft budget follows its acceptance. With
 `ar_after_miss` the host runs a plain AR step (one token, no verification: a graph of its own) when the drafter found
 nothing at the latest step it has read, since even a dead slot costs something; the drafter still searches in AR
-steps, so verification resumes as soon as it finds drafts again.
+steps, so verification resumes as soon as it finds drafts again. With more requests than rows, a row whose request
+finishes starts the next waiting one between two steps (continuous batching): its prompt prefilled apart, its K/V
+copied into the row, all enqueued behind the step in flight.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -44,7 +46,7 @@ class RowResult:
     finish_reason: str = ""
     accepted: list[int] = field(default_factory=list)  # drafts accepted at each verification step
     found: list[int] = field(default_factory=list)  # drafts the drafter had for the row at each step
-    token_times: list[float] = field(default_factory=list)  # seconds from the batch start at which each token arrived
+    token_times: list[float] = field(default_factory=list)  # seconds from the call's start at which each token arrived
     text: str = ""
 
     @property
@@ -61,12 +63,25 @@ class BatchStats:
     ar_steps: int = 0  # of them, steps run without verification (ar_after_miss, or the controller's choice)
     draft_lengths: list[int] = field(default_factory=list)  # each step's kind k': drafts a row (ragged: per row on
     # average) it verified at most; 0: an AR step
+    refills: int = 0  # requests started in a row another request had finished (continuous batching)
+
+    def add(self, other: "BatchStats") -> None:
+        """Count another batch's steps and times in (prompts decoded in several batches, one after another)."""
+        self.prefill_s += other.prefill_s
+        self.decode_s += other.decode_s
+        self.steps += other.steps
+        self.ar_steps += other.ar_steps
+        self.draft_lengths += other.draft_lengths
+        self.refills += other.refills
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
 # With bucketed shapes (CUDA graphs), a batch runs at the smallest of these sizes that holds it, the rows beyond it
 # dead: every batch size of a workload then reuses a handful of captured graphs and compiled kernels.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Most requests started in a running batch by one prefill (continuous batching); more rows finishing at once take
+# several. Their prefill runs in a scratch cache of this many rows, at most (`Decoder._start_requests`).
+REFILL_GROUP = 16
 
 
 def batch_bucket(batch: int) -> int:
@@ -209,6 +224,14 @@ class DraftLengthController:
         choice = self.k if self.ar_run >= self.probe_every else choose_step(self.expected(), prices_by_k)
         self.ar_run = self.ar_run + 1 if choice == 0 else 0
         return choice
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the device: on CUDA through pinned memory, enqueued on
+    the stream (a copy from pageable memory synchronizes the stream, stalling the host behind a step in flight)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @contextmanager
@@ -369,6 +392,9 @@ class Decoder:
         # The target layers whose outputs the drafter reads (an EAGLE-3 head): every target forward returns them too.
         self.aux_layers = drafter.needs_hidden_states if drafter is not None else None
         self.adaptive_drafts = adaptive_drafts and k > 0
+        # Continuous batching (`generate`): a row may switch requests between steps unless the drafter keeps per-row
+        # state of its own that would have to switch with it (a draft model's cache, an EAGLE-3 head's states)
+        self.continuous = drafter is None or drafter.stateless
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
@@ -426,6 +452,7 @@ class Decoder:
         self._graphs: dict = {}
         self._prefill_graphs: dict = {}  # (B, padded length) -> (graph, static inputs, logits)
         self._prefill_pool = None
+        self._scratch: KVCache | None = None  # where requests started in a running batch prefill (`_start_requests`)
         # Shapes seen for the first time: with CUDA graphs each is a capture (and a compile), eagerly the same count.
         # After `warmup`, a batch within its bounds adds none.
         self.captures = 0
@@ -434,6 +461,11 @@ class Decoder:
         # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
         # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
         self.phase_timer = None
+
+    @property
+    def batch_rows(self) -> int | None:
+        """Rows of the latest batch (its bucket), None before any."""
+        return self._state.batch if self._state is not None else None
 
     def _mark(self, point: str) -> None:
         if self.phase_timer is not None:
@@ -658,18 +690,32 @@ class Decoder:
             self._step(st, sampling, None, drafts_k)
         return graph
 
-    def _prefill_forward(self, tokens, positions, lengths):
+    def _prefill_forward(self, tokens, positions, lengths, cache):
         """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's."""
         aux = {} if self.aux_layers is None else {"aux_layers": self.aux_layers}
-        out = self.model(tokens, positions, self._cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops, **aux)
+        out = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops, **aux)
         return out[:, 0] if self.aux_layers is None else (out[0][:, 0], out[1])
 
-    def _prefill_graph(self, batch: int, width: int):
+    def _prefill_cache(self, batch: int, scratch: bool) -> KVCache:
+        """The cache a prefill of `batch` rows writes: the batch's own rows, or (`scratch`, for requests started in
+        a running batch) the first rows of the scratch cache, made now if it is missing or too small."""
+        if not scratch:
+            return self._cache
+        if self._scratch is None or self._scratch.k.shape[1] < batch:
+            # A new scratch cache invalidates the prefill graphs captured on the old one: start the prefill graphs
+            # over, in a fresh pool (PyTorch cannot capture into a pool whose graphs are gone).
+            rows = max(batch, min(REFILL_GROUP, self._base_cache.k.shape[1]))
+            self._scratch = self.model.new_cache(rows, self._base_cache.max_len)
+            self._prefill_graphs, self._prefill_pool = {}, None
+        return rows_of(self._scratch, batch)
+
+    def _prefill_graph(self, batch: int, width: int, scratch: bool = False):
         """The prefill of this bucket and width: with CUDA graphs a graph captured once on zero prompts (its inputs
         are copied in at each replay); eagerly nothing to keep, but the shape is counted the same way."""
         # Eagerly a prefill compiles nothing per width: its shape is counted by the bucket a graph would be
         # captured for, so that `captures` means the same on a CPU as on CUDA.
-        key = (batch, width if self.cuda_graphs else prefill_width(width))
+        key = (batch, width if self.cuda_graphs else prefill_width(width)) + (("scratch",) if scratch else ())
+        cache = self._prefill_cache(batch, scratch)
         if key in self._prefill_graphs:
             return self._prefill_graphs[key]
         self._seen(("prefill",) + key)
@@ -682,26 +728,28 @@ class Decoder:
             stream = torch.cuda.Stream()  # warm up (lazy library init must not happen during capture)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
-                self._prefill_forward(*static)
+                self._prefill_forward(*static, cache)
             torch.cuda.current_stream().wait_stream(stream)
             if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with capture(graph, pool=self._prefill_pool), torch.inference_mode():
-                logits = self._prefill_forward(*static)
+                logits = self._prefill_forward(*static, cache)
             entry = (graph, static, logits)
         self._prefill_graphs[key] = entry
         return entry
 
-    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The prompts' forward pass: their K/V into the cache, and each row's logits at its last token [B, vocab].
+    def _prefill(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                 scratch: bool = False) -> torch.Tensor:
+        """The prompts' forward pass: their K/V into the cache (`scratch`: the scratch cache), and each row's logits
+        at its last token [B, vocab].
 
         With CUDA graphs it is replayed as a graph captured once per (batch, padded length): eager, a prefill of a
         small model is bound by the host launching its hundreds of kernels one by one (on the H200, SmolLM2's took
         ~25 ms for a prompt the device computes in a few)."""
-        entry = self._prefill_graph(*tokens.shape)
+        entry = self._prefill_graph(*tokens.shape, scratch=scratch)
         if entry is None:
-            return self._prefill_forward(tokens, positions, lengths)
+            return self._prefill_forward(tokens, positions, lengths, self._prefill_cache(tokens.shape[0], scratch))
         graph, static, logits = entry
         for buf, value in zip(static, (tokens, positions, lengths)):
             buf.copy_(value)
@@ -719,7 +767,7 @@ class Decoder:
             rows, max_len = max(rows, base.k.shape[1]), max(max_len, base.max_len)
         # (a fresh pool for the new prefill graphs: PyTorch cannot capture into a pool whose graphs are gone)
         self._graphs, self._prefill_graphs, self._prefill_pool, self._states = {}, {}, None, {}
-        self._base_cache = self._cache = self._state = None
+        self._base_cache = self._cache = self._state = self._scratch = None
         self._base_cache = self.model.new_cache(rows, max_len)
         if self.drafter is not None:
             self.drafter.reserve(rows, max_len)
@@ -738,12 +786,17 @@ class Decoder:
         up to `max_new_tokens` new tokens will run, so that decoding it captures nothing (`captures` stays put):
         the cache at its final size, then for each batch bucket one short greedy batch (its step graphs, and prefill
         at the narrowest width; eagerly this pays torch's lazy initialization), the prefill graph of every wider
-        width, and with the controller the price of each kind of step. Sampled steps run eagerly and are not
-        warmed."""
+        width, with continuous batching the prefill of every group of requests that may start in a running batch,
+        and with the controller the price of each kind of step. Sampled steps run eagerly and are not warmed."""
         buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
         widths = prefill_widths(max_prompt_tokens) if self.bucketed or not self.cuda_graphs else [max_prompt_tokens]
         need = cache_length(max_prompt_tokens, max_new_tokens, self.verify_width - 1, self.overlap)
         self.reserve(max(buckets), max(need, widths[-1]))
+        most = min(REFILL_GROUP, max(buckets))
+        groups = sorted({batch_bucket(m) if self.bucketed else m for m in range(1, most + 1)})
+        with torch.inference_mode():
+            if self.continuous:  # the scratch cache first: making it starts the prefill graphs over
+                self._prefill_graph(groups[-1], widths[0], scratch=True)
         for batch in buckets:
             self.generate([[0]] * batch, StopCondition(2, ()))
             st = self._use(batch, 0)
@@ -752,21 +805,49 @@ class Decoder:
                     self._prefill_graph(batch, width)
                 if self.controller is not None:
                     self._prices(st)
+        with torch.inference_mode():
+            for group in groups if self.continuous else ():
+                for width in widths:
+                    self._prefill_graph(group, width, scratch=True)
 
     # -- a batch -------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], stop: StopCondition, sampling: SamplingParams = SamplingParams(),
-                 seed: int = 0) -> list[RowResult]:
-        """Decode a batch of token-id prompts of any lengths together; each row stops on its own."""
+                 seed: int = 0, max_batch: int | None = None) -> list[RowResult]:
+        """Decode token-id prompts of any lengths, up to `max_batch` rows at once (None: all at once); each row stops
+        on its own, and the results come in the prompts' order. With more prompts than rows, a row whose request
+        finishes takes the next waiting prompt before the next step (continuous batching): the batch stays full,
+        and no request waits for the slowest of its batch. A drafter with per-row state of its own (a draft model,
+        an EAGLE-3 head) cannot switch a row's request, so its prompts decode in batches of `max_batch`, in order."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        rows = len(prompts) if max_batch is None else min(max_batch, len(prompts))
+        if rows == len(prompts) or self.continuous:
+            return self._decode(prompts, rows, stop, sampling, seed)
+        results, stats, t0 = [], BatchStats(), time.perf_counter()
+        for i in range(0, len(prompts), rows):
+            offset = time.perf_counter() - t0
+            for r in self._decode(prompts[i: i + rows], rows, stop, sampling, seed + i):
+                r.token_times = [offset + t for t in r.token_times]  # on the clock of this call
+                results.append(r)
+            stats.add(self.last_stats)
+        self.last_stats = stats
+        return results
+
+    def _decode(self, prompts: list[list[int]], concurrency: int, stop: StopCondition, sampling: SamplingParams,
+                seed: int) -> list[RowResult]:
+        """Decode `prompts` in `concurrency` rows: the first ones prefilled together, the rest started in rows
+        that finish (`_start_requests`)."""
         device = self.model.device
-        B, longest = len(prompts), max(len(p) for p in prompts)
+        B = min(concurrency, len(prompts))
         # Bucketed, a batch runs at its bucket's size: the rows past B are dead (one-token prompts, inactive from
         # the start, no drafts verified), they take part in every step's fixed shapes and in no result.
         rows = batch_bucket(B) if self.bucketed else B
-        width = prefill_width(longest) if self.bucketed else longest  # prompts right-padded to this
+        first_longest, longest = max(len(p) for p in prompts[:B]), max(len(p) for p in prompts)
+        width = prefill_width(first_longest) if self.bucketed else first_longest  # prompts right-padded to this
         need = cache_length(longest, stop.max_new_tokens, self.verify_width - 1, self.overlap)
-        st = self._use(rows, max(need, width))
+        st = self._use(rows, max(need, prefill_width(longest) if self.bucketed else longest))
         max_len = self._cache.max_len
         generator = None
         if not sampling.greedy:
@@ -781,9 +862,9 @@ class Decoder:
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            lengths = torch.tensor([len(p) for p in prompts] + [1] * (rows - B), device=device)
+            lengths = torch.tensor([len(p) for p in prompts[:B]] + [1] * (rows - B), device=device)
             padded = torch.zeros(rows, width, dtype=torch.long)
-            for b, p in enumerate(prompts):
+            for b, p in enumerate(prompts[:B]):
                 padded[b, : len(p)] = torch.tensor(p)
             padded = padded.to(device)
             positions = torch.arange(width, device=device)[None].expand(rows, width)
@@ -807,56 +888,87 @@ class Decoder:
             st.budget.fill_(self.k)
             first_host = first.tolist()
             t_first = time.perf_counter() - t0
-            active = [b < B for b in range(rows)]
-            for b, r in enumerate(results):
-                active[b] = self._append(r, [first_host[b]], t_first, stop, eos)
-            st.active.copy_(torch.tensor(active))
+            active = [False] * rows
+            for b in range(B):
+                active[b] = self._append(results[b], [first_host[b]], t_first, stop, eos)
+            owner = list(range(B)) + [None] * (rows - B)  # the request each row decodes
+            since = [0] * rows  # the first step whose output belongs to the row's current request
+            firsts: dict[int, tuple] = {}  # row -> (handle, index): its started request's first token, read with
+            # the request's first step
+            waiting = deque(range(B, len(prompts)))
             stats = BatchStats(prefill_s=t_first)
             verify = True  # the next step may verify drafts (else, with ar_after_miss, it is an AR step)
+            launched = 0
 
-            def launch(step: int):
+            def start(free: list[int]) -> bool:
+                """Start waiting requests in the rows of `free` (behind any step in flight); True when any did."""
+                take = free[: len(waiting)]
+                for at in range(0, len(take), REFILL_GROUP):
+                    group = take[at: at + REFILL_GROUP]
+                    requests = [waiting.popleft() for _ in group]
+                    handle = self._start_requests(st, group, [prompts[i] for i in requests], sampling, generator)
+                    for j, (b, i) in enumerate(zip(group, requests)):
+                        owner[b], since[b], active[b], firsts[b] = i, launched, True, (handle, j)
+                stats.refills += len(take)
+                return bool(take)
+
+            def launch():
+                nonlocal launched
                 drafts_k = self.k if verify else 0
                 if verify and controller is not None:
                     drafts_k = controller.choose(self._prices(st))
                 stats.ar_steps += drafts_k == 0 and self.k > 0
                 stats.draft_lengths.append(drafts_k)
-                return drafts_k, self._launch(st, sampling, generator, step, drafts_k)
+                launched += 1
+                return launched - 1, self._launch(st, sampling, generator, launched - 1, drafts_k)
 
+            start([b for b in range(B) if not active[b]])  # requests that ended at their first token
+            st.active.copy_(to_device(torch.tensor(active), device))
             pending = None
             if any(active):
                 self._capture_all(st, sampling)
-                pending = launch(0)
+                pending = launch()
             while pending is not None:
                 # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
-                # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them).
-                ahead = launch(stats.steps + 1) if self.overlap else None
+                # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them). A
+                # request started in that row begins with the step after.
+                ahead = launch() if self.overlap else None
                 self._mark("sync")
-                drafts_k, handle = pending
+                index, handle = pending
                 out = self._read(handle)  # the step's one host sync
                 self._mark("synced")
                 now = time.perf_counter() - t0
                 stats.steps += 1
-                if controller is not None:
-                    live_rows = [b for b in range(B) if active[b]]
-                    found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in live_rows]
-                    controller.observe([out[b][-2] for b in live_rows], [out[b][0] for b in live_rows], found)
-                changed = False
-                for b, r in enumerate(results):
-                    if not active[b]:
+                stepped, finished = [], []
+                for b in range(rows):
+                    if not active[b] or index < since[b]:
                         continue
+                    r = results[owner[b]]
+                    if b in firsts:  # a started request's first token, prefilled before this step
+                        first_handle, j = firsts.pop(b)
+                        if not self._append(r, [self._read(first_handle)[j]], now, stop, eos):
+                            active[b] = False
+                            finished.append(b)
+                            continue
+                    stepped.append(b)
                     n = out[b][0]
                     r.accepted.append(n)
                     r.found.append(out[b][-1])
                     if not self._append(r, out[b][1: n + 2], now, stop, eos):
-                        active[b], changed = False, True
-                if changed:
-                    st.active.copy_(torch.tensor(active))
+                        active[b] = False
+                        finished.append(b)
+                if controller is not None:
+                    found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
+                    controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found)
+                started = bool(waiting and finished) and start(finished)
+                if finished:
+                    st.active.copy_(to_device(torch.tensor(active), device))
                 if self.ar_after_miss:  # verify next only if the drafter found something for a live row
-                    verify = any(active[b] and out[b][-1] > 0 for b in range(B))
+                    verify = started or any(active[b] and out[b][-1] > 0 for b in stepped)
                 self._mark("end")
                 if not any(active):
                     break
-                pending = ahead or launch(stats.steps)
+                pending = ahead or launch()
             sync()
             stats.decode_s = time.perf_counter() - t0 - t_first
         self.last_stats = stats
@@ -864,6 +976,44 @@ class Decoder:
             for r in results:
                 r.text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         return results
+
+    def _start_requests(self, st: DecodeState, rows: list[int], prompts: list[list[int]], sampling: SamplingParams,
+                        generator):
+        """Start `prompts` in the finished `rows` of the running batch: their prefill in a scratch cache of its own
+        (a graph per group bucket and width, like the batch's prefill), their K/V copied into the rows' cache, and
+        their history, lengths and draft budgets set. All of it is enqueued behind any step in flight, which so
+        still runs the rows' old requests. Returns the handle (`_read`) of their first tokens."""
+        device = self.model.device
+        m = len(rows)
+        group = batch_bucket(m) if self.bucketed else m
+        longest = max(len(p) for p in prompts)
+        width = prefill_width(longest) if self.bucketed else longest
+        padded = torch.zeros(group, width, dtype=torch.long)
+        lengths = torch.ones(group, dtype=torch.long)
+        for j, p in enumerate(prompts):
+            padded[j, : len(p)], lengths[j] = torch.tensor(p), len(p)
+        padded, lengths = to_device(padded, device), to_device(lengths, device)
+        positions = torch.arange(width, device=device)[None].expand(group, width)
+        logits = self._prefill(padded, positions, lengths, scratch=True)
+        if sampling.greedy:
+            first = logits.argmax(-1)[:m]
+        else:
+            first = torch.multinomial(probabilities(logits[:m], sampling), 1, generator=generator).squeeze(1)
+        index = to_device(torch.tensor(rows), device)
+        self._cache.kv[:, :, index, :, :width] = self._scratch.kv[:, :, :m, :, :width]
+        history = torch.zeros(m, st.history.shape[1], dtype=torch.long, device=device)
+        history[:, :width] = padded[:m]
+        history.scatter_(1, lengths[:m, None], first[:, None])
+        st.history.index_copy_(0, index, history)
+        st.lengths.index_copy_(0, index, lengths[:m] + 1)
+        st.budget.index_fill_(0, index, self.k)
+        if device.type != "cuda":
+            return first, None
+        buf = torch.empty(m, dtype=torch.long, pin_memory=True)
+        buf.copy_(first, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
 
     def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:
         """Append a step's tokens to a row, cut at the first stop condition; False when the row is finished."""

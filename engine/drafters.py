@@ -44,6 +44,9 @@ class Drafter(ABC):
     # set, the target's forwards also return those hidden states (Transformer.forward's `aux_layers`), and the
     # decoder hands them over: the prompt's to `prefill` (hidden=, lengths=), each step's to `update` (hidden=).
     needs_hidden_states: tuple[int, ...] | None = None
+    # True when the proposals depend on the history alone (no per-row state of the drafter's own): a row of the
+    # batch may then take a new request between steps (continuous batching).
+    stateless = False
 
     def reserve(self, rows: int, max_len: int) -> None:
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
@@ -87,6 +90,7 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
     variable_drafts = True
+    stateless = True
     # On CUDA the search runs as one Triton kernel (kernels/triton_ngram.py, the same proposals) instead of the
     # torch ops below, which compile to several kernels, each a launch gap in the step's graph.
     use_kernel = True

@@ -78,19 +78,22 @@ class Engine:
 
     def warmup(self, batch_sizes, max_prompt_tokens: int, max_new_tokens: int) -> None:
         """Capture and compile, before anything is timed, every shape that `generate` will run for this many prompts
-        at once (each size split by max_batch_size as `generate` splits it), prompts of up to `max_prompt_tokens`
-        tokens and up to `max_new_tokens` new tokens: afterwards such calls capture nothing (decoder.captures stays
-        put). With the batch controller it also measures each kind of step's price at each batch size."""
+        at once (at most max_batch_size rows; without continuous batching the last batch of a split may be
+        smaller), prompts of up to `max_prompt_tokens` tokens and up to `max_new_tokens` new tokens: afterwards such
+        calls capture nothing (decoder.captures stays put). With the batch controller it also measures each kind of
+        step's price at each batch size."""
         size = self.recipe.batch.max_batch_size
-        sizes = {min(n, size) for n in batch_sizes} | {n % size for n in batch_sizes if n > size and n % size}
+        sizes = {min(n, size) for n in batch_sizes}
+        if not self.decoder.continuous:
+            sizes |= {n % size for n in batch_sizes if n > size and n % size}
         self.decoder.warmup(sorted(sizes), max_prompt_tokens, max_new_tokens)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                 stop_strings: tuple[str, ...] = (), seed: int = 0, ignore_eos: bool = False) -> list[RowResult]:
-        """Decode prompts in batches of the recipe's max_batch_size, in order."""
+                 stop_strings: tuple[str, ...] = (), seed: int = 0, ignore_eos: bool = False,
+                 max_batch: int | None = None) -> list[RowResult]:
+        """Decode prompts, at most the recipe's max_batch_size (or `max_batch`, if smaller) at once, continuously
+        batched where the drafter allows it (Decoder.generate); results in the prompts' order."""
         stop = StopCondition(max_new_tokens, () if ignore_eos else None, tuple(stop_strings))
-        out: list[RowResult] = []
         size = self.recipe.batch.max_batch_size
-        for i in range(0, len(prompts), size):
-            out += self.decoder.generate(prompts[i: i + size], stop, sampling, seed + i)
-        return out
+        size = size if max_batch is None else min(max_batch, size)
+        return self.decoder.generate(prompts, stop, sampling, seed, max_batch=size)

@@ -55,7 +55,7 @@ class WeightsSpec:
 
 @dataclass
 class BatchSpec:
-    max_batch_size: int = 32  # requests decoded together; larger inputs are split in order
+    max_batch_size: int = 64  # rows decoded at once; more requests wait for a row (continuous batching)
     controller: str = "none"  # cost: each step's draft length 0..k from measured acceptance and step prices
     probe_every: int = 16  # cost: after this many AR steps in a row, one step verifies k drafts
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B

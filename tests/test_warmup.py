@@ -67,13 +67,18 @@ def test_no_capture_after_warmup(llama, tiny_draft, name):
     eng.warmup([1, 3, 5], max_prompt_tokens=300, max_new_tokens=12)
     warmed = eng.decoder.captures
     kinds = {"ar": 1, "ngram": 2, "model": 1, "controller": 4}[name]
-    # three buckets (1, 4, 8): each kind of step, and prefill at every width up to 384
-    assert warmed == 3 * (kinds + len(prefill_widths(300)))
+    # three buckets (1, 4, 8): each kind of step, and prefill at every width up to 384; with continuous batching
+    # also the prefill of the requests started in a running batch, in groups of 1, 2, 4 and 8, at every width
+    groups = 4 if eng.decoder.continuous else 0
+    assert warmed == 3 * (kinds + len(prefill_widths(300))) + groups * len(prefill_widths(300))
     if name == "controller":
         assert set(eng.decoder.prices) == {1, 4, 8} and all(set(p) == {0, 1, 2, 3} for p in eng.decoder.prices.values())
     for rows in batches:
         out = eng.generate(rows, 12, ignore_eos=True)
         assert [len(r.tokens) for r in out] == [12] * len(rows)
+    many = [p for rows in batches for p in rows]  # 10 requests through 5 rows: 5 started in a running batch
+    assert [len(r.tokens) for r in eng.generate(many, 12, ignore_eos=True, max_batch=5)] == [12] * len(many)
+    assert eng.decoder.last_stats.refills == (len(many) - 5 if groups else 0)
     assert eng.decoder.captures == warmed, eng.decoder.captured[warmed:]
     eng.generate([[3] * 400], 12, ignore_eos=True)  # wider than warmed: a new prefill shape (and a larger cache)
     assert eng.decoder.captures > warmed

@@ -1,12 +1,15 @@
 """Speculation against AR at every batch size: one `specpilot bench` run, B = 1..64, code, chat and summarize.
 
 What it measures (issue #20 item 5). One `specpilot bench` run over B in {1, 2, 4, 8, 16, 32, 64} and the code, chat
-and summarize workloads, 128 new tokens, `--cell-requests 8` (a cell decodes max(8, B) requests), with `ar` (the
-reference), our fastest AR (the fused layer with overlap), `stock`, the shipped n-gram recipe (adaptive min-2,
-ar_after_miss, fused, overlap), the same with the batch controller, padded and ragged, and HF's static cache
-(`--baselines hf-static`; HF's prompt lookup decodes a row at a time). Every system warms every shape of a cell before anything is timed; each run reports
-`captures_while_timed`. The table: tok/s per cell and the ratio to our fastest AR; the bench's results.json is in
-NAME.json, from which tools/bench/report.write_report draws report.md and speedup_vs_batch.png.
+and summarize workloads (`--workloads` picks some: one run per device call), 128 new tokens, `--cell-requests 8
+--waves 4`: a cell decodes max(8, 4 x B) requests, B at a time, continuously batched (a request's row goes to the next
+waiting request when it finishes; HF decodes batches of B in order). Systems: `ar` (the reference), our fastest AR (the
+fused layer with overlap), `stock`, the shipped n-gram recipe (adaptive min-2, ar_after_miss, fused, overlap), the
+same with the batch controller, padded and ragged, and HF's static cache (`--baselines hf-static`; HF's prompt lookup
+decodes a row at a time). Every system warms every shape of a cell before anything is timed; each run reports
+`captures_while_timed`. The table: tok/s per cell and the ratio to our fastest AR, then the controller's choices and
+its step prices; the bench's results.json is in NAME.json, from which tools/bench/report.write_report draws report.md
+and speedup_vs_batch.png.
 
 `--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
 ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
@@ -34,6 +37,8 @@ def arguments(p) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--cell-requests", type=int, default=8)
+    p.add_argument("--waves", type=int, default=4, help="a cell decodes at least this many times B requests")
+    p.add_argument("--batching", default="continuous", choices=("continuous", "static"))
     p.add_argument("--baselines", default="hf-static")
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
@@ -42,13 +47,16 @@ def arguments(p) -> None:
 def table(results: dict, reference: str) -> str:
     """The bench's table, then what the batch controller chose (steps of each kind k', 0: AR, where a run mixed
     them) and the shapes captured while timed (none after the cells' warm-ups)."""
-    kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}" for r in results["runs"]
-             if r.get("step_kinds") and len(r["step_kinds"]) > 1]
+    kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}"
+             + (" at ms " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_prices_ms"].items())
+                if r.get("step_prices_ms") else "")
+             for r in results["runs"] if r.get("step_kinds") and (len(r["step_kinds"]) > 1 or r.get("step_prices_ms"))]
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
     text = harness.bench_table(results, reference) + f"\n\nShapes captured while timed: {captured or 'none'}."
     if kinds:
-        text += "\n\nSteps by kind k' (0: AR), where a run had more than one kind:\n\n" + "\n".join(kinds)
+        text += ("\n\nSteps by kind k' (0: AR), where a run had more than one kind, and the controller's price of "
+                 "each kind:\n\n" + "\n".join(kinds))
     return text
 
 
@@ -72,7 +80,8 @@ def run(out_dir, args):
         if args.smoke:
             sizes = sizes[:2]
         argv = ["--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes), "--max-new-tokens", tokens,
-                "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests]
+                "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests,
+                "--waves", 1 if args.smoke else args.waves, "--batching", args.batching]
         for name in RECIPES:
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         if args.baselines and not args.smoke:

@@ -81,5 +81,7 @@ def header(args, device: torch.device, dtype: str, workloads: list[str], batch_s
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "target": args.target, "dtype": dtype, "device": str(device), "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos, "workloads": workloads, "batch_sizes": batch_sizes, "repeats": args.repeats,
-        "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None), "threads": torch.get_num_threads(),
+        "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None),
+        "waves": getattr(args, "waves", 1) or 1, "batching": getattr(args, "batching", "continuous"),
+        "threads": torch.get_num_threads(),
     }

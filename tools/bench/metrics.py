@@ -81,6 +81,8 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         # "k'": count: what the batch controller chose
         "step_kinds": {str(kind): n for kind, n in sorted(sum((Counter(r.step_kinds) for r in runs),
                                                               Counter()).items())},
+        # the batch controller's price of each kind of step at this batch's bucket (ms; measured at warm-up)
+        "step_prices_ms": {str(kind): seconds * 1e3 for kind, seconds in sorted(runs[-1].step_prices.items())},
     }
 
 

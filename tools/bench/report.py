@@ -65,7 +65,9 @@ def markdown(results: dict, no_plots: str | None = None) -> str:
          f"triton {h.get('triton') or 'not installed'}"),
         (f"- max new tokens {h.get('max_new_tokens')} ({'EOS ignored' if h.get('ignore_eos') else 'stop at EOS'}), "
          f"repeats {h.get('repeats')} (median), questions per workload: {h.get('limit') or 'all'}"
-         + (f", per cell the first max({h['cell_requests']}, B)" if h.get("cell_requests") else "")),
+         + (f", per cell the first max({h['cell_requests']}, B)" if h.get("cell_requests") else "")
+         + (f", at least {h['waves']} x B" if (h.get("waves") or 1) > 1 else "")
+         + (f"; batching: {h['batching']}" if h.get("batching") else "")),
         ("- speedup and =AR (share of requests token-identical to AR) are against this engine's AR in the same cell; "
          "τ is the mean tokens per verification step; peak memory is "
          + (" / ".join(sorted(memory)) or "-") + " (see docs/BENCH.md)"), "",

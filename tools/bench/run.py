@@ -83,8 +83,15 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--cell-requests", type=positive_int, default=None,
                    help="each (workload, batch size) cell decodes only its first max(N, batch size) requests: "
                         "keeps B = 1 cells of slow baselines short while B = 32 still gets 32")
+    b.add_argument("--waves", type=positive_int, default=1,
+                   help="each cell decodes at least W x B requests (the workload's repeated where it has fewer): "
+                        "with continuous batching, W waves of requests through the B rows")
+    b.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous (default): a cell's requests are one timed call, B at once, a finished "
+                        "request's row taking the next (HF baselines: batches of B, in order); static: each batch "
+                        "of B a timed call of its own")
     b.add_argument("--repeats", type=positive_int, default=1,
-                   help="times each batch is measured per system (median kept)")
+                   help="times each timed call is measured per system (median kept)")
     b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup; hf-static: only the first")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -168,7 +175,7 @@ class Bench:
     def _try(self, system: System, workload: str, batch_size: int, prompts: list[list[int]]) -> BatchRun | None:
         self.running(system.name, workload, batch_size)
         try:
-            return system.run(prompts, self.args.max_new_tokens, self.args.ignore_eos)
+            return system.run(prompts, self.args.max_new_tokens, self.args.ignore_eos, concurrency=batch_size)
         except BenchSkip as e:
             self.error(system.name, workload, batch_size, str(e))
         except Exception as e:  # one broken system must not cost the others their measurements
@@ -193,15 +200,19 @@ class Bench:
 
     def measure_cell(self, systems: list[System], workload: str, batch_size: int, requests: list[BenchRequest],
                      progress) -> None:
-        units = cell_units(len(systems), len(requests), batch_size, self.args.cell_requests, self.args.repeats)
-        # A batch larger than the workload takes its requests again, in order, to fill one batch: each row decodes
-        # on its own, so a repeated prompt is load like any other. The cell's runs say how many rows repeated.
-        n_cell = cell_size(len(requests), batch_size, self.args.cell_requests)
+        units = cell_units(len(systems), len(requests), batch_size, self.args.cell_requests, self.args.repeats,
+                           waves(self.args), continuous(self.args))
+        # A cell larger than the workload takes its requests again, in order: each row decodes on its own, so a
+        # repeated prompt is load like any other. The cell's runs say how many requests repeated.
+        n_cell = cell_size(len(requests), batch_size, self.args.cell_requests, waves(self.args))
         repeated = max(0, n_cell - len(requests))
         requests = [requests[i % len(requests)] for i in range(n_cell)]
         done_before = progress.n
         prompts = [r.prompt for r in requests]
         batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+        # What is timed: continuous, the cell's requests in one call, B at once (each system batches them its own
+        # way: our engine continuously, HF in batches of B); static, each batch of B a call of its own.
+        timed = [prompts] if continuous(self.args) else batches
         # Warm-up: compiles, captured graphs and caches for every batch shape of the cell (the last may be short):
         # the system's own preparation first (it fixes shapes, e.g. HF's static cache length, so that the decodes
         # after it compile nothing new), then a decode of each batch shape.
@@ -213,8 +224,8 @@ class Bench:
                     self._try(s, workload, batch_size, b) is not None for b in warm):
                 live.append(s)
             progress.update(1)
-        measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in batches] for s in live}
-        for i, batch in enumerate(batches):
+        measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in timed] for s in live}
+        for i, batch in enumerate(timed):
             for rep in range(self.args.repeats):
                 shift = (i * self.args.repeats + rep) % max(len(live), 1)
                 for s in live[shift:] + live[:shift]:
@@ -227,7 +238,7 @@ class Bench:
                             measured[s.name][i].append(run)
                     progress.update(1)
         progress.update(units - (progress.n - done_before))
-        self._add_runs(systems, workload, batch_size, measured, batches, repeated)
+        self._add_runs(systems, workload, batch_size, measured, timed, repeated)
 
     def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]],
                   batches: list[list[list[int]]], repeated: int = 0) -> None:
@@ -253,16 +264,26 @@ class Bench:
         self.write()
 
 
-def cell_size(n_requests: int, batch_size: int, cell_requests: int | None) -> int:
+def continuous(args) -> bool:
+    return getattr(args, "batching", "continuous") == "continuous"
+
+
+def waves(args) -> int:
+    return getattr(args, "waves", 1) or 1
+
+
+def cell_size(n_requests: int, batch_size: int, cell_requests: int | None, waves: int = 1) -> int:
     """How many requests one cell decodes: all of the workload's, with --cell-requests N the first max(N, B); at
-    least one full batch (B), the workload's requests repeated where it has fewer."""
+    least `waves` x B, the workload's requests repeated where it has fewer."""
     n = n_requests if cell_requests is None else min(n_requests, max(cell_requests, batch_size))
-    return max(n, batch_size)
+    return max(n, waves * batch_size)
 
 
-def cell_units(n_systems: int, n_requests: int, batch_size: int, cell_requests: int | None, repeats: int) -> int:
-    """The progress bar's units of one cell: per system a warm-up and every batch's repeats."""
-    return n_systems * (1 + -(-cell_size(n_requests, batch_size, cell_requests) // batch_size) * repeats)
+def cell_units(n_systems: int, n_requests: int, batch_size: int, cell_requests: int | None, repeats: int,
+               waves: int = 1, continuous: bool = False) -> int:
+    """The progress bar's units of one cell: per system a warm-up and every timed call's repeats."""
+    calls = 1 if continuous else -(-cell_size(n_requests, batch_size, cell_requests, waves) // batch_size)
+    return n_systems * (1 + calls * repeats)
 
 
 def build_systems(bench: Bench, target, recipes: list[tuple[str, Recipe]], baselines: str) -> list[System]:
@@ -356,7 +377,8 @@ def measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out
     reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
     requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
                 for w, qs in workloads.items()}
-    total = sum(cell_units(len(systems), len(rs), b, args.cell_requests, args.repeats)
+    total = sum(cell_units(len(systems), len(rs), b, args.cell_requests, args.repeats, waves(args),
+                           continuous(args))
                 for rs in requests.values() for b in batch_sizes)
     bench.write()
     try:
@@ -443,7 +465,9 @@ class WorkerRun:
             "parent": os.getpid(), "device": self.device, "dtype": self.dtype, "batch_sizes": self.batch_sizes,
             "args": {"target": self.args.target, "max_new_tokens": self.args.max_new_tokens,
                      "ignore_eos": self.args.ignore_eos, "repeats": self.args.repeats, "limit": self.args.limit,
-                     "cell_requests": getattr(self.args, "cell_requests", None), "baselines": self.args.baselines if hf else "none",
+                     "cell_requests": getattr(self.args, "cell_requests", None), "waves": waves(self.args),
+                     "batching": getattr(self.args, "batching", "continuous"),
+                     "baselines": self.args.baselines if hf else "none",
                      "argv": list(getattr(self.args, "argv", None) or sys.argv[1:])},
             "workloads": {w: [[q.question_id, q.category, list(q.turns)] for q in qs]
                           for w, qs in self.workloads.items()},
@@ -680,6 +704,7 @@ def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe
             f"--device={device}", f"--dtype={dtype}"]
     argv += [f"--limit={args.limit}"] if args.limit else []
     argv += [f"--cell-requests={args.cell_requests}"] if args.cell_requests else []
+    argv += [f"--waves={waves(args)}", f"--batching={getattr(args, 'batching', 'continuous')}"]
     argv += ["--ignore-eos"] if args.ignore_eos else []
     # ar and stock come first and the child adds them itself (recipes_to_measure); the rest go as JSON
     # isolation as decided here (SPECPILOT_BENCH_ISOLATE is not in the sandbox's environment): on CUDA the child's

@@ -34,6 +34,8 @@ class BatchRun:
     captures: int = 0  # step or prefill shapes our engine captured (compiled) inside this timed call, for an HF
     # baseline the graphs torch.compile built in it: should be 0
     step_kinds: dict[int, int] = field(default_factory=dict)  # our engine: steps run of each kind k' (0: AR steps)
+    step_prices: dict[int, float] = field(default_factory=dict)  # with the batch controller: seconds of each kind of
+    # step at the batch's bucket, as the controller priced them
 
 
 class BenchSkip(Exception):
@@ -51,8 +53,28 @@ class System(ABC):
     def decode(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
         """Generate for one batch; `run` adds time and memory."""
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> BatchRun:
-        return measured(lambda: self.decode(prompts, max_new_tokens, ignore_eos), self.device)
+    def decode_all(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
+                   concurrency: int) -> BatchRun:
+        """Generate for `prompts`, at most `concurrency` at once: by default in batches of that size, in order, their
+        token times on the clock of this call (a system with continuous batching overrides it)."""
+        t0 = time.perf_counter()
+        run = BatchRun([], [], [], [])
+        for i in range(0, len(prompts), concurrency):
+            offset = time.perf_counter() - t0
+            part = self.decode(prompts[i: i + concurrency], max_new_tokens, ignore_eos)
+            run.tokens += part.tokens
+            run.token_times += [[offset + t for t in times] for times in part.token_times]
+            run.accepted += part.accepted
+            run.finish_reasons += part.finish_reasons
+            run.captures += part.captures
+            run.step_kinds = dict(Counter(run.step_kinds) + Counter(part.step_kinds))
+        return run
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
+            concurrency: int | None = None) -> BatchRun:
+        """Decode and time `prompts`, at most `concurrency` (None: all) at once."""
+        n = concurrency or len(prompts)
+        return measured(lambda: self.decode_all(prompts, max_new_tokens, ignore_eos, n), self.device)
 
     def prepare(self, batches: list[list[list[int]]], max_new_tokens: int) -> None:
         """Capture and compile every shape these batches will run, before any of them is timed (default: nothing
@@ -98,22 +120,18 @@ class EngineSystem(System):
         self.engine.warmup(sorted({len(batch) for batch in batches}), longest, max_new_tokens)
 
     def decode(self, prompts, max_new_tokens, ignore_eos) -> BatchRun:
-        # Split as the engine would at its recipe's max_batch_size, but decode each part here so that its token
-        # times can be put on the one clock of this call (the engine's restart at each part).
-        size = self.engine.recipe.batch.max_batch_size
-        t0 = time.perf_counter()
-        run = BatchRun([], [], [], [])
-        captures, kinds = self.engine.decoder.captures, Counter()
-        for i in range(0, len(prompts), size):
-            offset = time.perf_counter() - t0
-            for row in self.engine.generate(prompts[i: i + size], max_new_tokens, ignore_eos=ignore_eos):
-                run.tokens.append(row.tokens)
-                run.token_times.append([offset + t for t in row.token_times])
-                run.accepted.append(row.accepted)
-                run.finish_reasons.append(row.finish_reason)
-            kinds.update(self.engine.decoder.last_stats.draft_lengths)
+        return self.decode_all(prompts, max_new_tokens, ignore_eos, len(prompts))
+
+    def decode_all(self, prompts, max_new_tokens, ignore_eos, concurrency) -> BatchRun:
+        """The engine's own batching: at most `concurrency` rows (and the recipe's max_batch_size), continuous where
+        the drafter allows it; token times are on the clock of the engine's call."""
+        captures = self.engine.decoder.captures
+        rows = self.engine.generate(prompts, max_new_tokens, ignore_eos=ignore_eos, max_batch=concurrency)
+        run = BatchRun([r.tokens for r in rows], [r.token_times for r in rows], [r.accepted for r in rows],
+                       [r.finish_reason for r in rows])
         run.captures = self.engine.decoder.captures - captures
-        run.step_kinds = dict(sorted(kinds.items()))
+        run.step_kinds = dict(sorted(Counter(self.engine.decoder.last_stats.draft_lengths).items()))
+        run.step_prices = dict(self.engine.decoder.prices.get(self.engine.decoder.batch_rows, {}))
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:

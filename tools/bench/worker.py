@@ -47,7 +47,7 @@ from ...engine.recipe import parse
 from ...engine.workloads import Question
 from .env import header
 from .prompt_requests import BenchRequest, build_requests
-from .run import FAULT_EXIT, Bench, build_systems, cell_units, one_line
+from .run import FAULT_EXIT, Bench, build_systems, cell_units, continuous, one_line, waves
 from .systems import System
 
 PR_SET_PDEATHSIG = 1
@@ -158,7 +158,8 @@ def measure_cells(config: dict, send) -> None:
     cells = [(w, b, [s for s in systems if s.name not in left_out]) for w, b, left_out in config["cells"]]
 
     def units(w: str, b: int, chosen: list[System]) -> int:
-        return cell_units(len(chosen), len(requests[w]), b, args.cell_requests, args.repeats)
+        return cell_units(len(chosen), len(requests[w]), b, args.cell_requests, args.repeats, waves(args),
+                          continuous(args))
 
     _, errors = bench.unsent()
     send({"event": "ready", "header": bench.results["header"], "errors": errors,
