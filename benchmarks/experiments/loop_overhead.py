@@ -1,0 +1,113 @@
+"""Where a batched decode's time goes: the loop's wall time against its steps' graph replays, host phases timed.
+
+What it measures. A random-weight model of SmolLM2-135M's shapes (nothing staged: its time per step does not
+depend on the weights), bf16, B = 64 rows, 256 requests of 96-192 random tokens, 128 new tokens (EOS ignored),
+continuously batched. For each system (our fastest AR; the n-gram drafter at k = 4 on the fused layer with overlap,
+every step verifying; the same with the batch controller) after a warm-up call: the call's wall time and steps; each
+kind of step's graph replayed at warm-up (the controller's price) and again at the state the call left (real
+lengths and history); and the host time inside the call's phases: waiting for a step's output (`_read`), launching
+steps (`_launch`), starting requests in finished rows (`_start_requests`), the rest (the row loop). Device-bound,
+the waits dominate; host-bound, they vanish.
+
+Backs the analysis of issue #20's large-batch figures in docs/benchmarks/2026-12-01-eleventh-lease.md.
+
+Device minutes: about 2.
+"""
+from __future__ import annotations
+
+import time
+
+MINUTES = 2
+CUDA_ONLY = True
+SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+          "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+          "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
+SYSTEMS = {
+    "ar-fused-overlap": {"layer": "fused", "overlap": True},
+    "ngram-k4-fused-overlap": {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4}, "k": 4,
+                               "layer": "fused", "overlap": True},
+    "ngram2-k4-cost-fused-overlap": {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
+                                                 "ar_after_miss": True}, "k": 4, "layer": "fused", "overlap": True,
+                                     "batch": {"controller": "cost"}},
+}
+
+
+def arguments(p) -> None:
+    p.add_argument("--rows", type=int, default=64)
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--layers", type=int, default=SHAPES["num_hidden_layers"])
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+
+
+def random_target(layers: int, device: str, scratch):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specpilot.engine import loader
+
+    torch.manual_seed(0)
+    path = scratch / "random-smollm2"
+    LlamaForCausalLM(LlamaConfig(**{**SHAPES, "num_hidden_layers": layers})).save_pretrained(path)
+    return loader.load(str(path), "bf16" if device == "cuda" else "fp32", device)
+
+
+def timed(counter: dict, name: str, fn):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            counter[name] = counter.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+def run(out_dir, args):
+    import torch
+
+    from specpilot.engine.engine import Engine
+    from specpilot.engine.recipe import parse
+
+    ctx = args.ctx
+    device = "cuda" if torch.cuda.is_available() and not ctx.smoke else "cpu"
+    rows, requests, new = (2, 4, 8) if ctx.smoke else (args.rows, args.requests, args.max_new_tokens)
+    target = random_target(2 if ctx.smoke else args.layers, device, ctx.scratch)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(requests)]
+    found, lines = {}, []
+    for name in args.systems.split(","):
+        spec = SYSTEMS[name]
+        eng = Engine(target, parse({**spec, **({"cuda_graphs": False} if device == "cpu" else {})}))
+        dec = eng.decoder
+        eng.warmup([rows], max(map(len, prompts)), new)
+        eng.generate(prompts, new, ignore_eos=True, max_batch=rows)  # the first real call: caches, allocator
+        phases = {}
+        for method in ("_read", "_launch", "_start_requests"):
+            setattr(dec, method, timed(phases, method, getattr(dec, method)))
+        torch.cuda.synchronize() if device == "cuda" else None
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, new, ignore_eos=True, max_batch=rows)
+        torch.cuda.synchronize() if device == "cuda" else None
+        wall = time.perf_counter() - t0
+        for method in phases:
+            delattr(dec, method)
+        stats = dec.last_stats
+        kinds = sorted(set(stats.draft_lengths))
+        at_end = {k: dec._time_step(dec._state, k, 20) * 1e3 for k in kinds}
+        warm = {k: v * 1e3 for k, v in dec.prices.get(dec._state.batch, {}).items()}
+        tokens = sum(len(r.tokens) for r in out)
+        rest = wall - sum(phases.values())
+        found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
+                       "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
+                       "replay_ms_at_warmup": warm, "host_s": phases, "rest_s": rest}
+        lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {wall / stats.steps * 1e3:.3f} | "
+                     + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
+                     + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
+                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in ("_read", "_launch", "_start_requests"))
+                     + f" / {rest * 1e3:.0f} | {stats.refills} |")
+        del eng, dec
+        torch.cuda.empty_cache() if device == "cuda" else None
+    head = ("| system | tok/s | steps | wall ms/step | replay ms at the end, by kind | at warm-up | host ms: wait "
+            "/ launch / start requests / rest | requests started |\n|---|---:|---:|---:|---|---|---|---:|")
+    return found, head + "\n" + "\n".join(lines)
