@@ -211,3 +211,29 @@ def test_a_long_lived_sandbox_keeps_its_pids():
             "[t.start() for t in ts]; ev.set(); [t.join() for t in ts]\nprint(json.dumps({'threads': len(ts)}))")
     r = sandbox.run_python(code, {}, sandbox.SandboxLimits(wall_s=120))
     assert r.ok and r.output == {"threads": 50}, r.stderr_tail
+
+
+@pytest.mark.parametrize("launcher", ["subprocess", "fork server"])
+def test_a_cuda_candidate_gets_the_gpu_device_nodes(monkeypatch, tmp_path, launcher):
+    """The gate's candidate on CUDA runs in a sandbox with the GPU's device nodes, on CPU without (without them CUDA
+    is not available inside: on the H200 every CUDA gate failed at startup so, issue #20)."""
+    from specpilot.tools.sandbox import candidate_client
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, limits, env=None, die_with_parent=True):
+            seen.append(limits.gpu)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(candidate_client.sandbox, "Sandbox", Recorder)
+    monkeypatch.setattr(candidate_client, "_servers", {})
+    monkeypatch.setattr(candidate_client.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    if launcher == "subprocess":
+        monkeypatch.setenv("SPECPILOT_GATE_LAUNCH", "subprocess")
+    else:
+        monkeypatch.delenv("SPECPILOT_GATE_LAUNCH", raising=False)
+    for device in ("cuda", "cuda:0", "cpu"):
+        with pytest.raises(RuntimeError, match="recorded"):
+            candidate_client.Candidate("target", "{}", "bf16", device, None, 10.0)
+    assert seen == [True, True, False]

@@ -133,9 +133,8 @@ def _ours() -> list[str]:
     """Our run dirs, but the gate's fork server's (long-lived by design: removed when it is replaced or at exit)."""
     from specpilot.tools.sandbox import candidate_client
 
-    server = candidate_client._server
-    keep = server.box.run_dir.name if server is not None else None
-    return sorted(e for e in os.listdir(sandbox.temp_root()) if e.startswith(f"{os.getpid()}-") and e != keep)
+    keep = {server.box.run_dir.name for server in candidate_client._servers.values()}
+    return sorted(e for e in os.listdir(sandbox.temp_root()) if e.startswith(f"{os.getpid()}-") and e not in keep)
 
 
 @pytest.fixture

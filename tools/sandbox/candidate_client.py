@@ -57,23 +57,24 @@ def _caches() -> dict[str, str]:
             "HF_HOME": os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))}
 
 
-def _limits() -> sandbox.SandboxLimits:
-    """No address-space limit: torch reserves far more virtual memory than it uses."""
-    return sandbox.SandboxLimits(memory_bytes=None)
+def _limits(gpu: bool) -> sandbox.SandboxLimits:
+    """No address-space limit: torch reserves far more virtual memory than it uses. `gpu`: the GPU's device nodes
+    in the sandbox's /dev (a candidate on CUDA; without them CUDA is not available there)."""
+    return sandbox.SandboxLimits(memory_bytes=None, gpu=gpu)
 
 
 _server_lock = threading.Lock()
-_server = None
+_servers: dict[bool, "_ForkServer"] = {}  # with and without the GPU's device nodes
 
 
 class _ForkServer:
     """The gate's end of tools/sandbox/candidate_forkserver.py: one per gate process, started on first use, itself
     inside the sandbox (it runs no candidate code; the workers it forks do)."""
 
-    def __init__(self):
+    def __init__(self, gpu: bool):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # not tied to the starting thread's life (PDEATHSIG): it ends when the gate closes its socket
-        self.box = sandbox.Sandbox(_limits(), _caches(), die_with_parent=False)
+        self.box = sandbox.Sandbox(_limits(gpu), _caches(), die_with_parent=False)
         try:
             self.proc = self.box.popen([sys.executable, "-m", "specpilot.tools.sandbox.candidate_forkserver",
                                         str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
@@ -111,14 +112,14 @@ class _ForkServer:
             pass
 
 
-def _fork_server() -> _ForkServer:
-    global _server
+def _fork_server(gpu: bool) -> _ForkServer:
     with _server_lock:
-        if _server is None or _server.proc.poll() is not None:
-            if _server is not None:
-                _server.close()
-            _server = _ForkServer()
-        return _server
+        server = _servers.get(gpu)
+        if server is None or server.proc.poll() is not None:
+            if server is not None:
+                server.close()
+            server = _servers[gpu] = _ForkServer(gpu)
+        return server
 
 
 class _Lines:
@@ -141,8 +142,8 @@ class _Subprocess:
     """`python -m specpilot.tools.sandbox.candidate_worker` in a sandbox of its own (tools/sandbox/process.py).
     JSON lines on stdin and stdout."""
 
-    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path):
-        self.box = sandbox.Sandbox(_limits(), _caches())
+    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path, gpu: bool):
+        self.box = sandbox.Sandbox(_limits(gpu), _caches())
         self.isolation = self.box.isolation
         try:
             with open(stderr_path, "wb") as err:
@@ -175,8 +176,8 @@ class _Subprocess:
 class _Forked:
     """The same worker, forked from the fork server (tools/sandbox/candidate_forkserver.py) with pipes as stdin and stdout."""
 
-    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path):
-        self.server = _fork_server()
+    def __init__(self, worker_args: list[str], cwd: Path, stderr_path: Path, gpu: bool):
+        self.server = _fork_server(gpu)
         self.isolation = self.server.isolation
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -216,12 +217,13 @@ class _Forked:
         return self._release(2.0)
 
 
-def launch(worker_args: list[str], cwd: Path, stderr_path: Path):
+def launch(worker_args: list[str], cwd: Path, stderr_path: Path, gpu: bool = False):
     """Start a candidate worker in the sandbox: forked from the preloaded fork server (itself sandboxed), or as a
-    fresh sandboxed `python -m` process when SPECPILOT_GATE_LAUNCH=subprocess or the platform has no fork server."""
+    fresh sandboxed `python -m` process when SPECPILOT_GATE_LAUNCH=subprocess or the platform has no fork server.
+    `gpu`: the sandbox has the GPU's device nodes (a candidate on CUDA)."""
     if os.environ.get("SPECPILOT_GATE_LAUNCH") == "subprocess" or not sys.platform.startswith("linux"):
-        return _Subprocess(worker_args, cwd, stderr_path)
-    return _Forked(worker_args, cwd, stderr_path)
+        return _Subprocess(worker_args, cwd, stderr_path, gpu)
+    return _Forked(worker_args, cwd, stderr_path, gpu)
 
 
 class Candidate:
@@ -234,7 +236,7 @@ class Candidate:
             args += ["--patch", patch]
         self.stderr_path = self.dir / "stderr.txt"
         self.budget = self.timeout_s = timeout_s
-        self.worker = launch(args, self.dir, self.stderr_path)
+        self.worker = launch(args, self.dir, self.stderr_path, gpu=device.startswith("cuda"))
         self.lines = self.worker.lines
         self._next_id = 0
         self._done = False
