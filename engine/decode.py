@@ -11,8 +11,8 @@ skip them (the fused layer) does; with `drafter.adaptive` each row's draft budge
 `ar_after_miss` the host runs a plain AR step (one token, no verification: a graph of its own) when the drafter found
 nothing at the latest step it has read, since even a dead slot costs something; the drafter still searches in AR
 steps, so verification resumes as soon as it finds drafts again. With more requests than rows, a row whose request
-finishes starts the next waiting one between two steps (continuous batching): its prompt prefilled apart, its K/V
-copied into the row, all enqueued behind the step in flight.
+finishes starts the next waiting one between two steps (continuous batching): waiting prompts are prefilled apart, a
+group at a time, and a request's K/V copied into the row it takes, all enqueued behind the step in flight.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
-from .tree import accept_tree, compact_tree_kv, tree_from_paths, tree_mask, tree_positions
+from .tree import accept_tree_sampled, compact_tree_kv, tree_from_paths, tree_mask, tree_positions
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -62,7 +62,7 @@ class BatchStats:
     steps: int = 0
     ar_steps: int = 0  # of them, steps run without verification (ar_after_miss, or the controller's choice)
     draft_lengths: list[int] = field(default_factory=list)  # each step's kind k': drafts a row (ragged: per row on
-    # average) it verified at most; 0: an AR step
+    # average) it verified at most; 0: an AR step; BLIND_AR (-1): an AR step that did not search for drafts
     refills: int = 0  # requests started in a row another request had finished (continuous batching)
 
     def add(self, other: "BatchStats") -> None:
@@ -79,9 +79,14 @@ PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few wid
 # With bucketed shapes (CUDA graphs), a batch runs at the smallest of these sizes that holds it, the rows beyond it
 # dead: every batch size of a workload then reuses a handful of captured graphs and compiled kernels.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Most requests started in a running batch by one prefill (continuous batching); more rows finishing at once take
-# several. Their prefill runs in a scratch cache of this many rows, at most (`Decoder._start_requests`).
+# Waiting requests prefilled together (continuous batching), ahead of the rows they will take: their prefill runs in
+# a scratch cache of this many rows, at most (`Decoder._prefill_requests`).
 REFILL_GROUP = 16
+# The weight of each new measurement in the batch controller's moving average of a kind of step's loop time
+TIME_AVERAGING = 0.1
+# The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
+# would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
+BLIND_AR = -1
 
 
 def batch_bucket(batch: int) -> int:
@@ -188,20 +193,31 @@ class DraftLengthController:
     at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
     proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
     each kind's price at this batch bucket the choice (`choose_step`). A plain AR step verifies nothing, so after
-    `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back."""
+    `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back. When even k
+    drafts for every row would not pay, the AR step does not search for drafts either (BLIND_AR).
+
+    The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
+    decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
+    kind). That time holds what a replay does not: the requests started in the batch between steps, the host's work
+    where it is the bottleneck, attention over the real context lengths. A kind not timed yet is priced as its
+    replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
+        self.seconds: dict[int, float] = {}
         self.reset(bucket)
 
-    def reset(self, bucket: int | None = None) -> None:
+    def reset(self, bucket: int | None = None, seconds: dict[int, float] | None = None) -> None:
+        """A new batch: acceptance measured afresh; `seconds`, the loop's times of this bucket's kinds of step so
+        far (the dict is updated in place), carry over."""
         self.bucket = bucket or self.bucket
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
         self.ar_run = 0  # AR steps chosen in a row
+        self.seconds = {} if seconds is None else seconds
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
@@ -214,15 +230,53 @@ class DraftLengthController:
                 self.accepted[i] += n > i
         self.found = list(found)
 
+    def observe_time(self, kind: int, seconds: float) -> None:
+        """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps)."""
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + TIME_AVERAGING * (seconds - old)
+
+    def priced(self, prices_by_k: dict[int, float]) -> dict[int, float]:
+        """Each kind's price: its loop time where timed, else its replay times the loop/replay ratio interpolated
+        between the nearest timed kinds below and above it (the nearest one's beyond them)."""
+        ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items() if prices_by_k.get(kind)}
+        if not ratio:
+            return prices_by_k
+        out = {}
+        for kind, price in prices_by_k.items():
+            below = max((m for m in ratio if m <= kind), default=None)
+            above = min((m for m in ratio if m >= kind), default=None)
+            if below is None or above is None or below == above:
+                r = ratio[below if above is None else above if below is None else below]
+            else:
+                r = ratio[below] + (ratio[above] - ratio[below]) * (kind - below) / (above - below)
+            out[kind] = price * r
+        return out
+
     def expected(self) -> dict[int, float]:
         """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
         found = self.found if self.found is not None else [self.k] * self.bucket
         p = self.acceptance()
         return {kind: step_tokens(found, p, kind, self.ragged, self.bucket) for kind in range(self.k + 1)}
 
+    def hopeless(self, priced: dict[int, float]) -> bool:
+        """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
+        for drafts is wasted until the acceptance changes (a probe measures it again)."""
+        rows = len(self.found) if self.found is not None else self.bucket
+        p = self.acceptance()
+        best = {kind: step_tokens([self.k] * rows, p, kind, self.ragged, self.bucket) for kind in range(self.k + 1)}
+        return rows > 0 and choose_step(best, priced) == 0
+
     def choose(self, prices_by_k: dict[int, float]) -> int:
-        choice = self.k if self.ar_run >= self.probe_every else choose_step(self.expected(), prices_by_k)
-        self.ar_run = self.ar_run + 1 if choice == 0 else 0
+        """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
+        if self.ar_run >= self.probe_every:
+            choice = self.k
+        else:
+            priced = self.priced(prices_by_k)
+            searching = {kind: price for kind, price in priced.items() if kind >= 0}
+            choice = choose_step(self.expected(), searching)
+            if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
+                choice = BLIND_AR
+        self.ar_run = self.ar_run + 1 if choice <= 0 else 0
         return choice
 
 
@@ -365,6 +419,16 @@ def _finish_packed(history, lengths, active, out, drafts, alloc, logits, slots, 
     return n_acc
 
 
+@dataclass
+class Prefilled:
+    """Waiting requests prefilled into the scratch cache, ready to take rows of a running batch (continuous
+    batching): their padded prompts and lengths, first tokens, and the host's handle on those (`Decoder._read`)."""
+    tokens: torch.Tensor  # [m, width] long, on the device
+    lengths: torch.Tensor  # [m]
+    first: torch.Tensor  # [m]
+    first_host: tuple
+
+
 class EagerStep:
     """What a step "captured" without CUDA graphs is: the step itself, run eagerly at each replay. The decoder keeps
     these where it keeps graphs, so that the same code decides when a shape is new (and counts it) on any device."""
@@ -405,7 +469,8 @@ class Decoder:
         self.tree = None
         if tree_paths is not None:
             if drafter is None or not hasattr(drafter, "propose_tree"):
-                raise SpecPilotError("tree verification needs a drafter that proposes branches (the n-gram drafter)")
+                raise SpecPilotError("tree verification needs a drafter that proposes trees (the n-gram drafter, "
+                                     "an EAGLE-3 head)")
             shape = tree_from_paths(tree_paths)
             if shape.depth != k:
                 raise SpecPilotError(f"tree verification: k must equal the tree's depth {shape.depth}, got {k}")
@@ -416,6 +481,8 @@ class Decoder:
         # Tokens a verifying step puts through the target for a row: k + 1, or the tree's nodes
         self.verify_width = self.tree.nodes if self.tree is not None else k + 1
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
+        # The batch controller's loop times of each kind of step, per bucket (DraftLengthController.observe_time)
+        self.step_seconds: dict[int, dict[int, float]] = {}
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
         # warm-up can do ahead of time. Only worth it with graphs: eagerly, padding is pure cost.
@@ -452,7 +519,7 @@ class Decoder:
         self._graphs: dict = {}
         self._prefill_graphs: dict = {}  # (B, padded length) -> (graph, static inputs, logits)
         self._prefill_pool = None
-        self._scratch: KVCache | None = None  # where requests started in a running batch prefill (`_start_requests`)
+        self._scratch: KVCache | None = None  # where waiting requests prefill (`_prefill_requests`)
         # Shapes seen for the first time: with CUDA graphs each is a capture (and a compile), eagerly the same count.
         # After `warmup`, a batch within its bounds adds none.
         self.captures = 0
@@ -475,18 +542,18 @@ class Decoder:
     def _step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int | None = None) -> None:
         """One decoding step of kind `drafts_k` (None: k): each row verifies up to that many drafts, or, ragged, the
         batch up to drafts_k x B packed. With 0 an AR step: the target sees one token; the drafter still searches
-        (with k), so that ar_after_miss and the controller know what it finds."""
+        (with k), so that ar_after_miss and the controller know what it finds. BLIND_AR: an AR step without the
+        search (found 0 for every row)."""
         k = self.k
         drafts_k = k if drafts_k is None else drafts_k
+        search = drafts_k != BLIND_AR
+        drafts_k = max(drafts_k, 0)
         if self.tree is not None and drafts_k > 0:
-            if not sampling.greedy:
-                raise SpecPilotError("tree verification is greedy only (multi-draft speculative sampling is not "
-                                     "built yet): use temperature 0, or verification 'chain'")
-            return self._tree_step(st)
+            return self._tree_step(st, sampling, generator)
         ragged = self.ragged and drafts_k > 0 and sampling.greedy
         drafts = proposed = prop = None
         found = torch.zeros_like(st.lengths)
-        if k:
+        if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
             # how many drafts each row has; a ragged step verifies up to k a row.
             width = k if ragged or self.drafter.variable_drafts or not drafts_k else drafts_k
@@ -529,10 +596,11 @@ class Decoder:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
-    def _tree_step(self, st: DecodeState) -> None:
-        """A greedy tree step: the drafter fills the tree's nodes, the target scores all N nodes of every row in one
-        forward (each node at position P + depth, cache slot P + index, seeing the row's cache and its ancestors),
-        the deepest matching path is kept and moved into place in the cache."""
+    def _tree_step(self, st: DecodeState, sampling: SamplingParams, generator) -> None:
+        """A tree step: the drafter fills the tree's nodes, the target scores all N nodes of every row in one forward
+        (each node at position P + depth, cache slot P + index, seeing the row's cache and its ancestors), the
+        accepted path (greedy: the deepest matching one; sampled: recursive rejection over siblings, which keeps the
+        target's distribution) is kept and moved into place in the cache."""
         parents, ancestors, depths, at_depth = self._tree_tensors
         node_tokens, node_valid = self.drafter.propose_tree(st.history, st.lengths, self.tree)
         self._mark("draft")
@@ -541,16 +609,19 @@ class Decoder:
         inputs = torch.cat([st.history.gather(1, last[:, None]), node_tokens], 1)
         valid = torch.cat([torch.ones_like(node_valid[:, :1]), node_valid & st.active[:, None]], 1)
         positions, slots = (t.clamp(max=S - 1) for t in tree_positions(last, self.tree))
-        logits = self.model(inputs, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn,
-                            tree=TreeStep(slots, tree_mask(last, ancestors, S)))
+        logits, hidden = self._forward(inputs, positions, tree=TreeStep(slots, tree_mask(last, ancestors, S)))
         self._mark("verify")
-        n_acc, emitted, path = accept_tree(inputs, valid, logits, parents, ancestors, depths, at_depth)
+        n_acc, emitted, path = accept_tree_sampled(inputs, valid, logits, parents, ancestors, depths, at_depth,
+                                                   sampling, generator)
         n_acc = n_acc * st.active
         compact_tree_kv(self._cache.kv, last, path)
         _record(st.history, st.lengths, st.active, st.out, n_acc, emitted)
         st.out[:, -2].copy_(valid[:, 1:].sum(1))
         st.out[:, -1].copy_(node_valid.sum(1))
-        self.drafter.update(n_acc)
+        if hidden is not None:  # the accepted path's states by depth: the slots of a chain step that accepted it
+            self.drafter.update(n_acc, hidden=hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1])))
+        else:
+            self.drafter.update(n_acc)
         self._mark("bookkeeping")
 
     def _forward(self, tokens, positions, **kwargs):
@@ -581,9 +652,10 @@ class Decoder:
         return graph
 
     def _step_kinds(self) -> tuple[int, ...]:
-        """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all."""
+        """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
+        and BLIND_AR."""
         if self.controller is not None:
-            return tuple(range(self.k, -1, -1))
+            return tuple(range(self.k, BLIND_AR - 1, -1))
         return (self.k, 0) if self.ar_after_miss else (self.k,)
 
     def _capture_all(self, st: DecodeState, sampling: SamplingParams) -> None:
@@ -838,7 +910,7 @@ class Decoder:
     def _decode(self, prompts: list[list[int]], concurrency: int, stop: StopCondition, sampling: SamplingParams,
                 seed: int) -> list[RowResult]:
         """Decode `prompts` in `concurrency` rows: the first ones prefilled together, the rest started in rows
-        that finish (`_start_requests`)."""
+        that finish (`_prefill_requests`, `_move_in`)."""
         device = self.model.device
         B = min(concurrency, len(prompts))
         # Bucketed, a batch runs at its bucket's size: the rows past B are dead (one-token prompts, inactive from
@@ -855,8 +927,8 @@ class Decoder:
         results = [RowResult(prompt=list(p)) for p in prompts]
         eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
         controller = self.controller
-        if controller is not None:
-            controller.reset(rows)  # acceptance is measured per batch
+        if controller is not None:  # acceptance is measured per call; the loop's step times carry over
+            controller.reset(rows, self.step_seconds.setdefault(rows, {}))
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
@@ -900,24 +972,34 @@ class Decoder:
             verify = True  # the next step may verify drafts (else, with ar_after_miss, it is an AR step)
             launched = 0
 
+            group = min(REFILL_GROUP, rows)  # waiting requests prefilled together, ahead of the rows they take
+            ready: deque = deque()  # (request, its prefill, its row there): prefilled, waiting for a free row
+
             def start(free: list[int]) -> bool:
-                """Start waiting requests in the rows of `free` (behind any step in flight); True when any did."""
-                take = free[: len(waiting)]
-                for at in range(0, len(take), REFILL_GROUP):
-                    group = take[at: at + REFILL_GROUP]
-                    requests = [waiting.popleft() for _ in group]
-                    handle = self._start_requests(st, group, [prompts[i] for i in requests], sampling, generator)
-                    for j, (b, i) in enumerate(zip(group, requests)):
-                        owner[b], since[b], active[b], firsts[b] = i, launched, True, (handle, j)
+                """Start waiting requests in the rows of `free` (behind any step in flight); True when any did. They
+                are prefilled `group` at a time, before rows free up for all of them: one prefill (a graph of some
+                400 kernels on a small model, launch-bound) then costs a whole group what it cost one request."""
+                take = free[: len(waiting) + len(ready)]
+                at = 0
+                while at < len(take):
+                    if not ready:  # (the scratch cache is overwritten only once every request in it has moved out)
+                        requests = [waiting.popleft() for _ in range(min(group, len(waiting)))]
+                        prefilled = self._prefill_requests([prompts[i] for i in requests], sampling, generator)
+                        ready.extend((i, prefilled, j) for j, i in enumerate(requests))
+                    moving = [ready.popleft() for _ in range(min(len(ready), len(take) - at))]
+                    self._move_in(st, take[at: at + len(moving)], moving[0][1], [j for _, _, j in moving])
+                    for b, (i, prefilled, j) in zip(take[at:], moving):
+                        owner[b], since[b], active[b], firsts[b] = i, launched, True, (prefilled.first_host, j)
+                    at += len(moving)
                 stats.refills += len(take)
                 return bool(take)
 
             def launch():
                 nonlocal launched
                 drafts_k = self.k if verify else 0
-                if verify and controller is not None:
+                if controller is not None:  # (with ar_after_miss too: no drafts found, no verifying step pays)
                     drafts_k = controller.choose(self._prices(st))
-                stats.ar_steps += drafts_k == 0 and self.k > 0
+                stats.ar_steps += drafts_k <= 0 and self.k > 0
                 stats.draft_lengths.append(drafts_k)
                 launched += 1
                 return launched - 1, self._launch(st, sampling, generator, launched - 1, drafts_k)
@@ -938,6 +1020,9 @@ class Decoder:
                 out = self._read(handle)  # the step's one host sync
                 self._mark("synced")
                 now = time.perf_counter() - t0
+                if controller is not None and stats.steps:  # (the first read also waited for the prefill)
+                    controller.observe_time(stats.draft_lengths[index], now - last_read)
+                last_read = now
                 stats.steps += 1
                 stepped, finished = [], []
                 for b in range(rows):
@@ -960,7 +1045,7 @@ class Decoder:
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found)
-                started = bool(waiting and finished) and start(finished)
+                started = bool((waiting or ready) and finished) and start(finished)
                 if finished:
                     st.active.copy_(to_device(torch.tensor(active), device))
                 if self.ar_after_miss:  # verify next only if the drafter found something for a live row
@@ -977,14 +1062,11 @@ class Decoder:
                 r.text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         return results
 
-    def _start_requests(self, st: DecodeState, rows: list[int], prompts: list[list[int]], sampling: SamplingParams,
-                        generator):
-        """Start `prompts` in the finished `rows` of the running batch: their prefill in a scratch cache of its own
-        (a graph per group bucket and width, like the batch's prefill), their K/V copied into the rows' cache, and
-        their history, lengths and draft budgets set. All of it is enqueued behind any step in flight, which so
-        still runs the rows' old requests. Returns the handle (`_read`) of their first tokens."""
+    def _prefill_requests(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> "Prefilled":
+        """Prefill waiting requests into the scratch cache (rows 0..len(prompts)-1; a graph per group bucket and
+        width, like the batch's prefill) and pick their first tokens, enqueued behind any step in flight."""
         device = self.model.device
-        m = len(rows)
+        m = len(prompts)
         group = batch_bucket(m) if self.bucketed else m
         longest = max(len(p) for p in prompts)
         width = prefill_width(longest) if self.bucketed else longest
@@ -999,21 +1081,29 @@ class Decoder:
             first = logits.argmax(-1)[:m]
         else:
             first = torch.multinomial(probabilities(logits[:m], sampling), 1, generator=generator).squeeze(1)
-        index = to_device(torch.tensor(rows), device)
-        self._cache.kv[:, :, index, :, :width] = self._scratch.kv[:, :, :m, :, :width]
-        history = torch.zeros(m, st.history.shape[1], dtype=torch.long, device=device)
-        history[:, :width] = padded[:m]
-        history.scatter_(1, lengths[:m, None], first[:, None])
-        st.history.index_copy_(0, index, history)
-        st.lengths.index_copy_(0, index, lengths[:m] + 1)
-        st.budget.index_fill_(0, index, self.k)
         if device.type != "cuda":
-            return first, None
+            return Prefilled(padded[:m], lengths[:m], first, (first, None))
         buf = torch.empty(m, dtype=torch.long, pin_memory=True)
         buf.copy_(first, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return buf, done
+        return Prefilled(padded[:m], lengths[:m], first, (buf, done))
+
+    def _move_in(self, st: DecodeState, rows: list[int], prefilled: "Prefilled", slots: list[int]) -> None:
+        """Start prefilled requests (their rows `slots` of the scratch cache) in the finished `rows` of the running
+        batch: K/V copied in, history, lengths and draft budgets set; enqueued behind any step in flight, which so
+        still runs the rows' old requests."""
+        device = self.model.device
+        index, src = to_device(torch.tensor(rows), device), to_device(torch.tensor(slots), device)
+        width = prefilled.tokens.shape[1]
+        self._cache.kv[:, :, index, :, :width] = self._scratch.kv[:, :, src, :, :width]
+        lengths = prefilled.lengths[src]
+        history = torch.zeros(len(rows), st.history.shape[1], dtype=torch.long, device=device)
+        history[:, :width] = prefilled.tokens[src]
+        history.scatter_(1, lengths[:, None], prefilled.first[src][:, None])
+        st.history.index_copy_(0, index, history)
+        st.lengths.index_copy_(0, index, lengths + 1)
+        st.budget.index_fill_(0, index, self.k)
 
     def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:
         """Append a step's tokens to a row, cut at the first stop condition; False when the row is finished."""

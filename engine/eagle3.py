@@ -65,13 +65,21 @@ one at a time. After prefill the new pair is (state of the last prompt token, th
 slots below len - 2 - n always hold pairs of the target's own states, as at training, and the draft steps' own
 entries sit above them (the training's test-time-training steps attend the same way).
 
-Not here: tree drafting. vLLM's `logit_scale` is not applied (greedy drafts are unchanged by it; sampled ones
-come from an unscaled q, which speculative sampling accepts as any other q). SpecForge's own `fc_norm` /
-`norm_output: false` variants are refused (SGLang's loader reads neither). A head whose `tie_word_embeddings` is true
-still uses its own lm_head (SpecForge configs set it for tied targets while training a separate [Vd, H] lm_head;
-vLLM ignores the key). Costs: the prompt's states [B, T, 3 Ht] live through prefill; an AR step (the controller's
-k' = 0, ar_after_miss) still runs the head's k draft steps, as the decoder asks every drafter for k then, though
-only the first forward (the new pairs) is needed.
+Static draft trees (engine/tree.py; `propose_tree`; the paths rank children as EAGLE's and Medusa's tree choices
+do): the same first forward ranks the root's children by the head's draft logits (the child of rank r gets the r-th
+best draft), then one head forward a depth runs the nodes that have children, each pair being (its parent's head
+output, its token) as in a chain's draft step, and ranks their children. Siblings share a position, so the head's
+cache gets a slot per node and a tree mask, as the target's tree step. After the step, `update` gets the accepted
+path's target states by depth, as from a chain step that accepted those drafts: the head's cache then holds the
+target's own pairs below the next root, whichever branch was taken.
+
+Not here: dynamic trees (EAGLE-2's per-row top-k expansion by cumulative draft probability). vLLM's `logit_scale` is
+not applied (greedy drafts are unchanged by it; sampled ones come from an unscaled q, which speculative sampling
+accepts as any other q). SpecForge's own `fc_norm` / `norm_output: false` variants are refused (SGLang's loader
+reads neither). A head whose `tie_word_embeddings` is true still uses its own lm_head (SpecForge configs set it for
+tied targets while training a separate [Vd, H] lm_head; vLLM ignores the key). Costs: the prompt's states
+[B, T, 3 Ht] live through prefill; an AR step (the controller's k' = 0, ar_after_miss) still runs the head's k draft
+steps, as the decoder asks every drafter for k then, though only the first forward (the new pairs) is needed.
 """
 from __future__ import annotations
 
@@ -88,6 +96,7 @@ from .drafters import Drafter, Proposal, rows_of
 from .errors import SpecPilotError
 from .model import KVCache, Transformer, compiled, rope_inv_freq, rotate
 from .sampling import probabilities
+from .tree import TreeShape, tree_mask, tree_positions
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -328,9 +337,12 @@ def fuse(head: Eagle3Head, states: torch.Tensor, ops) -> torch.Tensor:
 
 
 def midlayer(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             kv: torch.Tensor, ops) -> torch.Tensor:
+             kv: torch.Tensor, ops, slots: torch.Tensor | None = None,
+             visible: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder layer over pairs (tokens [B, T], hidden [B, T, H]) at `positions` [B, T]: writes their K/V to
-    `kv` [2, B, kv_heads, S, head_dim] and attends to slots 0..position of the row; returns the pre-norm output."""
+    `kv` [2, B, kv_heads, S, head_dim] and attends to slots 0..position of the row; returns the pre-norm output.
+    Draft-tree nodes (`Eagle3Drafter.propose_tree`) give their own cache `slots` [B, T] and the slots each may see,
+    `visible` bool [B, T, S]."""
     cfg = head.cfg
     B, T = tokens.shape
     eps, nh, nkv, hd = cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -341,10 +353,11 @@ def midlayer(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, posit
     cos, sin = (t[positions].unsqueeze(2) for t in head.rope)
     q, k = rotate(q.view(B, T, nh, hd), cos, sin), rotate(k.view(B, T, nkv, hd), cos, sin)
     rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
-    kv[:, rows, :, positions] = torch.stack((k, v.view(B, T, nkv, hd)), 2)
+    kv[:, rows, :, positions if slots is None else slots] = torch.stack((k, v.view(B, T, nkv, hd)), 2)
     rep = nh // nkv
-    key_pos = torch.arange(kv.shape[3], device=tokens.device)
-    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None, None].expand(B, 1, rep, T, kv.shape[3])
+    if visible is None:
+        visible = torch.arange(kv.shape[3], device=tokens.device)[None, None, :] <= positions[:, :, None]
+    mask = visible[:, None, None].expand(B, 1, rep, T, kv.shape[3])
     q = q.view(B, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, rep * T, hd)
     o = ops.attention(q, kv[0], kv[1], mask.reshape(B, 1, rep * T, kv.shape[3]))
     o = o.view(B, nkv, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
@@ -378,6 +391,47 @@ def next_draft(head: Eagle3Head, token: torch.Tensor, last: torch.Tensor, positi
     return out, draft_logits(head, out[:, 0], ops)
 
 
+def draft_nodes(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, visible: torch.Tensor, kv: torch.Tensor, ops):
+    """One draft step for several tree nodes a row at once: (each node's token [B, T], its parent's head output
+    [B, T, H]) at `positions`, written to cache `slots`, each seeing the `visible` slots; outputs and logits
+    [B, T, Vd]."""
+    out = midlayer(head, tokens, hidden, positions, kv, ops, slots, visible)
+    return out, draft_logits(head, out, ops)
+
+
+@dataclass(frozen=True)
+class TreeLevel:
+    """The nodes of one depth of a static tree, as the head drafts them: node `nodes[i]` gets the `rank[i]`-th best
+    draft of the parent `parent[i]` (an index into the level above's `expand`ed nodes; the root for depth 1), and
+    the head runs on the nodes `expand` (indices into `nodes`: those with children; None at the deepest level)."""
+    nodes: torch.Tensor
+    parent: torch.Tensor
+    rank: torch.Tensor
+    width: int  # the most drafts a parent ranks: the level's largest rank + 1
+    expand: torch.Tensor | None
+
+
+def tree_levels(shape: TreeShape, draft_vocab: int, device) -> list[TreeLevel]:
+    """The levels of `shape`, depth 1 to its depth (refused when a node's rank needs more draft ids than the head
+    has)."""
+    has_children = {p for p in shape.parents if p >= 0}
+    above, levels = [0], []  # the nodes expanded at the level above: the root first
+    for d in range(1, shape.depth + 1):
+        nodes = [n for n in range(shape.nodes) if shape.depths[n] == d]
+        rank = [shape.paths[n][-1] for n in nodes]
+        if max(rank) >= draft_vocab:
+            raise SpecPilotError(f"tree path {list(shape.paths[nodes[rank.index(max(rank))]])} asks for a node's "
+                             f"child of rank {max(rank)}; the head drafts from {draft_vocab} ids")
+        expand = [i for i, n in enumerate(nodes) if n in has_children]
+        levels.append(TreeLevel(torch.tensor(nodes, device=device),
+                                torch.tensor([above.index(shape.parents[n]) for n in nodes], device=device),
+                                torch.tensor(rank, device=device), max(rank) + 1,
+                                torch.tensor(expand, device=device) if expand else None))
+        above = [nodes[i] for i in expand]
+    return levels
+
+
 class Eagle3Drafter(Drafter):
     """Chain drafting with an EAGLE-3 head: k tokens a row, each the head's argmax mapped to its target id (sampled:
     drawn from the head's warped distribution, returned as q over the target vocabulary)."""
@@ -390,7 +444,8 @@ class Eagle3Drafter(Drafter):
         self.head, self.k = head, k
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
-        self._first, self._next = first_draft, next_draft
+        self._first, self._next, self._nodes = first_draft, next_draft, draft_nodes
+        self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
         self.cache: KVCache | None = None  # the current batch's rows of `_base`
         # Each row's new pairs since the last propose: the target's states of up to k + 1 slots (zero past the
@@ -404,6 +459,7 @@ class Eagle3Drafter(Drafter):
         self.ops = ops
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
+            self._nodes = compiled(draft_nodes)
 
     def reserve(self, rows, max_len):
         head = self.head
@@ -452,6 +508,38 @@ class Eagle3Drafter(Drafter):
                 last, logits = self._next(head, tok, last, (lengths - 2 + i + 1)[:, None], kv, ops)
         valid = torch.full_like(lengths, k)
         return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)
+
+    def propose_tree(self, history, lengths, shape: TreeShape):
+        """Greedy draft-tree nodes 1..N-1 of a static tree (engine/tree.py) for every row: tokens [B, N - 1], all
+        valid. Level by level: the new pairs' forward gives the root's ranking (as `propose`'s first draft), then
+        one head forward a depth over the nodes that have children, each fed its token and its parent's head output
+        (as a chain's next draft step) and ranking its children. In the head's cache, as in the target's tree step,
+        node n of a row whose root has its head entry at position R (the root's position - 1) sits at position
+        R + depth(n), slot R + n, and sees the slots before R and its ancestors' (itself included). The next
+        `propose` / `propose_tree` rewrites the accepted path's slots with the target's own states (`update`)."""
+        if self._tree_levels is None or self._tree_levels[0] != (shape, history.device):
+            self._tree_levels = ((shape, history.device),
+                                 tree_levels(shape, self.head.cfg.draft_vocab_size, history.device),
+                                 shape.ancestors(history.device))
+        _, levels, ancestors = self._tree_levels
+        head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
+        S = history.shape[1]
+        root_entry = lengths - 2
+        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, shape))
+        visible = tree_mask(root_entry, ancestors, S)
+        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        logits = logits[:, None]  # [B, nodes expanded at the level above, Vd]: the root
+        drafts = []
+        for level in levels:
+            ranked = logits.topk(level.width, -1).indices  # [B, parents, width]
+            tokens = head.draft_to_target[ranked[:, level.parent, level.rank]]  # [B, the level's nodes]
+            drafts.append(tokens)
+            if level.expand is not None:
+                nodes = level.nodes[level.expand]
+                out, logits = self._nodes(head, tokens[:, level.expand], out[:, level.parent[level.expand]],
+                                          positions[:, nodes], slots[:, nodes], visible[:, nodes], kv, ops)
+        tokens = torch.cat(drafts, 1)  # nodes are numbered by depth, so the levels in order are nodes 1..N-1
+        return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
     def update(self, accepted, hidden=None):
         if hidden is None:

@@ -188,7 +188,8 @@ def _check(r: Recipe) -> Recipe:
 
 def _check_tree(r: Recipe, bad) -> None:
     """A tree recipe: a static tree of valid paths whose depth is k, drafted by the n-gram drafter (its several
-    matches are the branches), greedy-only mechanisms that do not change the step's shape left out."""
+    matches are the branches) or an EAGLE-3 head (its ranked drafts are), greedy-only mechanisms that do not change
+    the step's shape left out."""
     from .tree import tree_from_paths
 
     if r.tree.kind not in TREE_KINDS:
@@ -201,8 +202,8 @@ def _check_tree(r: Recipe, bad) -> None:
         bad("tree.paths", str(e))
     if r.k != shape.depth:
         bad("k", f"must equal the tree's depth {shape.depth} with verification 'tree', got {r.k}")
-    if r.drafter.kind != "ngram":
-        bad("verification", f"'tree' is drafted by the n-gram drafter (its matches are the branches); "
+    if r.drafter.kind not in ("ngram", "eagle3"):
+        bad("verification", f"'tree' is drafted by the n-gram drafter or an EAGLE-3 head; "
                             f"drafter.kind {r.drafter.kind!r} drafts chains")
     for key, on in (("drafter.adaptive", r.drafter.adaptive), ("batch.controller", r.batch.controller != "none")):
         if on:

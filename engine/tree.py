@@ -12,6 +12,10 @@ ancestors (itself included) among the tree's slots. Greedy acceptance keeps the 
 target's argmax at its end. Then each accepted node's K/V moves from slot P + n to slot P + depth(n), so the cache
 holds the accepted sequence in order, as a chain step leaves it.
 
+With sampling (temperature > 0), `accept_tree_sampled` walks the tree by multi-draft speculative sampling: each
+node's children are tried in rank order by rejection sampling against the target's residual, so the emitted tokens
+are distributed exactly as sampling from the target alone (SpecInfer; EAGLE; SGLang's target-only tree sampling).
+
 Everything here has static shapes (the tree's shape is fixed per step), so a tree step captures as one CUDA graph.
 This module knows nothing of models or drafters (SGLang keeps tree building apart from the model the same way).
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .sampling import SamplingParams, probabilities
 
 
 @dataclass(frozen=True)
@@ -115,14 +121,65 @@ def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor,
     N = tokens.shape[1]
     score = torch.where(accepted, depths[None] * (N + 1) + (N - torch.arange(N, device=tokens.device))[None], -1)
     best = score.argmax(-1)  # [B]
+    return _emit(tokens, best, target.gather(1, best[:, None]), depths, at_depth)
+
+
+def _emit(tokens, best, bonus, depths, at_depth):
+    """(n_accepted, emitted, path) of rows that accepted the path to node `best` [B] and end with `bonus` [B, 1]."""
     n_acc = depths[best]
     path = at_depth[best]  # [B, depth + 1]
     depth_range = torch.arange(path.shape[1], device=tokens.device)[None]
     drafts = tokens.gather(1, path[:, 1:])  # the path's drafts by depth 1..depth
-    bonus = target.gather(1, best[:, None])
     emitted = torch.cat([drafts, bonus], 1)  # position n_acc gets the bonus below
     emitted = torch.where(depth_range == n_acc[:, None], bonus, emitted)
     return n_acc, emitted, torch.where(depth_range <= n_acc[:, None], path, 0)
+
+
+def accept_tree_sampled(tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, parents: torch.Tensor,
+                        ancestors: torch.Tensor, depths: torch.Tensor, at_depth: torch.Tensor,
+                        sampling: SamplingParams, generator: torch.Generator | None):
+    """Multi-draft speculative sampling over a tree step ("target-only" recursive rejection sampling, each draft a
+    point mass as the n-gram drafter's are). Inputs and outputs as `accept_tree`'s; the target's distribution at node
+    n is `probabilities(logits[:, n], sampling)`, as plain sampling's. A greedy `sampling` is `accept_tree`.
+
+    From the root, the current node's valid children are tried in rank (index) order: child token t is accepted with
+    probability r(t) / sum(r), r the current residual (at first the node's p); accepted, the walk moves on to the child
+    with r = its p; refused, r(t) = 0 (max(p - q, 0) with q one-hot at t), so a sibling repeating a refused token is
+    refused too. With no child accepted, the last token is drawn from r. The emitted tokens (the accepted drafts, then
+    that token) are distributed exactly as sampling from the target alone.
+
+    Siblings with the same token stand for the same prefix, so once that token is accepted the children of all of
+    them are tried (the first's p scoring them): the greedy limit (top_k=1) then keeps `accept_tree`'s path, the
+    deepest match, rather than losing a duplicate sibling's subtree. Needs each parent before its children (as
+    `tree_from_paths` numbers them). Random draws come from `generator`; no host synchronization."""
+    if sampling.greedy:
+        return accept_tree(tokens, valid, logits, parents, ancestors, depths, at_depth)
+    B, N = tokens.shape
+    device = tokens.device
+    p = probabilities(logits, sampling)  # [B, N, V] fp32
+    parent_of = parents.clamp(min=0)[None].expand(B, N)
+    child = valid & (torch.arange(N, device=device) > 0)[None]  # nodes that may be accepted (never the root)
+    node = torch.zeros(B, dtype=torch.long, device=device)  # the deepest node accepted so far
+    here = torch.zeros(B, N, dtype=torch.bool, device=device)  # the nodes standing for the accepted prefix
+    here[:, 0] = True
+    residual = p[:, 0].clone()  # r, unnormalized: zeroing a refused token is its whole update
+    u = torch.rand((B, N), generator=generator, device=device)
+    for n in range(1, N):  # index order: ranks within a parent, every parent before its children
+        t = tokens[:, n : n + 1]
+        offered = child[:, n] & here.gather(1, parent_of[:, n : n + 1]).squeeze(1)
+        r_t = residual.gather(1, t)
+        take = offered & (u[:, n] * residual.sum(-1) < r_t.squeeze(1))  # strict: a refused (zeroed) token never is
+        residual.scatter_(1, t, torch.where(offered & ~take, 0.0, r_t.squeeze(1))[:, None])
+        residual = torch.where(take[:, None], p[:, n], residual)
+        same = child & here.gather(1, parent_of) & (tokens == t)  # n and its duplicate siblings
+        here = torch.where(take[:, None], same, here)
+        node = torch.where(take, n, node)
+    rows = torch.arange(B, device=device)
+    # An all-zero residual needs every token refused, which a sum of 1 makes impossible but for rounding: fall back
+    # to the node's p, as accept_sampled does.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, node])
+    bonus = torch.multinomial(residual, 1, generator=generator)
+    return _emit(tokens, node, bonus, depths, at_depth)
 
 
 def compact_tree_kv(kv: torch.Tensor, last_positions: torch.Tensor, path: torch.Tensor) -> None:

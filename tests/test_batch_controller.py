@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.engine.decode import DraftLengthController, choose_step, expected_tokens, step_tokens
+from specpilot.engine.decode import BLIND_AR, DraftLengthController, choose_step, expected_tokens, step_tokens
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -102,10 +102,14 @@ def test_recipe_key():
             parse(bad)
 
 
-def controlled(loaded, prices=None, k=4, **batch) -> Engine:
+def controlled(loaded, prices=None, k=4, loop_times=False, **batch) -> Engine:
+    """An n-gram engine with the cost controller at these step prices; without `loop_times` the controller keeps
+    them as given (the CPU's own step times do not enter its choices)."""
     eng = Engine(loaded, parse({"drafter": {"kind": "ngram"}, "k": k, "cuda_graphs": False,
                                 "batch": {"controller": "cost", **batch}}))
     eng.decoder.prices = prices if prices is not None else {}
+    if not loop_times:
+        eng.decoder.controller.observe_time = lambda kind, seconds: None
     return eng
 
 
@@ -166,5 +170,72 @@ def test_prices_are_measured_when_not_given(tiny_model_dir):
 
     eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2)
     eng.generate(tiny_prompts(), 6, ignore_eos=True)
-    assert set(eng.decoder.prices) == {3} and set(eng.decoder.prices[3]) == {0, 1, 2}
+    assert set(eng.decoder.prices) == {3} and set(eng.decoder.prices[3]) == {BLIND_AR, 0, 1, 2}
     assert all(p > 0 for p in eng.decoder.prices[3].values())
+
+
+def test_loop_times_correct_the_replayed_prices():
+    """Replays say a k = 4 step costs 1.2 AR steps; the loop measures AR steps at their replay and k = 4 steps at
+    twice AR. With each draft accepted about half the time, verifying three or four wins by the replays and four
+    loses by the loop; k' = 1..3, not timed, are priced at their replays times the loop/replay ratio interpolated between the
+    timed kinds, and k' = 1 wins."""
+    replay = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15, 4: 1.2}
+    c = DraftLengthController(4, probe_every=1000, bucket=16)
+    accepted = [0] * 9 + [1] * 4 + [2] * 2 + [3]  # 16 rows verified 4 drafts: p_i close to 1/2 each
+    c.observe([4] * 16, accepted, [4] * 16)
+    assert c.priced(replay) == replay and c.choose(replay) >= 3  # by the replays: the longest steps
+    for _ in range(40):
+        c.observe_time(0, 1.0)
+        c.observe_time(4, 2.0)
+    priced = c.priced(replay)
+    assert priced[0] == pytest.approx(1.0) and priced[4] == pytest.approx(2.0)
+    assert priced[2] == pytest.approx(1.1 * (1 + (2.0 / 1.2 - 1) / 2))
+    tokens = c.expected()
+    assert tokens[4] / priced[4] < tokens[0] / priced[0] < tokens[1] / priced[1]
+    assert c.choose(replay) == 1
+    c.observe_time(4, 1.0)  # a moving average: one fast step moves it a tenth of the way
+    assert c.priced(replay)[4] == pytest.approx(1.9)
+    assert DraftLengthController(4).priced(replay) == replay  # nothing timed: the replays
+    shared = {}
+    c.reset(1, shared)
+    c.observe_time(2, 0.5)
+    assert shared == {2: 0.5}  # the decoder's per-bucket record, carried to the next call
+
+
+def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
+    from specpilot.engine.loader import load
+
+    eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2, loop_times=True)
+    eng.generate(tiny_prompts(), 8, ignore_eos=True)
+    times = eng.decoder.step_seconds[3]
+    assert times and set(times) <= {0, 1, 2} and all(t > 0 for t in times.values())
+    assert eng.decoder.controller.seconds is times
+
+
+def test_blind_ar_when_no_draft_could_pay():
+    """An AR step searches for drafts (the controller must see when they come back) unless even k drafts for every
+    live row would lose to AR at the measured acceptance: then it skips the search too (BLIND_AR), until a probe."""
+    prices = {-1: 0.9, 0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2}
+    c = DraftLengthController(4, probe_every=3, bucket=4)
+    c.observe([4] * 4, [4] * 4, [0] * 4)  # every draft accepted, and now no row has drafts
+    assert c.choose(prices) == 0  # drafts would pay were they found: keep searching
+    c.observe([4] * 40, [0] * 40, [4] * 40)  # drafts everywhere, all rejected: p_1 = 1/45
+    assert c.hopeless({k: v for k, v in prices.items() if k >= 0})
+    assert [c.choose(prices) for _ in range(3)] == [BLIND_AR, BLIND_AR, 4]  # three AR steps in a row, then a probe
+    assert DraftLengthController(4, bucket=4).choose({0: 1.0, 4: 2.2}) in (0, 4)  # no blind price: never blind
+
+
+def test_blind_ar_steps_decode_ar_tokens(tiny, tiny_reference):
+    """Verification priced out of reach, a blind AR step cheaper than a searching one: the batch runs blind AR steps
+    (probes aside) with the tokens of AR, and no drafter search runs in them."""
+    prices = {-1: 0.5, 0: 1.0, 1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}
+    eng = controlled(tiny.loaded, {3: prices}, probe_every=8)
+    searches = []
+    real = eng.decoder.drafter.propose
+    eng.decoder.drafter.propose = lambda *a, **kw: searches.append(1) or real(*a, **kw)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    lengths = eng.decoder.last_stats.draft_lengths
+    assert set(lengths) <= {BLIND_AR, 0, 4} and lengths.count(BLIND_AR) > len(lengths) // 2, lengths
+    assert len(searches) == len(lengths) - lengths.count(BLIND_AR)
+    assert eng.decoder.last_stats.ar_steps == lengths.count(BLIND_AR) + lengths.count(0)

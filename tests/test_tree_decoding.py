@@ -1,13 +1,13 @@
 """Tree verification end to end (issue #21 item 2, n-gram trees): the n-gram drafter's several matches fill a static
 tree's branches, the target verifies every node of every row in one forward, and greedy decoding gives AR's tokens
-for every family, on the modular layer and with `layer: fused` (tree steps run the modular layer)."""
+for every family, on the modular layer and with `layer: fused` (tree steps run the modular layer); sampled tree steps
+run too."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specpilot.engine.engine import Engine
-from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.recipe import RecipeError, parse
 from specpilot.engine.sampling import SamplingParams
 from specpilot.engine.tree import chains
@@ -80,7 +80,7 @@ def test_tree_with_the_fused_layer_and_ar_after_miss(tiny_model_dir):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-def test_tree_recipes_refused_in_one_line(tiny_model_dir):
+def test_tree_recipes_refused_in_one_line():
     for data, key in (({"k": 4, "drafter": {"kind": "ngram"}, "verification": "tree"}, "tree.paths"),
                       ({"k": 3, "drafter": {"kind": "ngram"}, "verification": "tree",
                         "tree": {"paths": CHAINS}}, "'k'"),
@@ -94,8 +94,16 @@ def test_tree_recipes_refused_in_one_line(tiny_model_dir):
                         "tree": {"paths": [[0, -1]]}}, "tree.paths")):
         with pytest.raises(RecipeError, match=key):
             parse(data)
-    from specpilot.engine.loader import load
 
-    eng = Engine(load(str(tiny_model_dir("llama")), "fp32", "cpu"), tree_recipe([[0], [1]]))
-    with pytest.raises(SpecPilotError, match="greedy only"):
-        eng.generate([[1, 2, 3, 1, 2]], 4, sampling=SamplingParams(temperature=0.8))
+
+def test_sampled_tree_steps(tiny, tiny_reference):
+    """Sampled tree verification (accept_tree_sampled; its distribution is tests/test_tree_sampling.py's): with
+    top_k = 1 the target's distribution is its argmax, so the tokens are AR's; at temperature 0.8 a seed fixes the
+    tokens and the steps verify the whole tree."""
+    eng = Engine(tiny.loaded, tree_recipe(MIXED))
+    rows = eng.generate(tiny_prompts(), TINY_NEW, sampling=SamplingParams(temperature=1.0, top_k=1), ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    warm = SamplingParams(temperature=0.8)
+    first = [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, sampling=warm, seed=3, ignore_eos=True)]
+    again = [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, sampling=warm, seed=3, ignore_eos=True)]
+    assert first == again and all(len(t) == TINY_NEW for t in first)

@@ -66,13 +66,13 @@ def test_no_capture_after_warmup(llama, tiny_draft, name):
     eng = bucketed_engine(llama, name, tiny_draft)
     eng.warmup([1, 3, 5], max_prompt_tokens=300, max_new_tokens=12)
     warmed = eng.decoder.captures
-    kinds = {"ar": 1, "ngram": 2, "model": 1, "controller": 4}[name]
+    kinds = {"ar": 1, "ngram": 2, "model": 1, "controller": 5}[name]  # the controller's: k' = 3..0 and blind AR
     # three buckets (1, 4, 8): each kind of step, and prefill at every width up to 384; with continuous batching
     # also the prefill of the requests started in a running batch, in groups of 1, 2, 4 and 8, at every width
     groups = 4 if eng.decoder.continuous else 0
     assert warmed == 3 * (kinds + len(prefill_widths(300))) + groups * len(prefill_widths(300))
     if name == "controller":
-        assert set(eng.decoder.prices) == {1, 4, 8} and all(set(p) == {0, 1, 2, 3} for p in eng.decoder.prices.values())
+        assert set(eng.decoder.prices) == {1, 4, 8} and all(set(p) == {-1, 0, 1, 2, 3} for p in eng.decoder.prices.values())
     for rows in batches:
         out = eng.generate(rows, 12, ignore_eos=True)
         assert [len(r.tokens) for r in out] == [12] * len(rows)

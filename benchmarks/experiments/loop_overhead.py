@@ -9,7 +9,10 @@ lengths and history); and the host time inside the call's phases: waiting for a 
 steps (`_launch`), starting requests in finished rows (`_start_requests`), the rest (the row loop). Device-bound,
 the waits dominate; host-bound, they vanish.
 
-Backs the analysis of issue #20's large-batch figures in docs/benchmarks/2026-12-01-eleventh-lease.md.
+Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry).
+
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
+large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md.
 
 Device minutes: about 2.
 """
