@@ -224,6 +224,51 @@ def add_optimize_parsers(sub) -> None:
     h.set_defaults(func=cmd_history)
 
 
+def cmd_train_drafter(args) -> int:
+    from .tools.train.run import Settings, train_drafter
+
+    device = args.device or _default_device()
+    settings = Settings(target=args.target, kind=args.kind, prompts=args.prompts, samples=args.samples,
+                        max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab, steps=args.steps,
+                        ttt_steps=args.ttt_steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                        device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+                        checkpoint_every=args.checkpoint_every, log_every=args.log_every)
+    train_drafter(settings, args.out, resume=args.resume, say=lambda line: print(line, flush=True))
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser("train-drafter", help="train an EAGLE-3 head for a target from the target alone",
+                       description="Build training data from the target itself (prompts from --prompts or written "
+                                   "by the target from its chat template; its own greedy and sampled answers and "
+                                   "hidden states), never from a benchmarked prompt, and train an EAGLE-3 head with "
+                                   "the training-time test. Writes DIR/config.json and DIR/model.safetensors, "
+                                   "loadable as drafter {\"kind\": \"eagle3\", \"model\": DIR} "
+                                   "(docs/TRAINING.md).")
+    t.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    t.add_argument("--kind", default="eagle3", choices=["eagle3"], help="the drafter to train")
+    t.add_argument("--out", required=True, help="output directory (empty or new; with --resume, the run's)")
+    t.add_argument("--prompts", default=None,
+                   help='JSONL of {"turns": [...]} or {"prompt": ...} (default: the target writes its own)')
+    t.add_argument("--samples", type=positive_int, default=256,
+                   help="prompts to use; each gives a greedy and a sampled answer")
+    t.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer")
+    t.add_argument("--draft-vocab", type=positive_int, default=None,
+                   help="draft vocabulary size (default: min(8192, the target's vocabulary))")
+    t.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps")
+    t.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll length")
+    t.add_argument("--lr", type=positive_float, default=1e-4)
+    t.add_argument("--batch-size", type=positive_int, default=8, help="samples per optimizer step")
+    t.add_argument("--seed", type=non_negative_int, default=0)
+    t.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
+    t.add_argument("--log-every", type=positive_int, default=50, help="steps between progress lines")
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    t.add_argument("--dtype", default=None, help="the target's: fp32, bf16 or fp16 (default: bf16 on cuda, fp32 "
+                                                 "on cpu); the head trains in fp32 and is written in this dtype")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.set_defaults(func=cmd_train_drafter)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a bad argument reported like every other bad input: one line `specpilot: error: ...` and exit
     code 2 (argparse's usage block would bury the line that says what is wrong). Subcommands' parsers are built
@@ -259,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_optimize_parsers(sub)
     add_memory_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

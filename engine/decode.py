@@ -28,7 +28,7 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
-from .tree import accept_tree_sampled, compact_tree_kv, tree_from_paths, tree_mask, tree_positions
+from .tree import DynamicTree, TreeShape, accept_tree_sampled, compact_tree_kv, tree_mask, tree_positions
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -445,7 +445,7 @@ class Decoder:
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
-                 ragged: bool = False, tree_paths=None):
+                 ragged: bool = False, tree: TreeShape | DynamicTree | None = None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -465,19 +465,25 @@ class Decoder:
         self.controller = DraftLengthController(k, probe_every, ragged) if controller == "cost" and k > 0 else None
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
-        # Tree verification (greedy steps): every verifying step verifies the tree's N nodes a row (engine/tree.py)
-        self.tree = None
-        if tree_paths is not None:
-            if drafter is None or not hasattr(drafter, "propose_tree"):
-                raise SpecPilotError("tree verification needs a drafter that proposes trees (the n-gram drafter, "
+        # Tree verification: every verifying step verifies the tree's N nodes a row (engine/tree.py), a static tree
+        # (the same shape every step) or a dynamic one (each row's shape drafted anew at each step)
+        self.tree = tree
+        # Head cache slots a dynamic tree's drafting needs past the target's (Eagle3Drafter.propose_dynamic_tree)
+        self._draft_margin = 0
+        if tree is not None:
+            dynamic = isinstance(tree, DynamicTree)
+            if drafter is None or not hasattr(drafter, "propose_dynamic_tree" if dynamic else "propose_tree"):
+                raise SpecPilotError("dynamic tree verification needs an EAGLE-3 head" if dynamic else
+                                     "tree verification needs a drafter that proposes trees (the n-gram drafter, "
                                      "an EAGLE-3 head)")
-            shape = tree_from_paths(tree_paths)
-            if shape.depth != k:
-                raise SpecPilotError(f"tree verification: k must equal the tree's depth {shape.depth}, got {k}")
-            dev = model.device
-            self.tree = shape
-            self._tree_tensors = (torch.tensor(shape.parents, device=dev), shape.ancestors(dev),
-                                  torch.tensor(shape.depths, device=dev), shape.ancestor_at_depth(dev))
+            if tree.depth != k:
+                raise SpecPilotError(f"tree verification: k must equal the tree's depth {tree.depth}, got {k}")
+            if dynamic:
+                self._draft_margin = max(0, tree.expanded - tree.nodes)
+            else:
+                dev = model.device
+                self._tree_tensors = (torch.tensor(tree.parents, device=dev), tree.ancestors(dev),
+                                      torch.tensor(tree.depths, device=dev), tree.ancestor_at_depth(dev))
         # Tokens a verifying step puts through the target for a row: k + 1, or the tree's nodes
         self.verify_width = self.tree.nodes if self.tree is not None else k + 1
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
@@ -600,15 +606,20 @@ class Decoder:
         """A tree step: the drafter fills the tree's nodes, the target scores all N nodes of every row in one forward
         (each node at position P + depth, cache slot P + index, seeing the row's cache and its ancestors), the
         accepted path (greedy: the deepest matching one; sampled: recursive rejection over siblings, which keeps the
-        target's distribution) is kept and moved into place in the cache."""
-        parents, ancestors, depths, at_depth = self._tree_tensors
-        node_tokens, node_valid = self.drafter.propose_tree(st.history, st.lengths, self.tree)
+        target's distribution) is kept and moved into place in the cache. A dynamic tree's shape is each row's own,
+        drafted with its nodes."""
+        if isinstance(self.tree, DynamicTree):
+            node_tokens, node_valid, trees = self.drafter.propose_dynamic_tree(st.history, st.lengths, self.tree)
+            parents, ancestors, depths, at_depth = trees.parents, trees.ancestors, trees.depths, trees.at_depth
+        else:
+            parents, ancestors, depths, at_depth = self._tree_tensors
+            node_tokens, node_valid = self.drafter.propose_tree(st.history, st.lengths, self.tree)
         self._mark("draft")
         S = st.history.shape[1]
         last = st.lengths - 1  # the root's position
         inputs = torch.cat([st.history.gather(1, last[:, None]), node_tokens], 1)
         valid = torch.cat([torch.ones_like(node_valid[:, :1]), node_valid & st.active[:, None]], 1)
-        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(last, self.tree))
+        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(last, depths))
         logits, hidden = self._forward(inputs, positions, tree=TreeStep(slots, tree_mask(last, ancestors, S)))
         self._mark("verify")
         n_acc, emitted, path = accept_tree_sampled(inputs, valid, logits, parents, ancestors, depths, at_depth,
@@ -842,7 +853,7 @@ class Decoder:
         self._base_cache = self._cache = self._state = self._scratch = None
         self._base_cache = self.model.new_cache(rows, max_len)
         if self.drafter is not None:
-            self.drafter.reserve(rows, max_len)
+            self.drafter.reserve(rows, max_len + self._draft_margin)
 
     def _use(self, batch: int, max_len: int) -> DecodeState:
         """The state of a batch bucket of `batch` rows, its rows of the cache current."""

@@ -73,13 +73,19 @@ cache gets a slot per node and a tree mask, as the target's tree step. After the
 path's target states by depth, as from a chain step that accepted those drafts: the head's cache then holds the
 target's own pairs below the next root, whichever branch was taken.
 
-Not here: dynamic trees (EAGLE-2's per-row top-k expansion by cumulative draft probability). vLLM's `logit_scale` is
-not applied (greedy drafts are unchanged by it; sampled ones come from an unscaled q, which speculative sampling
-accepts as any other q). SpecForge's own `fc_norm` / `norm_output: false` variants are refused (SGLang's loader
-reads neither). A head whose `tie_word_embeddings` is true still uses its own lm_head (SpecForge configs set it for
-tied targets while training a separate [Vd, H] lm_head; vLLM ignores the key). Costs: the prompt's states
-[B, T, 3 Ht] live through prefill; an AR step (the controller's k' = 0, ar_after_miss) still runs the head's k draft
-steps, as the decoder asks every drafter for k then, though only the first forward (the new pairs) is needed.
+Dynamic trees (EAGLE-2; `propose_dynamic_tree`, engine/tree.py `grow_dynamic_tree`): the same first forward gives
+the root's top-k drafts, then one head forward a level runs that level's beam (its top-k nodes by cumulative draft
+log-probability, each fed its parent's head output and its token) and scores their top-k drafts; each row keeps its
+N - 1 best-scoring candidates, its own tree. The beam nodes get head cache slots of their own past the root's
+((depth - 1) x top-k of them, more than the verified N may need: the decoder reserves the difference) and a tree mask.
+
+Not here: vLLM's `logit_scale` is not applied (greedy drafts are unchanged by it; sampled ones come from an
+unscaled q, which speculative sampling accepts as any other q). SpecForge's own `fc_norm` / `norm_output: false`
+variants are refused (SGLang's loader reads neither). A head whose `tie_word_embeddings` is true still uses its own
+lm_head (SpecForge configs set it for tied targets while training a separate [Vd, H] lm_head; vLLM ignores the
+key). Costs: the prompt's states [B, T, 3 Ht] live through prefill; an AR step (the controller's k' = 0,
+ar_after_miss) still runs the head's k draft steps, as the decoder asks every drafter for k then, though only the
+first forward (the new pairs) is needed.
 """
 from __future__ import annotations
 
@@ -96,7 +102,7 @@ from .drafters import Drafter, Proposal, rows_of
 from .errors import SpecPilotError
 from .model import KVCache, Transformer, compiled, rope_inv_freq, rotate
 from .sampling import probabilities
-from .tree import TreeShape, tree_mask, tree_positions
+from .tree import DynamicTree, TreeShape, grow_dynamic_tree, tree_mask, tree_positions
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -523,7 +529,7 @@ class Eagle3Drafter(Drafter):
                                  shape.ancestors(history.device))
         _, levels, ancestors = self._tree_levels
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
-        S = history.shape[1]
+        S = kv.shape[3]  # the head's cache may be longer than the target's (a dynamic tree's margin)
         root_entry = lengths - 2
         positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, shape))
         visible = tree_mask(root_entry, ancestors, S)
@@ -540,6 +546,37 @@ class Eagle3Drafter(Drafter):
                                           positions[:, nodes], slots[:, nodes], visible[:, nodes], kv, ops)
         tokens = torch.cat(drafts, 1)  # nodes are numbered by depth, so the levels in order are nodes 1..N-1
         return tokens, torch.ones_like(tokens, dtype=torch.bool)
+
+    def propose_dynamic_tree(self, history, lengths, spec: DynamicTree):
+        """EAGLE-2's dynamic tree for every row (`grow_dynamic_tree`): tokens [B, N - 1] (all valid) and the rows'
+        trees (`RowTrees`). The new pairs' forward gives the root's drafts, then one head forward a level runs the
+        level's beam (topk nodes a row), each fed its token and its parent's head output as a chain's draft step.
+        In the head's cache the beam node j of depth d sits at position R + d and slot R + 1 + (d - 1) x topk + j
+        (R = the root's entry, its position - 1: the slots past the verified tree's N that this needs are the
+        decoder's margin) and sees the slots up to R and its beam ancestors'."""
+        head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
+        if spec.topk > head.cfg.draft_vocab_size:
+            raise SpecPilotError(f"a dynamic tree of topk {spec.topk}: the head drafts from "
+                                 f"{head.cfg.draft_vocab_size} ids")
+        S, K = kv.shape[3], spec.topk
+        root_entry = lengths - 2
+        slot = torch.arange(S, device=history.device)
+        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        seen = (slot[None] <= root_entry[:, None])[:, None]  # [B, nodes of the last forward, S]: the root's
+        beam_slots = root_entry[:, None] + 1 + torch.arange(K, device=history.device)[None]
+
+        def expand(depth, drafts, parent):
+            nonlocal out, seen
+            slots = (beam_slots + (depth - 1) * K).clamp(max=S - 1)
+            seen = seen.gather(1, parent[..., None].expand(-1, -1, S)) | (slot[None, None] == slots[..., None])
+            hidden = out.gather(1, parent[..., None].expand(-1, -1, out.shape[-1]))
+            positions = (root_entry[:, None] + depth).clamp(max=S - 1).expand(-1, K)
+            out, logits = self._nodes(head, head.draft_to_target[drafts], hidden, positions, slots, seen, kv, ops)
+            return logits
+
+        drafts, trees = grow_dynamic_tree(logits, expand, spec)
+        tokens = head.draft_to_target[drafts]
+        return tokens, torch.ones_like(tokens, dtype=torch.bool), trees
 
     def update(self, accepted, hidden=None):
         if hidden is None:

@@ -12,6 +12,7 @@ from .errors import SpecPilotError
 from .loader import LoadedModel
 from .recipe import Recipe
 from .sampling import SamplingParams
+from .tree import DynamicTree, TreeShape, tree_from_paths
 from .weights import bind_weights, lossless12_weights
 
 
@@ -44,6 +45,14 @@ def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None
     return ModelDrafter(draft.model, name="model")
 
 
+def draft_tree(recipe: Recipe) -> TreeShape | DynamicTree | None:
+    """The tree a tree recipe verifies (its static shape or its dynamic spec), None for chain verification."""
+    if recipe.verification != "tree":
+        return None
+    t = recipe.tree
+    return DynamicTree(t.depth, t.topk, t.tokens) if t.kind == "dynamic" else tree_from_paths(t.paths)
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -63,8 +72,7 @@ class Engine:
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
                                recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every,
-                               ragged=recipe.batch.ragged,
-                               tree_paths=recipe.tree.paths if recipe.verification == "tree" else None)
+                               ragged=recipe.batch.ragged, tree=draft_tree(recipe))
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

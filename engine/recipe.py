@@ -19,7 +19,7 @@ from .errors import SpecPilotError
 SCHEMA_VERSION = 1
 DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3")
 VERIFICATION_KINDS = ("chain", "tree")
-TREE_KINDS = ("static",)
+TREE_KINDS = ("static", "dynamic")
 WEIGHT_FORMATS = ("native", "lossless12")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 LAYER_KINDS = ("modular", "fused")
@@ -44,8 +44,11 @@ class DrafterSpec:
 
 @dataclass
 class TreeSpec:
-    kind: str = "static"  # static: the same tree shape every step, from `paths`
+    kind: str = "static"  # static: the same tree shape every step, from `paths`; dynamic: EAGLE-2's, per row and step
     paths: list = field(default_factory=list)  # child-rank paths from the root, e.g. [[0], [0, 0], [1]] (engine/tree.py)
+    depth: int = 0  # dynamic: levels of drafts (= k)
+    topk: int = 0  # dynamic: drafts after each expanded node, and nodes expanded a level
+    tokens: int = 0  # dynamic: nodes verified a row, the root included (SGLang's speculative_num_draft_tokens)
 
 
 @dataclass
@@ -188,20 +191,41 @@ def _check(r: Recipe) -> Recipe:
 
 def _check_tree(r: Recipe, bad) -> None:
     """A tree recipe: a static tree of valid paths whose depth is k, drafted by the n-gram drafter (its several
-    matches are the branches) or an EAGLE-3 head (its ranked drafts are), greedy-only mechanisms that do not change
-    the step's shape left out."""
+    matches are the branches) or an EAGLE-3 head (its ranked drafts are), or a dynamic tree of depth k drafted by an
+    EAGLE-3 head (its draft probabilities shape it); greedy-only mechanisms that do not change the step's shape left
+    out."""
     from .tree import tree_from_paths
 
-    if r.tree.kind not in TREE_KINDS:
-        bad("tree.kind", f"{r.tree.kind!r} is not one of {', '.join(TREE_KINDS)}")
-    if not r.tree.paths:
-        bad("tree.paths", "a static tree needs paths, e.g. [[0], [0, 0], [1]]")
-    try:
-        shape = tree_from_paths(r.tree.paths)
-    except (TypeError, ValueError) as e:
-        bad("tree.paths", str(e))
-    if r.k != shape.depth:
-        bad("k", f"must equal the tree's depth {shape.depth} with verification 'tree', got {r.k}")
+    t = r.tree
+    if t.kind not in TREE_KINDS:
+        bad("tree.kind", f"{t.kind!r} is not one of {', '.join(TREE_KINDS)}")
+    if t.kind == "dynamic":
+        # The n-gram drafter's matches have no probabilities to rank them by (a static tree of chains uses them)
+        if r.drafter.kind != "eagle3":
+            bad("tree.kind", f"'dynamic' trees are shaped by draft probabilities: drafted by an EAGLE-3 head, not "
+                             f"drafter.kind {r.drafter.kind!r} (a static tree takes the n-gram drafter's matches)")
+        if t.paths:
+            bad("tree.paths", "a dynamic tree's shape comes from depth, topk and tokens: no paths")
+        for key in ("depth", "topk"):
+            if getattr(t, key) < 1:
+                bad(f"tree.{key}", f"a dynamic tree needs {key} >= 1, got {getattr(t, key)}")
+        most = min(256, 1 + t.topk + (t.depth - 1) * t.topk ** 2)  # the root and every candidate (DynamicTree)
+        if not 2 <= t.tokens <= most:
+            bad("tree.tokens", f"counts the verified nodes, the root included: must be between 2 and {most} (at most "
+                               f"1 + topk + (depth - 1) x topk^2 candidates, and 256), got {t.tokens}")
+        depth = t.depth
+    else:
+        for key in ("depth", "topk", "tokens"):
+            if getattr(t, key):
+                bad(f"tree.{key}", "is a dynamic tree's; a static tree's shape comes from its paths")
+        if not t.paths:
+            bad("tree.paths", "a static tree needs paths, e.g. [[0], [0, 0], [1]]")
+        try:
+            depth = tree_from_paths(t.paths).depth
+        except (TypeError, ValueError) as e:
+            bad("tree.paths", str(e))
+    if r.k != depth:
+        bad("k", f"must equal the tree's depth {depth} with verification 'tree', got {r.k}")
     if r.drafter.kind not in ("ngram", "eagle3"):
         bad("verification", f"'tree' is drafted by the n-gram drafter or an EAGLE-3 head; "
                             f"drafter.kind {r.drafter.kind!r} drafts chains")

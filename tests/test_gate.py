@@ -424,8 +424,11 @@ def test_kernel_wrong_only_on_long_inputs_fails_the_long_cases(long_env, name):
     assert short.passed, short.reason
     rep = long_env(name, "long")
     assert not rep.passed and rep.failure["kind"] == "divergence", rep.reason
-    expected = "long-context" if name == "past8192" else "long-prefill"
-    assert rep.failure["question_id"] == expected, rep.failure
+    # a kernel wrong past 8,192 cache slots: the long-context case needs them, and with it in the call every
+    # request's cache has them (continuous batching sizes the cache for the call's longest prompt), so the first
+    # long case may already diverge
+    expected = {"long-context", "long-prefill"} if name == "past8192" else {"long-prefill"}
+    assert rep.failure["question_id"] in expected, rep.failure
 
 
 def test_long_questions_respect_the_models_positions():

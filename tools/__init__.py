@@ -4,6 +4,7 @@
 - `gate/`: `specpilot check`, the token-forcing gate (the stock system's reference, the verdict, the report);
 - `profile/`: the cost model, device calibration, the profiler and the step/kernel statistics it reads;
 - `sandbox/`: where candidate code runs (the sandboxed process, the gate's candidate worker, the kernel check);
+- `train/`: `specpilot train-drafter`, an EAGLE-3 head trained from the target alone (docs/TRAINING.md);
 - `agent_tools.py`: the tools the agents call (compile, benchmark a kernel or a recipe, token-force check, profile),
   each a plain function over the subpackages above with its JSON schema;
 - `argtypes.py`: command-line value checks shared by every command.

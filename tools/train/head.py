@@ -1,0 +1,142 @@
+"""The head being trained, and its export in the on-disk format engine/eagle3.py's `load_head` reads (SGLang's and
+vLLM's LlamaForCausalLMEagle3: config.json + model.safetensors, names and shapes as that module's docstring lists).
+
+The head is shaped as one decoder layer of the target (its hidden size, heads, head size, MLP width, RoPE), reads
+the aux layers' outputs named in `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge's default, the outputs
+of layers 1, L // 2 - 1, L - 4; a target of under five layers: 0, L // 2, L - 1), and is initialized as SpecForge
+starts one: matrices N(0, 0.02), norms 1, except that (issue #22 item 3) `lm_head` starts as the target's own LM-head
+rows of the draft vocabulary and `norm` as the target's final norm, so step 0 starts near the target's own
+prediction. The embeddings are the target's and stay frozen; none are exported (SpecForge's export drops them and the
+engines use the target's). Parameters are fp32 whatever the target's dtype; the export is in `dtype`.
+
+The attribute names are Eagle3Head's, so engine/eagle3.py's `fuse`, `midlayer` and `draft_logits` run this head:
+the trained function is the one the engine drafts with.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ...engine.eagle3 import ARCHITECTURE, Eagle3Config
+from ...engine.model import Transformer, rope_inv_freq
+from .vocab import d2t_t2d
+
+INIT_STD = 0.02
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    if n_layers >= 5:
+        return 1, n_layers // 2 - 1, n_layers - 4
+    return 0, n_layers // 2, n_layers - 1
+
+
+def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype: torch.dtype) -> dict:
+    """config.json of a head for this target (its transformers config)."""
+    t = hf_config.to_dict()
+    H = t["hidden_size"]
+    n_heads = t["num_attention_heads"]
+    cfg = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "hidden_size": H,
+           "intermediate_size": t["intermediate_size"], "num_attention_heads": n_heads,
+           "num_key_value_heads": t.get("num_key_value_heads") or n_heads,
+           "head_dim": t.get("head_dim") or H // n_heads, "num_hidden_layers": 1,
+           "rms_norm_eps": t.get("rms_norm_eps", 1e-6), "max_position_embeddings": t["max_position_embeddings"],
+           "tie_word_embeddings": False, "vocab_size": t["vocab_size"], "draft_vocab_size": draft_vocab,
+           "torch_dtype": str(dtype).removeprefix("torch."),
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}}
+    cfg.update({k: t[k] for k in ROPE_KEYS if t.get(k) is not None})
+    # Readers on an older transformers (SGLang's, vLLM's) know RoPE only by the legacy keys
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    if "rope_scaling" not in cfg and rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return cfg
+
+
+class TrainableHead(nn.Module):
+    def __init__(self, config: dict, draft_ids: torch.Tensor, target: Transformer, seed: int):
+        super().__init__()
+        from transformers import LlamaConfig
+
+        H, I = config["hidden_size"], config["intermediate_size"]
+        nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        aux = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.config = config
+        self.cfg = Eagle3Config(hidden_size=H, target_hidden_size=H, intermediate_size=I, n_heads=nh,
+                                n_kv_heads=nkv, head_dim=hd, rms_eps=config["rms_norm_eps"],
+                                vocab_size=config["vocab_size"], draft_vocab_size=draft_ids.numel(),
+                                aux_layers=aux, norm_before_residual=False)
+        device = target.device
+        g = torch.Generator().manual_seed(seed)
+
+        def matrix(*shape):
+            return nn.Parameter((torch.randn(*shape, generator=g) * INIT_STD).to(device))
+
+        def ones(n):
+            return nn.Parameter(torch.ones(n, device=device))
+
+        self.fc = matrix(H, 3 * H)
+        self.input_norm, self.hidden_norm = ones(H), ones(H)
+        self.wqkv = matrix((nh + 2 * nkv) * hd, 2 * H)
+        self.wo = matrix(H, nh * hd)
+        self.post_norm = ones(H)
+        self.w13 = matrix(2 * I, H)
+        self.w2 = matrix(H, I)
+        self.norm = nn.Parameter(target.norm.detach().float().clone())
+        self.lm_head = nn.Parameter(target.lm_head.detach()[draft_ids.to(device)].float().clone())
+        self.fc_bias = self.bqkv = self.bo = None
+        self.register_buffer("embed", target.embed.detach().float(), persistent=False)
+        self.register_buffer("draft_to_target", draft_ids.to(device), persistent=False)
+        inv_freq, self.attention_scaling = rope_inv_freq(LlamaConfig.from_dict(config))
+        self.inv_freq = inv_freq.float()
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.device
+
+    def ensure_rope(self, max_len: int) -> None:
+        """cos/sin tables as Eagle3Head.ensure_rope computes them."""
+        if self.rope is not None and self.rope[0].shape[0] >= max_len:
+            return
+        pos = torch.arange(max_len, device=self.device).float()
+        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+
+    def exported(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The weights under SGLang's names, q/k/v and gate/up split again."""
+        c = self.cfg
+        q, k, v = self.wqkv.detach().split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
+                                            c.n_kv_heads * c.head_dim])
+        gate, up = self.w13.detach().chunk(2)
+        a, m = "midlayer.self_attn.", "midlayer.mlp."
+        weights = {"fc.weight": self.fc, "midlayer.input_layernorm.weight": self.input_norm,
+                   "midlayer.hidden_norm.weight": self.hidden_norm, a + "q_proj.weight": q, a + "k_proj.weight": k,
+                   a + "v_proj.weight": v, a + "o_proj.weight": self.wo,
+                   "midlayer.post_attention_layernorm.weight": self.post_norm, m + "gate_proj.weight": gate,
+                   m + "up_proj.weight": up, m + "down_proj.weight": self.w2, "norm.weight": self.norm,
+                   "lm_head.weight": self.lm_head}
+        out = {k: w.detach().to("cpu", dtype).contiguous() for k, w in weights.items()}
+        out["d2t"], out["t2d"] = d2t_t2d(self.draft_to_target.cpu(), c.vocab_size)
+        return out
+
+    def save(self, directory: Path, dtype: torch.dtype) -> Path:
+        """config.json and model.safetensors in `directory`, each written whole or not at all."""
+        directory.mkdir(parents=True, exist_ok=True)
+        config = dict(self.config, torch_dtype=str(dtype).removeprefix("torch."))
+        tmp = directory / "model.safetensors.tmp"
+        save_file(self.exported(dtype), str(tmp), metadata={"format": "pt"})
+        tmp.replace(directory / "model.safetensors")
+        (directory / "config.json.tmp").write_text(json.dumps(config, indent=2))
+        (directory / "config.json.tmp").replace(directory / "config.json")
+        return directory

