@@ -432,7 +432,10 @@ def integrator(state: dict) -> dict:
         why = f"no candidate passed the gate and beat {best['source']} by {MIN_GAIN:.0%} and the noise"
     evidence["proposal"] = why if pick else f"keep {best['source']} ({why})"
     stop, update = None, {}
-    if s["interactive"]:
+    evaluated = bool(this_round(state, "evaluated"))
+    if s["interactive"] and not evaluated:  # nothing was evaluated this round (all skipped): nothing to decide
+        trail.append(decision(n, "integrator", "graph", f"no question: nothing evaluated, keep {best['source']}"))
+    if s["interactive"] and evaluated:
         answer = ask("integration", n, evidence)
         action, value = answer["action"], answer["value"]
         if action == "skip":

@@ -19,6 +19,7 @@ ACTIONS = {
     "integration": ("approve", "edit", "skip", "stop"),
 }
 KEYS = {"a": "approve", "e": "edit", "s": "skip", "r": "redirect", "q": "stop"}
+KEY_OF = {action: key for key, action in KEYS.items()}
 WHAT = {  # what each action means at each kind of decision, shown with the keys
     "route": {"approve": "run these agents", "edit": 'JSON {"agents": [...], "reason": "..."}',
               "skip": "no agent this round", "redirect": "one other agent instead", "stop": "end the run"},
@@ -80,7 +81,8 @@ def prompt(request: dict, read_line, write) -> dict | None:
     write(f"\n== round {request['round']}: {kind} decision ==\n")
     for line in _lines(kind, request["evidence"]):
         write(line + "\n")
-    menu = "  ".join(f"[{a[0]}]{a[1:]} ({WHAT[kind][a]})" for a in actions)
+    menu = "  ".join(f"[{KEY_OF[a]}]{a[1:]} ({WHAT[kind][a]})" if a[0] == KEY_OF[a] else
+                     f"[{KEY_OF[a]}] {a} ({WHAT[kind][a]})" for a in actions)  # (stop's key is q: s skips)
     while True:
         write(f"{menu}\n> ")
         line = read_line()

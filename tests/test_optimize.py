@@ -282,7 +282,23 @@ def test_interactive_run_scripted_through_stdin(tiny, tmp_path):
     assert state["stop_reason"] == "stopped by a person at integration"
     assert state["best"]["source"] == "stock"  # stopping keeps the best as it was
     assert "== round 1: candidate decision ==" in err.getvalue() and "[r]edirect" in err.getvalue()
+    assert "[q] stop (end the run)" in err.getvalue() and "[s]top" not in err.getvalue()  # the key it takes
     assert (out / "rounds" / "1" / "proposals-scheduler-1.json").is_file()
+
+
+def test_no_integration_question_when_nothing_was_evaluated(tiny, tmp_path):
+    """Every candidate skipped: the round evaluated nothing, so the run does not ask a person to integrate
+    nothing; it says so in the trail and ends (one round)."""
+    out = tmp_path / "run"
+    err = io.StringIO()
+    code = optimize(settings(tiny, out, interactive=True, max_candidates=3), stdin=io.StringIO("a\ns\ns\ns\n"),
+                    stderr=err, provider=ScriptedProvider(), memory=JsonlMemory(tmp_path / "memory.jsonl"))
+    assert code == 0, err.getvalue()[-2000:]
+    assert "integration decision" not in err.getvalue()
+    state = load_state(out)
+    assert not state.get("evaluations") and state["best"]["source"] == "stock"
+    assert any(t["who"] == "graph" and t["decision"].startswith("no question: nothing evaluated")
+               for t in state["trail"])
 
 
 def test_interactive_run_pauses_at_end_of_input(tiny, tmp_path):
