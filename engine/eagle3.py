@@ -100,7 +100,7 @@ from ..kernels import resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, Proposal, rows_of
 from .errors import SpecPilotError
-from .model import KVCache, Transformer, compiled, rope_inv_freq, rotate
+from .model import KVCache, Transformer, compiled, rope_inv_freq, rope_tables, rotate
 from .sampling import probabilities
 from .tree import DynamicTree, TreeShape, grow_dynamic_tree, tree_mask, tree_positions
 
@@ -326,11 +326,7 @@ class Eagle3Head:
         """cos/sin tables [max_len, head_dim] in the model dtype, as Transformer._ensure_rope computes them."""
         if self.rope is not None and self.rope[0].shape[0] >= max_len:
             return
-        pos = torch.arange(max_len, device=self.device).float()
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope = ((emb.cos() * self.attention_scaling).to(self.dtype),
-                     (emb.sin() * self.attention_scaling).to(self.dtype))
+        self.rope = rope_tables(self.inv_freq, self.attention_scaling, max_len, self.device, self.dtype)
 
     def new_cache(self, rows: int, max_len: int) -> KVCache:
         self.ensure_rope(max_len)

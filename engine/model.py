@@ -99,6 +99,15 @@ def compiled(fn, mode: str = "default"):
     return torch.compile(fn, dynamic=False, fullgraph=True, mode=None if mode == "default" else mode)
 
 
+def rope_tables(inv_freq: torch.Tensor, attention_scaling: float, max_len: int, device, dtype):
+    """RoPE's (cos, sin) tables [max_len, head_dim] for positions 0..max_len-1, computed in fp32 as HF computes them
+    and cast to `dtype`: the target, an EAGLE-3 head and its trainer share them."""
+    pos = torch.arange(max_len, device=device).float()
+    freqs = pos[:, None] * inv_freq.to(device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -229,10 +238,7 @@ class Transformer(nn.Module):
             # Kept alive: every decoder sharing this model (the bench runs several) has CUDA graphs that read the
             # table they were captured with; freed, its memory goes to other tensors under those graphs (issue #20).
             self._retired_ropes.append(self._rope)
-        pos = torch.arange(max_len, device=self.device).float()
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self._rope = ((emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype))
+        self._rope = rope_tables(self.inv_freq, self.attention_scaling, max_len, self.device, self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,

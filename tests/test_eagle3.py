@@ -135,9 +135,9 @@ def record_proposals(eng):
     return calls
 
 
-def check_proposals(calls, hf, head_path, target_embed, aux_layers) -> int:
-    """Each active row's drafts at each call equal the reference head's on HF's hidden states; returns the number
-    of rows checked."""
+def check_rows(calls, hf, head_path, target_embed, aux_layers, expected) -> int:
+    """Each active row's drafts at each recorded call equal `expected(reference head, HF's hidden states of the
+    row's context, the context, the call's drafts)`; returns the number of rows checked."""
     ref, checked = ReferenceHead(head_path, target_embed), 0
     for history, lengths, active, drafts in calls:
         for b in range(history.shape[0]):
@@ -145,9 +145,15 @@ def check_proposals(calls, hf, head_path, target_embed, aux_layers) -> int:
                 continue
             context = history[b, : int(lengths[b])].tolist()
             states = hf_layer_outputs(hf, context[:-1], aux_layers)
-            assert ref.propose(states, context, drafts.shape[1]) == drafts[b].tolist(), (b, len(context))
+            assert expected(ref, states, context, drafts) == drafts[b].tolist(), (b, len(context))
             checked += 1
     return checked
+
+
+def check_proposals(calls, hf, head_path, target_embed, aux_layers) -> int:
+    """Each active row's chain drafts equal the reference head's on HF's hidden states (rows checked)."""
+    return check_rows(calls, hf, head_path, target_embed, aux_layers,
+                      lambda ref, states, context, drafts: ref.propose(states, context, drafts.shape[1]))
 
 
 # -- the target's hidden states ------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from specpilot.engine.tree import tree_from_paths
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
-from test_eagle3 import (ReferenceHead, bigram_target, head_dir, head_that_knows,  # noqa: F401 (fixtures)
-                         hf_layer_outputs)
+from test_eagle3 import (ReferenceHead, bigram_target, check_rows, head_dir,  # noqa: F401 (fixtures)
+                         head_that_knows)
 
 # Depth 4; siblings with children of their own ([0] and [1], [0, 0] and [0, 1]: in the head they share a position,
 # only the tree mask keeps them apart) and leaves above the deepest level ([2], [1, 0]: never run through the head).
@@ -64,16 +64,23 @@ def reference_tree(ref: ReferenceHead, states, context: list[int], shape) -> lis
 
 def check_trees(calls, hf, head_path, target_embed, aux_layers, shape) -> int:
     """Each active row's tree at each call is the reference head's on HF's states; returns the rows checked."""
-    ref, checked = ReferenceHead(head_path, target_embed), 0
-    for history, lengths, active, tokens in calls:
-        for b in range(history.shape[0]):
-            if not active[b]:
-                continue
-            context = history[b, : int(lengths[b])].tolist()
-            states = hf_layer_outputs(hf, context[:-1], aux_layers)
-            assert reference_tree(ref, states, context, shape) == tokens[b].tolist(), (b, len(context))
-            checked += 1
-    return checked
+    return check_rows(calls, hf, head_path, target_embed, aux_layers,
+                      lambda ref, states, context, tokens: reference_tree(ref, states, context, shape))
+
+
+def decodes_as_ar(eng, tiny_reference, family: str, width: int) -> None:
+    """Three prompts of different lengths in one batch, then one at a time: HF's greedy tokens, and every step after
+    the prefill verifies `width` tokens a row."""
+    widths = []
+    hook = eng.decoder.model.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
+    try:
+        batched = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+        single = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True, max_batch=1)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in batched] == tiny_reference, family
+    assert [r.tokens for r in single] == tiny_reference, family
+    assert set(widths) == {width} | {len(p) for p in tiny_prompts()} | {max(len(p) for p in tiny_prompts())}
 
 
 def record_paths(monkeypatch):
@@ -92,17 +99,7 @@ def record_paths(monkeypatch):
 def test_eagle3_tree_greedy_is_ar(tiny, tiny_reference, head_dir):
     """Three prompts of different lengths in one batch, then one at a time: HF's greedy tokens, every family, every
     step after the prefill verifying the whole tree."""
-    eng = Engine(tiny.loaded, tree_recipe(head_dir))
-    widths = []
-    hook = eng.decoder.model.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
-    try:
-        batched = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
-        single = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True, max_batch=1)
-    finally:
-        hook.remove()
-    assert [r.tokens for r in batched] == tiny_reference, tiny.family
-    assert [r.tokens for r in single] == tiny_reference, tiny.family
-    assert set(widths) == {SHAPE.nodes} | {len(p) for p in tiny_prompts()} | {max(len(p) for p in tiny_prompts())}
+    decodes_as_ar(Engine(tiny.loaded, tree_recipe(head_dir)), tiny_reference, tiny.family, SHAPE.nodes)
 
 
 def test_eagle3_tree_nodes_are_the_reference_heads(tiny, head_dir):

@@ -18,6 +18,7 @@ from specpilot.engine.tree import DynamicTree
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
 from test_eagle3 import (ReferenceHead, bigram_target, head_dir, head_that_knows,  # noqa: F401 (fixtures)
                          hf_layer_outputs)
+from test_eagle3_tree import decodes_as_ar
 from test_tree_dynamic import brute_dynamic
 
 # Depth 4, the 3 best drafts after each of a level's 3 best nodes, 12 nodes verified (of 1 + 3 + 27 candidates).
@@ -72,18 +73,7 @@ def reference_logits(ref: ReferenceHead, states, context: list[int]):
 def test_eagle3_dynamic_tree_greedy_is_ar(tiny, tiny_reference, head_dir):
     """Three prompts of different lengths in one batch, then one at a time: HF's greedy tokens, every family, every
     step after the prefill verifying the tree's N nodes a row (NARROW: the head's cache with the decoder's margin)."""
-    spec = NARROW
-    eng = Engine(tiny.loaded, dynamic_recipe(head_dir, spec))
-    widths = []
-    hook = eng.decoder.model.register_forward_pre_hook(lambda mod, args: widths.append(args[0].shape[1]))
-    try:
-        batched = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
-        single = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True, max_batch=1)
-    finally:
-        hook.remove()
-    assert [r.tokens for r in batched] == tiny_reference, tiny.family
-    assert [r.tokens for r in single] == tiny_reference, tiny.family
-    assert set(widths) == {spec.tokens} | {len(p) for p in tiny_prompts()} | {max(len(p) for p in tiny_prompts())}
+    decodes_as_ar(Engine(tiny.loaded, dynamic_recipe(head_dir, NARROW)), tiny_reference, tiny.family, NARROW.tokens)
 
 
 def test_dynamic_tree_nodes_are_the_reference_heads(tiny, head_dir):

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ...engine.eagle3 import ARCHITECTURE, Eagle3Config
-from ...engine.model import Transformer, rope_inv_freq
+from ...engine.model import Transformer, rope_inv_freq, rope_tables
 from .vocab import d2t_t2d
 
 INIT_STD = 0.02
@@ -105,13 +105,10 @@ class TrainableHead(nn.Module):
         return self.fc.device
 
     def ensure_rope(self, max_len: int) -> None:
-        """cos/sin tables as Eagle3Head.ensure_rope computes them."""
+        """cos/sin tables as Eagle3Head.ensure_rope computes them, in fp32 (the head trains in fp32)."""
         if self.rope is not None and self.rope[0].shape[0] >= max_len:
             return
-        pos = torch.arange(max_len, device=self.device).float()
-        freqs = pos[:, None] * self.inv_freq.to(self.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+        self.rope = rope_tables(self.inv_freq, self.attention_scaling, max_len, self.device, torch.float32)
 
     def exported(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The weights under SGLang's names, q/k/v and gate/up split again."""
