@@ -229,10 +229,12 @@ def cmd_train_drafter(args) -> int:
 
     device = args.device or _default_device()
     settings = Settings(target=args.target, kind=args.kind, prompts=args.prompts, samples=args.samples,
-                        max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab, steps=args.steps,
+                        max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
+                        steps=2000 if args.steps is None and args.minutes is None else args.steps,
                         ttt_steps=args.ttt_steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                         device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
-                        checkpoint_every=args.checkpoint_every, log_every=args.log_every)
+                        checkpoint_every=args.checkpoint_every, log_every=args.log_every, minutes=args.minutes,
+                        lm_head=args.lm_head)
     train_drafter(settings, args.out, resume=args.resume, say=lambda line: print(line, flush=True))
     return 0
 
@@ -255,8 +257,19 @@ def add_train_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer")
     t.add_argument("--draft-vocab", type=positive_int, default=None,
                    help="draft vocabulary size (default: min(8192, the target's vocabulary))")
-    t.add_argument("--steps", type=positive_int, default=2000, help="optimizer steps")
+    length = t.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, default=None,
+                        help="optimizer steps (default 2000, unless --minutes)")
+    length.add_argument("--minutes", type=positive_float, default=None,
+                        help="train for about M minutes instead of --steps: once the data is built, a few steps "
+                             "are timed and the step count set to fit M minutes of training (evaluations and "
+                             "checkpoints included; building the data is NOT counted); written to "
+                             "DIR/schedule.json, which --resume keeps")
     t.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll length")
+    t.add_argument("--lm-head", default="trained", choices=["trained", "target"],
+                   help="trained: the head's own LM head (starting from the target's rows of the draft vocabulary), "
+                        "trained and exported; target: those rows frozen and not exported (EAGLE-1/2 style; about "
+                        "half the file for a small target; SpecPilot's loader takes the target's rows back)")
     t.add_argument("--lr", type=positive_float, default=1e-4)
     t.add_argument("--batch-size", type=positive_int, default=8, help="samples per optimizer step")
     t.add_argument("--seed", type=non_negative_int, default=0)

@@ -20,7 +20,10 @@ every name but lm_head; SGLang's LlamaForCausalLMEagle3.load_weights maps both):
   plain layers, which no published head has; refused here).
 - `norm.weight` [H]; `lm_head.weight` [Vd, H] (SGLang: ParallelLMHead(draft_vocab_size); with no
   draft_vocab_size the target's lm_head is loaded instead, `load_lm_head_from_target`; vLLM: the target's only when
-  the checkpoint has none, process_eagle_weight).
+  the checkpoint has none, process_eagle_weight). Here a head without `lm_head.weight` whose hidden size is the
+  target's takes the target's LM-head rows of its draft vocabulary, `target.lm_head[draft_to_target]` (all of it
+  when the draft vocabulary is the target's): `train-drafter --lm-head target` writes such heads (EAGLE-1/2 style,
+  the target's LM head frozen, a smaller file).
 - `d2t` [Vd] int64: target id = draft id + d2t[draft id] (SGLang: `hot_token_id = d2t + arange`; vLLM
   compute_logits: `targets = arange(draft_vocab_size) + draft_id_to_target_id`). `t2d` [V] bool marks the target
   ids in the draft vocabulary; both engines skip it on load; here it is checked against d2t when present.
@@ -218,7 +221,8 @@ def read_weights(directory: Path, fail) -> dict[str, torch.Tensor]:
 
 class Eagle3Head:
     """A loaded head in the target's dtype and device: q/k/v and gate/up fused into one matrix each (as Block does),
-    the target's embeddings (and lm_head) where the head has none, and each draft id's target id."""
+    the target's embeddings (and its LM-head rows of the draft vocabulary) where the head has none, and each draft
+    id's target id."""
 
     def __init__(self, directory: str | Path, target: Transformer):
         directory = Path(directory)
@@ -285,11 +289,13 @@ class Eagle3Head:
             self.embed = target.embed
         if "lm_head.weight" in weights:
             self.lm_head = take("lm_head.weight")
-        elif Vd != V or H != target.cfg.hidden_size:
+        elif H != target.cfg.hidden_size:
             fail(f"lacks the weight 'lm_head.weight' (the target's LM head serves only a head with the target's "
-                 f"vocabulary and hidden size)")
-        else:
+                 f"hidden size, {target.cfg.hidden_size}, not {H})")
+        elif torch.equal(self.draft_to_target, torch.arange(V, device=target.device)):
             self.lm_head = target.lm_head
+        else:
+            self.lm_head = target.lm_head.detach()[self.draft_to_target].contiguous()  # its draft vocabulary's rows
         inv_freq, self.attention_scaling = rope_inv_freq(hf)
         self.inv_freq = inv_freq.float()
         self.dtype, self.device = dtype, device

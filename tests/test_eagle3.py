@@ -412,7 +412,6 @@ BAD_HEADS = {
     "vLLM id 0 (the embeddings)": (dict(aux_ids=[0, 1, 2], aux_key="top"), r"target layers \[-1, 0, 1\]"),
     "missing weight": (dict(weight_changes={"midlayer.mlp.up_proj.weight": None}),
                        r"lacks the weight 'midlayer.mlp.up_proj.weight'"),
-    "missing lm_head with a draft vocabulary": (dict(weight_changes={"lm_head.weight": None}), r"lm_head"),
     "q/k/v over one hidden, not two": (dict(weight_changes={"midlayer.self_attn.k_proj.weight": torch.zeros(32, 64)}),
                                        r"k_proj.weight' has shape \[32, 64\], expected \[32, 128\]"),
     "a second decoder layer": (dict(weight_changes={"midlayers.1.mlp.up_proj.weight": torch.zeros(128, 64)}),

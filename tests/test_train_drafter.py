@@ -19,12 +19,13 @@ from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import parse
 from specpilot.engine.workloads import load_workload
-from specpilot.tools.train.data import answer_engine, load_samples
+from specpilot.tools.train import run as run_mod
+from specpilot.tools.train.data import answer_engine, capture, capture_group, capture_groups, load_samples
 from specpilot.tools.train.filters import deduplicated, normalized
 from specpilot.tools.train.head import TrainableHead, head_config
 from specpilot.tools.train.prompts import read_prompt_file, self_instruct
 from specpilot.tools.train.run import Settings, train_drafter, training_prompts
-from specpilot.tools.train.trainer import OPS, collate, unrolled_logits
+from specpilot.tools.train.trainer import OPS, Timing, collate, resident, tf32_matmuls, unrolled_logits
 from specpilot.tools.train.vocab import d2t_t2d, draft_vocabulary, target_ids
 from test_decoding import _word_tokenizer, tiny_prompts
 
@@ -234,6 +235,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_head(trained, chat_target_dir
     (["--resume"], "holds no train-drafter run"),
     (["--ttt-steps", "0"], "--ttt-steps: must be positive"),
     (["--kind", "medusa"], "invalid choice"),
+    (["--steps", "5", "--minutes", "1"], "not allowed with argument"),
+    (["--minutes", "0"], "--minutes: must be positive"),
+    (["--lm-head", "tied"], "invalid choice"),
 ])
 def test_bad_arguments_are_refused_in_one_line(chat_target_dir, tmp_path, capsys, extra, message):
     code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(tmp_path / "h"), "--device", "cpu",
@@ -247,3 +251,148 @@ def test_a_used_directory_is_refused_without_resume(trained, chat_target_dir, ca
     code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(trained[0]), "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and "already holds a train-drafter run" in err and err.count("\n") == 1
+
+
+# -- --lm-head target, --minutes, batched capture ------------------------------------------------------------------
+def test_a_frozen_target_lm_head_is_not_exported_and_loads_as_the_targets_rows(chat_target_dir, tmp_path):
+    """--lm-head target: the head's LM head is the target's rows of the draft vocabulary, not trained, not in the
+    checkpoint nor in model.safetensors; load_head takes those rows back, and the loaded head drafts the logits the
+    trained head computes."""
+    out = tmp_path / "head"
+    entries = []
+    train_drafter(settings(chat_target_dir, steps=6, checkpoint_every=3, log_every=3, lm_head="target"), out,
+                  say=lambda line: None, progress=entries.append)
+    assert entries[-1]["step"] == 6
+    weights = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in weights and "norm.weight" in weights
+    assert "lm_head" not in torch.load(out / "checkpoint.pt", weights_only=True)["head"]
+    target = load(str(chat_target_dir))
+    ids = target_ids(weights["d2t"])
+    head = load_head(out, target.model)
+    assert torch.equal(head.lm_head, target.model.lm_head.detach()[ids])
+    trainable = TrainableHead(json.loads((out / "config.json").read_text()), ids, target.model, seed=0,
+                              lm_head="target")
+    assert "lm_head" not in dict(trainable.named_parameters())
+    trainable.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True)["head"])
+    sample = load_samples(out / "samples.pt")[0]
+    n = sample.tokens.numel() - 1
+    tokens, states, positions = sample.tokens[None], sample.states[None].float(), torch.arange(n)[None]
+    with torch.no_grad():
+        trainable.ensure_rope(n)
+        head.ensure_rope(n)
+        want = draft_logits(trainable, midlayer(trainable, tokens[:, 1:], fuse(trainable, states[:, :n], OPS),
+                                                positions, torch.zeros(2, 1, head.cfg.n_kv_heads, n,
+                                                                       head.cfg.head_dim), OPS), OPS)
+        got = draft_logits(head, midlayer(head, tokens[:, 1:], fuse(head, states[:, :n], OPS), positions,
+                                          torch.zeros(2, 1, head.cfg.n_kv_heads, n, head.cfg.head_dim), OPS), OPS)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The default (--lm-head trained) exports its LM head, which training moved off the target's rows
+    trained = tmp_path / "trained-lm-head"
+    train_drafter(settings(chat_target_dir, steps=6, checkpoint_every=3, log_every=3), trained,
+                  say=lambda line: None, progress=lambda e: None)
+    own = load_file(str(trained / "model.safetensors"))
+    assert own["lm_head.weight"].shape == (64, 64)
+    assert not torch.equal(own["lm_head.weight"], target.model.lm_head.detach()[target_ids(own["d2t"])])
+    assert (out / "model.safetensors").stat().st_size < (trained / "model.safetensors").stat().st_size
+
+
+def test_minutes_resolves_records_and_resumes_with_the_recorded_step_count(chat_target_dir, tmp_path, monkeypatch):
+    """--minutes: a few steps timed once the data is built set a positive step count, written to schedule.json and
+    printed; the timing leaves the head alone (the same head as --steps with that count); a resumed run takes the
+    recorded count without timing again. Data building says how far it got."""
+    out = tmp_path / "head"
+    lines = []
+    entries = []
+    train_drafter(settings(chat_target_dir, steps=None, minutes=0.01), out, say=lines.append,
+                  progress=entries.append)
+    steps = json.loads((out / "schedule.json").read_text())["steps"]
+    assert steps >= 1 and entries[-1]["step"] == entries[-1]["steps"] == steps
+    assert any(line.startswith("--minutes 0.01: ") and line.endswith(f": {steps} steps") for line in lines)
+    assert any("self-instruct round 1:" in line for line in lines)
+    assert any("greedy answers: " in line for line in lines) and any("sampled answers: " in line for line in lines)
+    assert any(line.startswith("  hidden states: ") for line in lines)
+    assert any(line.startswith("data built in ") for line in lines)
+
+    same = tmp_path / "same"
+    train_drafter(settings(chat_target_dir, steps=steps), same, say=lambda line: None, progress=lambda e: None)
+    want, got = load_file(str(same / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+    killed = tmp_path / "killed"
+
+    def kill(entry):
+        raise Killed
+
+    with pytest.raises(Killed):
+        train_drafter(settings(chat_target_dir, steps=None, minutes=0.01), killed, say=lambda line: None,
+                      progress=kill)
+    recorded_steps = json.loads((killed / "schedule.json").read_text())["steps"]
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a resumed run timed again")
+
+    monkeypatch.setattr(run_mod, "time_training", no_timing)
+    entries = []
+    train_drafter(settings(chat_target_dir, steps=None, minutes=0.01), killed, resume=True, say=lambda line: None,
+                  progress=entries.append)
+    assert entries[-1]["steps"] == entries[-1]["step"] == recorded_steps
+
+
+def test_steps_within_counts_evaluations_and_checkpoints():
+    timing = Timing(step=0.1, evaluation=2.0, checkpoint=1.0)
+    # 60 s: one evaluation at the first step, then 0.1 + 2 / 50 + 1 / 100 = 0.15 s a step
+    assert timing.steps_within(60, log_every=50, checkpoint_every=100) == int(58 / 0.15)
+    assert Timing(10.0, 0.0, 0.0).steps_within(1, 1, 1) == 1
+
+
+@pytest.fixture(scope="module")
+def capture_target(chat_target_dir):
+    return load(str(chat_target_dir))
+
+
+def test_batched_capture_gives_the_per_sample_samples(capture_target):
+    """One right-padded forward over several samples gives each sample's own states (allclose in fp32), tokens and
+    greedy tokens (equal where the two best logits do not tie), in the given order."""
+    model = capture_target.model
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(5, 250, (p,), generator=g).tolist(), torch.randint(5, 250, (a,), generator=g).tolist())
+             for p, a in ((3, 9), (7, 1), (12, 20), (1, 4), (5, 5))]
+    got = capture_group(model, pairs, (0, 1, 1))
+    for (p, a), sample in zip(pairs, got):
+        want = capture(model, p, a, (0, 1, 1))
+        assert torch.equal(sample.tokens, want.tokens) and sample.prompt_len == want.prompt_len == len(p)
+        torch.testing.assert_close(sample.states, want.states, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sample.final, want.final, atol=1e-4, rtol=1e-4)
+        with torch.inference_mode():
+            tokens = torch.tensor(p + a)[None]
+            logits = model(tokens, torch.arange(tokens.shape[1])[None], model.new_cache(1, tokens.shape[1]))[0]
+        top2 = logits.topk(2, -1).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-4
+        assert clear.any() and torch.equal(sample.greedy[clear], want.greedy[clear])
+
+
+def test_capture_groups_sort_by_length_and_respect_the_limits():
+    lengths = [10, 3, 50, 4, 9, 30]
+    groups = capture_groups(lengths, max_samples=2, max_tokens=64)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(len(g) <= 2 and len(g) * max(lengths[i] for i in g) <= 64 or len(g) == 1 for g in groups)
+    assert [lengths[g[0]] for g in groups] == sorted(lengths[g[0]] for g in groups)
+    assert groups == [[1, 3], [4, 0], [5], [2]]
+
+
+def test_tf32_is_scoped_to_cuda_training():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        with tf32_matmuls("cpu"):
+            assert not torch.backends.cuda.matmul.allow_tf32
+        with tf32_matmuls("cuda:0"):  # only flags: no GPU needed
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_samples_stay_where_they_are_off_cuda(trained):
+    samples = load_samples(trained[0] / "samples.pt")
+    assert resident(samples, "cpu") is samples

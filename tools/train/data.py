@@ -6,7 +6,8 @@ forward (Transformer.forward with `aux_layers`) over prompt + answer captures, a
 the head's three aux layers (what `fc` fuses), the last layer's output (the target's pre-norm final state: the
 trainer turns it into the target's distribution over the draft vocabulary, whose rows are only known once every
 answer is in) and the target's greedy next token (the full-vocabulary argmax, for the position mask and held-out
-acceptance). No second model and no HF generate.
+acceptance); samples of similar length share one right-padded forward (`capture_group`). No second model and no HF
+generate.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from ...engine.recipe import load_recipe
 from ...engine.sampling import SamplingParams
 
 ANSWER_SAMPLING = SamplingParams(temperature=0.8, top_p=0.95)
+ANSWER_CHUNK = 256  # prompts decoded a call (between progress lines)
+CAPTURE_SAMPLES, CAPTURE_TOKENS = 32, 16384  # a capture forward's most samples and padded tokens
 
 
 @dataclass
@@ -40,30 +43,79 @@ def answer_engine(target):
     return Engine(target, load_recipe("ar"))
 
 
-def answers(engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt, answer) pairs: each prompt's greedy answer, then each prompt's sampled one."""
-    greedy = engine.generate(prompts, max_new_tokens)
-    sampled = engine.generate(prompts, max_new_tokens, ANSWER_SAMPLING, seed=seed)
-    return [(p, r.tokens) for p, r in zip(prompts, greedy)] + [(p, r.tokens) for p, r in zip(prompts, sampled)]
+def answers(engine, prompts: list[list[int]], max_new_tokens: int, seed: int,
+            say=lambda line: None) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) pairs: each prompt's greedy answer, then each prompt's sampled one. Decoded ANSWER_CHUNK
+    prompts a call (the chunk at i sampled with seed + i), with a progress line through `say` after each."""
+    pairs = {}
+    for kind, sampling in (("greedy", SamplingParams()), ("sampled", ANSWER_SAMPLING)):
+        rows = []
+        for i in range(0, len(prompts), ANSWER_CHUNK):
+            rows += engine.generate(prompts[i: i + ANSWER_CHUNK], max_new_tokens, sampling, seed=seed + i)
+            say(f"  {kind} answers: {len(rows)}/{len(prompts)}")
+        pairs[kind] = [(p, r.tokens) for p, r in zip(prompts, rows)]
+    return pairs["greedy"] + pairs["sampled"]
 
 
 @torch.inference_mode()
 def capture(model, prompt: list[int], answer: list[int], aux_layers: tuple[int, ...]) -> Sample:
-    tokens = torch.tensor(prompt + answer, device=model.device)
-    T = tokens.numel()
-    cache = model.new_cache(1, T)
+    """One sample's states, from one target forward over it alone."""
+    return capture_group(model, [(prompt, answer)], aux_layers)[0]
+
+
+@torch.inference_mode()
+def capture_group(model, pairs: list[tuple[list[int], list[int]]], aux_layers: tuple[int, ...]) -> list[Sample]:
+    """The samples of several (prompt, answer) pairs from one target forward, right-padded to the longest: the mask
+    is causal by position, so a row's pad slots, past its end, change none of its own states (up to floating-point
+    summation order: the batched matmuls may add in another order)."""
+    device = model.device
+    lengths = [len(p) + len(a) for p, a in pairs]
+    B, T = len(pairs), max(lengths)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for b, (p, a) in enumerate(pairs):
+        tokens[b, : lengths[b]] = torch.tensor(p + a)
+    tokens = tokens.to(device)
+    cache = model.new_cache(B, T)
     last = model.cfg.n_layers - 1
-    logits, states = model(tokens[None], torch.arange(T, device=model.device)[None], cache,
+    logits, states = model(tokens, torch.arange(T, device=device)[None].expand(B, T), cache,
                            aux_layers=(*aux_layers, last))
+    greedy = logits.argmax(-1).cpu()
+    del logits
     H = model.cfg.hidden_size
-    return Sample(tokens.cpu(), len(prompt), states[0, :, : 3 * H].cpu(), states[0, :, 3 * H:].cpu(),
-                  logits[0].argmax(-1).cpu())
+    states = states.cpu()
+    tokens = tokens.cpu()
+    return [Sample(tokens[b, :n].clone(), len(pairs[b][0]), states[b, :n, : 3 * H].clone(),
+                   states[b, :n, 3 * H:].clone(), greedy[b, :n].clone()) for b, n in enumerate(lengths)]
+
+
+def capture_groups(lengths: list[int], max_samples: int = CAPTURE_SAMPLES,
+                   max_tokens: int = CAPTURE_TOKENS) -> list[list[int]]:
+    """Indices grouped for capture: sorted by length (little padding), at most max_samples a group and at most
+    max_tokens padded tokens (the logits [B, T, vocab] are the forward's largest tensor), a longer one alone."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        group = groups[-1] if groups else None
+        if group and len(group) < max_samples and (len(group) + 1) * lengths[i] <= max_tokens:
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def build_samples(engine, prompts: list[list[int]], max_new_tokens: int, seed: int,
-                  aux_layers: tuple[int, ...]) -> list[Sample]:
+                  aux_layers: tuple[int, ...], say=lambda line: None) -> list[Sample]:
+    """The samples of each prompt's greedy and sampled answers (empty answers dropped), in that order; their states
+    captured in groups (`capture_groups`), with a progress line through `say` after each group."""
     model = engine.target.model
-    return [capture(model, p, a, aux_layers) for p, a in answers(engine, prompts, max_new_tokens, seed) if a]
+    pairs = [(p, a) for p, a in answers(engine, prompts, max_new_tokens, seed, say) if a]
+    out: list[Sample | None] = [None] * len(pairs)
+    done = 0
+    for group in capture_groups([len(p) + len(a) for p, a in pairs]):
+        for i, sample in zip(group, capture_group(model, [pairs[i] for i in group], aux_layers)):
+            out[i] = sample
+        done += len(group)
+        say(f"  hidden states: {done}/{len(pairs)} samples")
+    return out
 
 
 def save_samples(path: Path, samples: list[Sample]) -> None:

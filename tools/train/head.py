@@ -6,8 +6,11 @@ the aux layers' outputs named in `eagle_config.eagle_aux_hidden_state_layer_ids`
 of layers 1, L // 2 - 1, L - 4; a target of under five layers: 0, L // 2, L - 1), and is initialized as SpecForge
 starts one: matrices N(0, 0.02), norms 1, except that (issue #22 item 3) `lm_head` starts as the target's own LM-head
 rows of the draft vocabulary and `norm` as the target's final norm, so step 0 starts near the target's own
-prediction. The embeddings are the target's and stay frozen; none are exported (SpecForge's export drops them and the
-engines use the target's). Parameters are fp32 whatever the target's dtype; the export is in `dtype`.
+prediction. With `lm_head="target"` those rows stay frozen (a buffer, as EAGLE-1/2 share the target's LM head) and
+are not exported: engine/eagle3.py's `load_head` takes the target's rows of the draft vocabulary for a head without
+`lm_head.weight`, and the file is about half as large for a small target (SmolLM2-135M: [8192, 576], ~9.4 MB of
+~20 MB in bf16). The embeddings are the target's and stay frozen; none are exported (SpecForge's export drops them
+and the engines use the target's). Parameters are fp32 whatever the target's dtype; the export is in `dtype`.
 
 The attribute names are Eagle3Head's, so engine/eagle3.py's `fuse`, `midlayer` and `draft_logits` run this head:
 the trained function is the one the engine drafts with.
@@ -27,6 +30,7 @@ from .vocab import d2t_t2d
 
 INIT_STD = 0.02
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+LM_HEADS = ("trained", "target")  # the head's own LM head, trained and exported; the target's rows, frozen
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -59,8 +63,11 @@ def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype:
 
 
 class TrainableHead(nn.Module):
-    def __init__(self, config: dict, draft_ids: torch.Tensor, target: Transformer, seed: int):
+    def __init__(self, config: dict, draft_ids: torch.Tensor, target: Transformer, seed: int,
+                 lm_head: str = "trained"):
         super().__init__()
+        if lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head must be one of {LM_HEADS}, got {lm_head!r}")
         from transformers import LlamaConfig
 
         H, I = config["hidden_size"], config["intermediate_size"]
@@ -88,7 +95,12 @@ class TrainableHead(nn.Module):
         self.w13 = matrix(2 * I, H)
         self.w2 = matrix(H, I)
         self.norm = nn.Parameter(target.norm.detach().float().clone())
-        self.lm_head = nn.Parameter(target.lm_head.detach()[draft_ids.to(device)].float().clone())
+        rows = target.lm_head.detach()[draft_ids.to(device)].float().clone()
+        self.frozen_lm_head = lm_head == "target"
+        if self.frozen_lm_head:
+            self.register_buffer("lm_head", rows, persistent=False)  # derived from the target: not checkpointed
+        else:
+            self.lm_head = nn.Parameter(rows)
         self.fc_bias = self.bqkv = self.bo = None
         self.register_buffer("embed", target.embed.detach().float(), persistent=False)
         self.register_buffer("draft_to_target", draft_ids.to(device), persistent=False)
@@ -111,7 +123,8 @@ class TrainableHead(nn.Module):
         self.rope = rope_tables(self.inv_freq, self.attention_scaling, max_len, self.device, torch.float32)
 
     def exported(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The weights under SGLang's names, q/k/v and gate/up split again."""
+        """The weights under SGLang's names, q/k/v and gate/up split again; no lm_head.weight when it is the
+        target's (frozen)."""
         c = self.cfg
         q, k, v = self.wqkv.detach().split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim,
                                             c.n_kv_heads * c.head_dim])
@@ -121,8 +134,9 @@ class TrainableHead(nn.Module):
                    "midlayer.hidden_norm.weight": self.hidden_norm, a + "q_proj.weight": q, a + "k_proj.weight": k,
                    a + "v_proj.weight": v, a + "o_proj.weight": self.wo,
                    "midlayer.post_attention_layernorm.weight": self.post_norm, m + "gate_proj.weight": gate,
-                   m + "up_proj.weight": up, m + "down_proj.weight": self.w2, "norm.weight": self.norm,
-                   "lm_head.weight": self.lm_head}
+                   m + "up_proj.weight": up, m + "down_proj.weight": self.w2, "norm.weight": self.norm}
+        if not self.frozen_lm_head:
+            weights["lm_head.weight"] = self.lm_head
         out = {k: w.detach().to("cpu", dtype).contiguous() for k, w in weights.items()}
         out["d2t"], out["t2d"] = d2t_t2d(self.draft_to_target.cpu(), c.vocab_size)
         return out

@@ -59,9 +59,10 @@ def user_turn_prefix(tokenizer, target: str) -> str:
     return text[: text.index(MARKER)]
 
 
-def self_instruct(engine, count: int, seed: int, accept) -> list[str]:
+def self_instruct(engine, count: int, seed: int, accept, say=lambda line: None) -> list[str]:
     """Prompts the target writes from its user-turn prefix until `accept` (a filter over all texts written so far,
-    returning those it keeps) keeps `count`, or SELF_INSTRUCT_ROUNDS batches of `count` samples were drawn."""
+    returning those it keeps) keeps `count`, or SELF_INSTRUCT_ROUNDS batches of `count` samples were drawn; a
+    progress line through `say` after each batch."""
     tokenizer = engine.target.tokenizer
     prefix_text = user_turn_prefix(tokenizer, engine.target.source)
     prefix = tokenizer.encode(prefix_text, add_special_tokens=False)
@@ -72,6 +73,8 @@ def self_instruct(engine, count: int, seed: int, accept) -> list[str]:
                                seed=seed + round_no)
         written += [tokenizer.decode(r.tokens, skip_special_tokens=True).strip() for r in rows]
         kept = accept(written)
+        say(f"  self-instruct round {round_no + 1}: {len(written)} prompts written, {min(len(kept), count)}/{count} "
+            f"kept")
         if len(kept) >= count:
             break
     return kept[:count]

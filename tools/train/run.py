@@ -1,13 +1,15 @@
 """`specpilot train-drafter`: the run directory and the pipeline data -> vocabulary -> head -> training -> export.
 
 DIR holds, besides the head (config.json, model.safetensors: written at the end, loadable as `drafter.model`):
-`run.json` (the settings: `--resume` continues only the same run), `data.json` (the data report: prompts kept,
-dropped and why, sample and token counts), `samples.pt` (the captured samples and the split, so a resumed run does
-not decode again) and `checkpoint.pt` (the head and optimizer every --checkpoint-every steps).
+`run.json` (the settings: `--resume` continues only the same run), `schedule.json` (with --minutes: the step count,
+resolved by timing a few steps once the data is built; `--resume` keeps it), `data.json` (the data report: prompts
+kept, dropped and why, sample and token counts), `samples.pt` (the captured samples and the split, so a resumed run
+does not decode again) and `checkpoint.pt` (the head and optimizer every --checkpoint-every steps).
 """
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,9 +20,9 @@ from ...engine.eagle3 import load_head
 from ...engine.errors import SpecPilotError
 from . import data as data_mod
 from .filters import benchmark_prompts, deduplicated, excluding_benchmarks
-from .head import TrainableHead, default_aux_layers, head_config
+from .head import LM_HEADS, TrainableHead, default_aux_layers, head_config
 from .prompts import read_prompt_file, self_instruct, user_turn_prefix
-from .trainer import Schedule, load_checkpoint, train
+from .trainer import Schedule, load_checkpoint, resident, time_training, train
 from .vocab import draft_vocabulary
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -35,7 +37,7 @@ class Settings:
     samples: int  # prompts to use (each gives a greedy and a sampled answer)
     max_new_tokens: int
     draft_vocab: int | None  # None: min(DEFAULT_DRAFT_VOCAB, the target's vocabulary)
-    steps: int
+    steps: int | None  # optimizer steps, or None: as many as --minutes allows
     ttt_steps: int
     lr: float
     batch_size: int
@@ -44,11 +46,19 @@ class Settings:
     dtype: str
     checkpoint_every: int
     log_every: int
+    minutes: float | None = None  # the training's time budget (data building not counted), when steps is None
+    lm_head: str = "trained"  # "trained": the head's own, exported; "target": the target's rows, frozen, not exported
 
 
 def check(s: Settings) -> None:
     if s.kind != "eagle3":
         raise SpecPilotError(f"--kind {s.kind!r}: only eagle3 heads are trained")
+    if (s.steps is None) == (s.minutes is None):
+        raise SpecPilotError("give one of --steps and --minutes")
+    if s.minutes is not None and not s.minutes > 0:
+        raise SpecPilotError(f"--minutes {s.minutes}: must be positive")
+    if s.lm_head not in LM_HEADS:
+        raise SpecPilotError(f"--lm-head {s.lm_head!r}: one of {', '.join(LM_HEADS)}")
     if s.samples < 2:
         raise SpecPilotError(f"--samples {s.samples}: at least 2 prompts are needed (one is held out)")
     if s.prompts is not None and not Path(s.prompts).is_file():
@@ -81,7 +91,7 @@ def existing_run(out: Path, settings: Settings, resume: bool) -> bool:
     return False
 
 
-def training_prompts(settings: Settings, engine) -> tuple[list[str], dict]:
+def training_prompts(settings: Settings, engine, say=lambda line: None) -> tuple[list[str], dict]:
     """The prompts that may be trained on (deduplicated, no benchmark prompt), at most settings.samples, and the
     report of what was dropped."""
     benchmarks = benchmark_prompts()
@@ -98,7 +108,7 @@ def training_prompts(settings: Settings, engine) -> tuple[list[str], dict]:
         kept = accept(read_prompt_file(settings.prompts))[: settings.samples]
         source = settings.prompts
     else:
-        kept = self_instruct(engine, settings.samples, settings.seed, accept)
+        kept = self_instruct(engine, settings.samples, settings.seed, accept, say)
         source = "self-instruct"
     report = {"source": source, "kept": len(kept),
               "dropped": [{"prompt": p[:200], "why": why} for p, why in dropped],
@@ -111,7 +121,9 @@ def training_prompts(settings: Settings, engine) -> tuple[list[str], dict]:
 
 def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...], say) -> dict:
     engine = data_mod.answer_engine(target)
-    prompts, report = training_prompts(settings, engine)
+    if settings.prompts is None:
+        say(f"writing {settings.samples} prompts (self-instruct)")
+    prompts, report = training_prompts(settings, engine, say)
     for d in report["dropped"]:
         say(f"dropped prompt ({d['why']}): {d['prompt'][:80]!r}")
     if not report["benchmark_check"]["humaneval"]:
@@ -123,10 +135,12 @@ def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...
     encoded = [engine.encode(p) for p in prompts]
     say(f"{len(prompts)} prompts ({report['source']}): decoding greedy and sampled answers, "
         f"{settings.max_new_tokens} new tokens at most")
+    say(f"training prompts ({len(prompts) - n_held}):")
     train_samples = data_mod.build_samples(engine, encoded[n_held:], settings.max_new_tokens, settings.seed,
-                                           aux_layers)
+                                           aux_layers, say)
+    say(f"held-out prompts ({n_held}):")
     heldout = data_mod.build_samples(engine, encoded[:n_held], settings.max_new_tokens, settings.seed + 1,
-                                     aux_layers)
+                                     aux_layers, say)
     if not train_samples or not heldout:
         raise SpecPilotError("the target answered every prompt with nothing (end of turn at once): no samples")
     report.update(train_prompts=len(prompts) - n_held, heldout_prompts=n_held, train_samples=len(train_samples),
@@ -135,6 +149,27 @@ def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...
     data_mod.save_samples(out / "samples.pt", train_samples)
     data_mod.save_samples(out / "heldout.pt", heldout)
     return report
+
+
+def resolved_steps(settings: Settings, head: TrainableHead, target, samples, heldout, out: Path, say) -> int:
+    """settings.steps, or, with --minutes, the step count DIR/schedule.json holds (a resumed run keeps its schedule),
+    else the most steps that fit in the budget by timing a few on a copy of the head (trainer.time_training), then
+    written there."""
+    if settings.steps is not None:
+        return settings.steps
+    record = out / "schedule.json"
+    if record.is_file():
+        return json.loads(record.read_text())["steps"]
+    probe = Schedule(1, settings.ttt_steps, settings.lr, settings.batch_size, settings.seed,
+                     settings.checkpoint_every, settings.log_every)
+    timing = time_training(head, target, samples, heldout, probe, out / "timing.pt")
+    steps = timing.steps_within(60 * settings.minutes, settings.log_every, settings.checkpoint_every)
+    record.write_text(json.dumps({"steps": steps, "minutes": settings.minutes, "step_seconds": timing.step,
+                                  "evaluation_seconds": timing.evaluation,
+                                  "checkpoint_seconds": timing.checkpoint}, indent=2))
+    say(f"--minutes {settings.minutes:g}: {timing.step * 1000:.1f} ms a step, {timing.evaluation:.2f} s a held-out "
+        f"evaluation: {steps} steps")
+    return steps
 
 
 def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say=print, progress=None) -> Path:
@@ -157,16 +192,21 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.json").write_text(json.dumps(recorded(settings), indent=2))
     if not (continuing and (out / "heldout.pt").is_file()):
-        build_data(settings, target, out, aux_layers, say)
+        started = time.perf_counter()
+        report = build_data(settings, target, out, aux_layers, say)
+        say(f"data built in {time.perf_counter() - started:.0f} s: {report['train_samples']} training samples "
+            f"({report['answer_tokens']} answer tokens), {report['heldout_samples']} held out")
     samples, heldout = data_mod.load_samples(out / "samples.pt"), data_mod.load_samples(out / "heldout.pt")
+    samples, heldout = resident(samples, model.device), resident(heldout, model.device)  # on a GPU once, if they fit
     draft_ids = draft_vocabulary([s.answer for s in samples], draft_vocab, model.cfg.vocab_size)
     config = head_config(target.hf_config, draft_vocab, aux_layers, model.dtype)
-    head = TrainableHead(config, draft_ids, model, settings.seed)
+    head = TrainableHead(config, draft_ids, model, settings.seed, settings.lm_head)
+    steps = resolved_steps(settings, head, target, samples, heldout, out, say)
     checkpoint = out / "checkpoint.pt"
     state = load_checkpoint(checkpoint, model.device) if continuing and checkpoint.is_file() else None
     if state is not None:
-        say(f"resuming at step {state['step']} of {settings.steps}")
-    schedule = Schedule(settings.steps, settings.ttt_steps, settings.lr, settings.batch_size, settings.seed,
+        say(f"resuming at step {state['step']} of {steps}")
+    schedule = Schedule(steps, settings.ttt_steps, settings.lr, settings.batch_size, settings.seed,
                         settings.checkpoint_every, settings.log_every)
 
     def line(e: dict) -> None:

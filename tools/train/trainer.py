@@ -18,12 +18,19 @@ then cosine decay to 0, gradients clipped at norm 0.5 (SpecForge's max_grad_norm
 permutation of the samples per epoch, so a run's batch at step s depends only on the seed and s: with the
 optimizer's state in the checkpoint, a resumed run is the uninterrupted one.
 
+On CUDA the samples are moved to the device once (when they fit) and matmuls run in TF32 during training
+(`resident`, `tf32_matmuls`); on CPU neither changes anything. `--minutes` (`time_training`) times a few steps on a
+deep copy of the head, so the head trained afterwards is the one the resolved step count gives.
+
 Held-out acceptance: on held-out samples, the share of answer positions where the head's first draft (step 0, on
 the target's states) is the target's greedy next token: what a chain's first draft would have had accepted.
 """
 from __future__ import annotations
 
+import copy
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +47,8 @@ OPS = Kernels(linear_torch, rmsnorm_torch, attention_sdpa, accept_torch)  # diff
 STEP_WEIGHT = 0.8
 WARMUP = 0.05
 MAX_GRAD_NORM = 0.5
+RESIDENT_SHARE = 0.5  # the samples move to the GPU once when they take at most this share of its free memory
+TIMING_WARMUP, TIMING_STEPS = 2, 5  # --minutes: untimed, then timed training steps on a copy of the head
 
 
 @dataclass(frozen=True)
@@ -161,45 +170,153 @@ def batch_indices(n_samples: int, batch_size: int, seed: int, step: int) -> list
     return out
 
 
+@dataclass
+class Targets:
+    """What the loss reads from the target, on the head's device: its LM-head rows of the draft vocabulary, its final
+    norm, and which target ids are in the draft vocabulary."""
+    rows: torch.Tensor  # [Vd, H] fp32
+    norm: torch.Tensor  # [H] fp32
+    eps: float
+    in_vocab: torch.Tensor  # [V] bool
+
+
+def targets(head: TrainableHead, model) -> Targets:
+    in_vocab = torch.zeros(head.cfg.vocab_size, dtype=torch.bool, device=head.device)
+    in_vocab[head.draft_to_target] = True
+    return Targets(model.lm_head.detach()[head.draft_to_target].float(), model.norm.detach().float(),
+                   model.cfg.rms_eps, in_vocab)
+
+
+def optimizer_for(head: TrainableHead, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the head's trainable parameters (module docstring); a frozen lm_head is a buffer, not among them."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def train_step(head: TrainableHead, optimizer, chosen: list[Sample], t: Targets, ttt_steps: int,
+               lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One optimizer step on the samples `chosen`: (the weighted loss, each unrolled step's loss)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    batch = collate(chosen, ttt_steps, head.device)
+    probs = target_probs(batch, t.norm, t.eps, t.rows)
+    losses = ttt_losses(head, batch, probs, t.in_vocab, ttt_steps)
+    loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], MAX_GRAD_NORM)
+    optimizer.step()
+    return loss, losses
+
+
+def resident(samples: list[Sample], device) -> list[Sample]:
+    """The samples on a CUDA `device`, moved once (states kept in the target's dtype; collate casts a batch), when
+    they take at most RESIDENT_SHARE of its free memory; else as they are (collated from host memory each step).
+    Collating on the device gives the same batches as collating on the host: the same values, cast the same way."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return samples
+    size = sum(t.numel() * t.element_size() for s in samples for t in (s.tokens, s.states, s.final, s.greedy))
+    free, _ = torch.cuda.mem_get_info(device)
+    if size > RESIDENT_SHARE * free:
+        return samples
+    return [Sample(s.tokens.to(device), s.prompt_len, s.states.to(device), s.final.to(device), s.greedy.to(device))
+            for s in samples]
+
+
+@contextmanager
+def tf32_matmuls(device):
+    """TF32 matmuls (and cuDNN convolutions) inside the block on a CUDA device, the previous flags restored after;
+    nothing changes elsewhere (CPU results are as without it)."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Timing:
+    step: float  # seconds an optimizer step takes
+    evaluation: float  # seconds a held-out evaluation takes
+    checkpoint: float  # seconds a checkpoint takes to write
+
+    def steps_within(self, seconds: float, log_every: int, checkpoint_every: int) -> int:
+        """The most steps whose training, with an evaluation every log_every steps (and one at the first step) and a
+        checkpoint every checkpoint_every steps, fits in `seconds` (at least 1)."""
+        per_step = self.step + self.evaluation / log_every + self.checkpoint / checkpoint_every
+        return max(1, int((seconds - self.evaluation) / per_step))
+
+
+def time_training(head: TrainableHead, target, samples: list[Sample], heldout: list[Sample], schedule: Schedule,
+                  scratch: Path, warmup: int = TIMING_WARMUP, timed: int = TIMING_STEPS) -> Timing:
+    """Times `timed` training steps after `warmup` untimed ones, a held-out evaluation and a checkpoint, on a deep
+    copy of the head with an optimizer of its own: `head` and the run's optimizer are untouched, so the training
+    that follows is the one a given step count gives. The checkpoint goes to `scratch` and is removed."""
+    probe = copy.deepcopy(head)
+    optimizer = optimizer_for(probe, schedule.lr)
+    t = targets(probe, target.model)
+    pool, held = resident(samples, probe.device), resident(heldout, probe.device)
+    device = probe.device
+
+    def run(steps: range) -> None:
+        for step in steps:
+            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step)]
+            train_step(probe, optimizer, chosen, t, schedule.ttt_steps, schedule.lr)
+
+    def seconds(fn) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    with tf32_matmuls(device):
+        run(range(warmup))
+        step = seconds(lambda: run(range(warmup, warmup + timed))) / timed
+        evaluation = seconds(lambda: first_draft_acceptance(probe, held, schedule.batch_size))
+    checkpoint = seconds(lambda: save_checkpoint(scratch, probe, optimizer, 0))
+    scratch.unlink(missing_ok=True)
+    return Timing(step, evaluation, checkpoint)
+
+
 def train(head: TrainableHead, target, samples: list[Sample], heldout: list[Sample], schedule: Schedule,
           checkpoint: Path, resume_from: dict | None, progress) -> list[dict]:
     """Train `head` in place for schedule.steps steps (from the checkpoint's step when resuming), writing the
     checkpoint every schedule.checkpoint_every steps and at the end; `progress(entry)` gets each log entry
     (step, loss, per-step losses, held-out acceptance, learning rate). Returns the entries logged."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = optimizer_for(head, schedule.lr)
     start = 0
     if resume_from is not None:
         head.load_state_dict(resume_from["head"])
         optimizer.load_state_dict(resume_from["optimizer"])
         start = resume_from["step"]
-    model = target.model
-    target_rows = model.lm_head.detach()[head.draft_to_target].float()
-    target_norm = model.norm.detach().float()
-    in_vocab = torch.zeros(head.cfg.vocab_size, dtype=torch.bool, device=head.device)
-    in_vocab[head.draft_to_target] = True
+    t = targets(head, target.model)
+    pool, held = resident(samples, head.device), resident(heldout, head.device)
     entries = []
-    for step in range(start, schedule.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(schedule, step)
-        chosen = [samples[i] for i in batch_indices(len(samples), schedule.batch_size, schedule.seed, step)]
-        batch = collate(chosen, schedule.ttt_steps, head.device)
-        probs = target_probs(batch, target_norm, model.cfg.rms_eps, target_rows)
-        losses = ttt_losses(head, batch, probs, in_vocab, schedule.ttt_steps)
-        loss = sum(STEP_WEIGHT ** j * l for j, l in enumerate(losses))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
-        optimizer.step()
-        done = step + 1
-        if done % schedule.checkpoint_every == 0 or done == schedule.steps:
-            save_checkpoint(checkpoint, head, optimizer, done)
-        if done % schedule.log_every == 0 or done == schedule.steps or step == start:
-            entry = {"step": done, "steps": schedule.steps, "loss": float(loss.detach()),
-                     "step_losses": [round(float(l.detach()), 4) for l in losses], "lr": learning_rate(schedule, step),
-                     "heldout_acceptance": first_draft_acceptance(head, heldout, schedule.batch_size)}
-            entries.append(entry)
-            progress(entry)
+    with tf32_matmuls(head.device):
+        for step in range(start, schedule.steps):
+            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step)]
+            loss, losses = train_step(head, optimizer, chosen, t, schedule.ttt_steps, learning_rate(schedule, step))
+            done = step + 1
+            if done % schedule.checkpoint_every == 0 or done == schedule.steps:
+                save_checkpoint(checkpoint, head, optimizer, done)
+            if done % schedule.log_every == 0 or done == schedule.steps or step == start:
+                entry = {"step": done, "steps": schedule.steps, "loss": float(loss.detach()),
+                         "step_losses": [round(float(l.detach()), 4) for l in losses],
+                         "lr": learning_rate(schedule, step),
+                         "heldout_acceptance": first_draft_acceptance(head, held, schedule.batch_size)}
+                entries.append(entry)
+                progress(entry)
     return entries
 
 

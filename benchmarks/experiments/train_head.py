@@ -1,0 +1,90 @@
+"""An EAGLE-3 head for the staged target, trained on the device by `specpilot train-drafter`, then benchmarked.
+
+What it does (issue #22 items 3-4). `specpilot train-drafter` on the staged target: self-instructed prompts (none
+from a benchmark), the target's greedy and sampled answers, EAGLE-3's training-time test for `--minutes` of training
+(the data's build is not counted), the target's own LM-head rows frozen (`--lm-head target`, so the file stays under
+the repository's 16 MB). The head comes back in the out dir (`head/config.json`, `head/model.safetensors`) with the
+training log and data report. Then one `specpilot bench` at B = 1 (`--bench-workloads`, `--bench-limit` prompts each,
+128 new tokens): our fastest AR, the shipped n-gram recipe and the head as a chain (k = 4, modular and fused layer)
+and as EAGLE-2's dynamic tree, each recipe's tokens checked against AR by the bench. A system that fails is recorded
+as that system's error; the head is kept either way.
+
+Backs docs/TRAINING.md's trained head and docs/BENCHMARKS.md's first EAGLE-3 figures.
+
+Device minutes: about 1 to build the data, `--minutes` to train, 1-2 for the bench.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import harness
+
+MINUTES = 9
+FASTEST_AR = "ar-fused-overlap"
+
+
+def head_recipes(head: str) -> dict[str, dict]:
+    drafter = {"kind": "eagle3", "model": head}
+    return {
+        "eagle3-k4": {"drafter": drafter, "k": 4},
+        "eagle3-k4-fused-overlap": {"drafter": drafter, "k": 4, "layer": "fused", "overlap": True},
+        "eagle3-k6": {"drafter": drafter, "k": 6},
+        "eagle3-dyn-d5-t32": {"drafter": drafter, "k": 5, "verification": "tree",
+                              "tree": {"kind": "dynamic", "depth": 5, "topk": 4, "tokens": 32}},
+    }
+
+
+def arguments(p) -> None:
+    p.add_argument("--samples", type=int, default=1500, help="prompts (each gives a greedy and a sampled answer)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--minutes", type=float, default=3.0, help="training minutes (the data's build not counted)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
+    p.add_argument("--bench-limit", type=int, default=3)
+    p.add_argument("--no-bench", action="store_true")
+
+
+def run(out_dir, args):
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    ctx = args.ctx
+    head = ctx.scratch / "head"
+    if args.smoke:
+        sizing = ["--samples", 4, "--max-new-tokens", 8, "--steps", 2, "--batch-size", 2, "--draft-vocab", 512]
+    else:
+        sizing = ["--samples", args.samples, "--max-new-tokens", args.max_new_tokens, "--minutes", args.minutes,
+                  "--batch-size", args.batch_size, "--lr", args.lr, "--draft-vocab", args.draft_vocab,
+                  "--log-every", 100, "--checkpoint-every", 1000]
+    train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
+                                                  "--out", head, "--device", ctx.device, "--lm-head", "target",
+                                                  *sizing], timeout=60 * (args.minutes + 3.5))
+    ctx.need(head / "model.safetensors", train)
+    kept = out_dir / "head"
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(head / name, kept / name)
+    (out_dir / "train_log.txt").write_text("\n".join(train.tail))
+    data = json.loads((head / "data.json").read_text())
+    data.pop("dropped", None)
+    schedule = json.loads((head / "schedule.json").read_text()) if (head / "schedule.json").is_file() else {}
+    found = {"head_sha256": harness.sha256(kept / "model.safetensors"),
+             "head_bytes": (kept / "model.safetensors").stat().st_size, "data": data, "schedule": schedule,
+             "train_seconds": train.seconds, "train_tail": train.tail[-12:]}
+    text = [f"Head: {found['head_bytes']:,} bytes, sha256 {found['head_sha256']}; train-drafter "
+            f"{train.seconds:.0f} s; data {json.dumps(data)}; schedule {json.dumps(schedule)}",
+            "```\n" + "\n".join(train.tail[-12:]) + "\n```"]
+    if not args.no_bench:
+        workloads, limit, tokens = harness.smoke_sized(args, args.bench_workloads, args.bench_limit, 128)
+        argv = ["--workload", ",".join(workloads), "--batch-sizes", "1", "--max-new-tokens", tokens,
+                "--limit", limit]
+        for name in (FASTEST_AR, "ngram2-k4-adaptive-armiss-fused-overlap"):
+            argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
+        for name, fields in head_recipes(str(head)).items():
+            argv += ["--recipe", ctx.recipe(name, fields)]
+        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=200)
+        found["bench"] = bench
+        text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))
+    return found, "\n\n".join(text)
