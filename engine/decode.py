@@ -196,6 +196,13 @@ class DraftLengthController:
     `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back. When even k
     drafts for every row would not pay, the AR step does not search for drafts either (BLIND_AR).
 
+    The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
+    each choice's prediction is kept until its step is read, and every verifying kind's expected gain is scaled by
+    (gained + prior) / (predicted + prior) over this batch's steps (`calibration`). The model errs where it cannot see:
+    drafts found two steps back (overlap chooses a step before the previous one is read), per-row budgets that verify
+    fewer drafts than were found (adaptive), rows that finish or start in between, few samples at deep positions;
+    measured tokens correct all of them at once, so a batch where speculation gains less than it costs turns to AR.
+
     The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
     decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
     kind). That time holds what a replay does not: the requests started in the batch between steps, the host's work
@@ -217,18 +224,31 @@ class DraftLengthController:
         self.accepted = [1.0] * self.k
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
         self.ar_run = 0  # AR steps chosen in a row
+        self.predictions: deque[float | None] = deque()  # each step chosen and not yet read: its expected gain
+        self.predicted_gain = self.realized_gain = 0.0  # over this batch's verifying steps
         self.seconds = {} if seconds is None else seconds
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
     def observe(self, verified: list[int], accepted: list[int], found: list[int]) -> None:
-        """A step's outcome for its live rows: drafts each verified, accepted, and found (available)."""
+        """A step's outcome for its live rows: drafts each verified, accepted, and found (available). Steps are
+        observed in the order they were chosen."""
         for v, n in zip(verified, accepted):
             for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
         self.found = list(found)
+        predicted = self.predictions.popleft() if self.predictions else None
+        if predicted is not None:  # a verifying step: what the model expected it to gain, and what it gained
+            self.predicted_gain += predicted
+            self.realized_gain += sum(accepted)
+
+    def calibration(self) -> float:
+        """Gained over expected gain of this batch's verifying steps, with a prior of one step of every row's
+        first draft accepted at the rate predicted (so the first few steps cannot swing it)."""
+        prior = max(1, self.bucket)
+        return (self.realized_gain + prior) / (self.predicted_gain + prior)
 
     def observe_time(self, kind: int, seconds: float) -> None:
         """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps)."""
@@ -252,31 +272,38 @@ class DraftLengthController:
             out[kind] = price * r
         return out
 
+    def _tokens(self, found: list[int]) -> dict[int, float]:
+        """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, the gain calibrated."""
+        p, c, rows = self.acceptance(), self.calibration(), len(found)
+        return {kind: rows + c * (step_tokens(found, p, kind, self.ragged, self.bucket) - rows)
+                for kind in range(self.k + 1)}
+
     def expected(self) -> dict[int, float]:
         """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
-        found = self.found if self.found is not None else [self.k] * self.bucket
-        p = self.acceptance()
-        return {kind: step_tokens(found, p, kind, self.ragged, self.bucket) for kind in range(self.k + 1)}
+        return self._tokens(self.found if self.found is not None else [self.k] * self.bucket)
 
     def hopeless(self, priced: dict[int, float]) -> bool:
         """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
         for drafts is wasted until the acceptance changes (a probe measures it again)."""
         rows = len(self.found) if self.found is not None else self.bucket
-        p = self.acceptance()
-        best = {kind: step_tokens([self.k] * rows, p, kind, self.ragged, self.bucket) for kind in range(self.k + 1)}
-        return rows > 0 and choose_step(best, priced) == 0
+        return rows > 0 and choose_step(self._tokens([self.k] * rows), priced) == 0
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
+        expected = self.expected()
         if self.ar_run >= self.probe_every:
             choice = self.k
         else:
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
-            choice = choose_step(self.expected(), searching)
+            choice = choose_step(expected, searching)
             if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
                 choice = BLIND_AR
         self.ar_run = self.ar_run + 1 if choice <= 0 else 0
+        # the model's own (uncalibrated) gain for this step, compared with what it gains once read
+        rows = len(self.found) if self.found is not None else self.bucket
+        c = self.calibration()
+        self.predictions.append((expected[choice] - rows) / c if choice > 0 else None)
         return choice
 
 

@@ -73,8 +73,15 @@ def test_choose_ragged_where_padded_loses():
     assert choose_step(rag, FLAT) == 2  # ragged k'=2 already verifies every found draft; ties go to the cheaper
 
 
+def uncalibrated(c: DraftLengthController) -> DraftLengthController:
+    """The model alone: these tests observe steps without choosing each one first, so nothing pairs a step's
+    prediction with its outcome (test_calibration_turns_an_optimistic_model_to_ar pairs them)."""
+    c.calibration = lambda: 1.0
+    return c
+
+
 def test_controller_learns_from_observed_acceptance():
-    c = DraftLengthController(4, probe_every=3, bucket=10)
+    c = uncalibrated(DraftLengthController(4, probe_every=3, bucket=10))
     assert c.acceptance() == [1.0] * 4 and c.choose(RISING) == 4  # untried: optimistic
     c.observe([4] * 9, [0] * 9, [4] * 9)  # nine rows rejected their first draft
     assert c.acceptance()[0] == pytest.approx(0.1) and c.acceptance()[1:] == [1.0] * 3
@@ -89,6 +96,32 @@ def test_controller_learns_from_observed_acceptance():
     assert c.acceptance() == a and c.choose(RISING) == 0
     c.reset()
     assert c.acceptance() == [1.0] * 4 and c.ar_run == 0 and c.found is None
+
+
+def test_calibration_turns_an_optimistic_model_to_ar():
+    """Each row finds 4 drafts, but its adaptive budget lets it verify only one, always accepted: positions 2..4 are
+    never reached, so the model keeps them at their optimistic prior and expects 5 tokens a row from k' = 4, where
+    every step gives 2. Priced at 3 AR steps, k' = 4 wins by the model (5 / 3 > 1) and loses in fact (2 / 3 < 1).
+    Paired with each step's outcome (as the decoder reads them, in order), the calibration learns the gain is a
+    quarter of the model's and the batch turns to AR, probing every `probe_every` steps; the model alone never does."""
+    prices = {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, 4: 3.0}
+    rows = 4
+
+    def run(c: DraftLengthController, steps: int) -> list[int]:
+        chosen = []
+        for _ in range(steps):
+            kind = c.choose(prices)
+            chosen.append(kind)
+            verified = [min(1, kind)] * rows  # a budget of one draft a row
+            c.observe(verified, verified, [4] * rows)  # each verified draft accepted
+        return chosen
+
+    assert set(run(uncalibrated(DraftLengthController(4, probe_every=4, bucket=rows)), 40)) == {4}
+    c = DraftLengthController(4, probe_every=4, bucket=rows)
+    chosen = run(c, 40)
+    assert c.calibration() == pytest.approx(0.25, abs=0.03)
+    tail = chosen[10:]
+    assert tail.count(0) >= 0.7 * len(tail) and 4 in tail  # AR, with probes that keep measuring
 
 
 def test_recipe_key():

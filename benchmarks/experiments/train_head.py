@@ -29,7 +29,6 @@ def head_recipes(head: str) -> dict[str, dict]:
     return {
         "eagle3-k4": {"drafter": drafter, "k": 4},
         "eagle3-k4-fused-overlap": {"drafter": drafter, "k": 4, "layer": "fused", "overlap": True},
-        "eagle3-k6": {"drafter": drafter, "k": 6},
         "eagle3-dyn-d5-t32": {"drafter": drafter, "k": 5, "verification": "tree",
                               "tree": {"kind": "dynamic", "depth": 5, "topk": 4, "tokens": 32}},
     }
@@ -43,7 +42,7 @@ def arguments(p) -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
-    p.add_argument("--bench-limit", type=int, default=3)
+    p.add_argument("--bench-limit", type=int, default=2)
     p.add_argument("--no-bench", action="store_true")
 
 
@@ -84,7 +83,7 @@ def run(out_dir, args):
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         for name, fields in head_recipes(str(head)).items():
             argv += ["--recipe", ctx.recipe(name, fields)]
-        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=200)
+        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=150)
         found["bench"] = bench
         text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))
     return found, "\n\n".join(text)
