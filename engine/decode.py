@@ -84,6 +84,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 REFILL_GROUP = 16
 # The weight of each new measurement in the batch controller's moving average of a kind of step's loop time
 TIME_AVERAGING = 0.1
+# How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
+# run it. A step that the estimates put at a tie gains nothing on average and loses whenever they err (acceptance
+# and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost 3-4% to marginal choices.
+SPECULATION_MARGIN = 0.05
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -168,9 +172,10 @@ def step_tokens(found: list[int], acceptance_by_position, k_step: int, ragged: b
     return sum(c * gain[min(v, cap)] for v, c in rows.items()) + max(0, extra) * (gain[cap + 1] - gain[cap])
 
 
-def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float]) -> int:
-    """The kind of step (its k') with the most expected tokens per second, tokens / price. Kinds without a price are
-    not considered; ties go to the smaller k' (the cheaper step); nothing priced: the largest kind."""
+def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float], margin: float = 0.0) -> int:
+    """The kind of step (its k') with the most expected tokens per second, tokens / price, where a verifying step
+    must beat an AR step's rate by `margin` (a share). Kinds without a price are not considered; ties go to the
+    smaller k' (the cheaper step); nothing priced: the largest kind."""
     best, best_rate = max(tokens_by_kind), 0.0
     for kind in sorted(tokens_by_kind):
         price = prices_by_kind.get(kind)
@@ -178,7 +183,7 @@ def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, floa
             continue
         if price <= 0:
             raise ValueError(f"step price for k'={kind} must be positive, got {price}")
-        rate = tokens_by_kind[kind] / price
+        rate = tokens_by_kind[kind] / price * (1 + margin if kind <= 0 else 1)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = kind, rate
     return best
@@ -192,7 +197,7 @@ class DraftLengthController:
     (an untried length looks good, so it gets tried). Which rows have drafts, and how many, is what the drafter found
     at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
     proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
-    each kind's price at this batch bucket the choice (`choose_step`). A plain AR step verifies nothing, so after
+    each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A plain AR step verifies nothing, so after
     `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back. When even k
     drafts for every row would not pay, the AR step does not search for drafts either (BLIND_AR).
 
@@ -209,10 +214,12 @@ class DraftLengthController:
     where it is the bottleneck, attention over the real context lengths. A kind not timed yet is priced as its
     replay scaled like the timed kinds around it."""
 
-    def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1):
+    def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
+                 margin: float = SPECULATION_MARGIN):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
+        self.margin = margin
         self.seconds: dict[int, float] = {}
         self.reset(bucket)
 
@@ -286,7 +293,7 @@ class DraftLengthController:
         """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
         for drafts is wasted until the acceptance changes (a probe measures it again)."""
         rows = len(self.found) if self.found is not None else self.bucket
-        return rows > 0 and choose_step(self._tokens([self.k] * rows), priced) == 0
+        return rows > 0 and choose_step(self._tokens([self.k] * rows), priced, self.margin) == 0
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
@@ -296,7 +303,7 @@ class DraftLengthController:
         else:
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
-            choice = choose_step(expected, searching)
+            choice = choose_step(expected, searching, self.margin)
             if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
                 choice = BLIND_AR
         self.ar_run = self.ar_run + 1 if choice <= 0 else 0

@@ -124,6 +124,15 @@ def test_calibration_turns_an_optimistic_model_to_ar():
     assert tail.count(0) >= 0.7 * len(tail) and 4 in tail  # AR, with probes that keep measuring
 
 
+def test_a_verifying_step_must_beat_ar_by_the_margin():
+    """Two rows with drafts accepted 30% of the time: k' = 1 yields 2.6 tokens to AR's 2 for 1.25 of its price,
+    1.04 times AR's rate: taken without a margin, not with the default 5% one, taken again when cheaper."""
+    tokens = {k: step_tokens([4, 4], [0.3] * 4, k, False, 2) for k in range(2)}
+    assert choose_step(tokens, {0: 1.0, 1: 1.25}) == 1
+    assert choose_step(tokens, {0: 1.0, 1: 1.25}, margin=0.05) == 0
+    assert choose_step(tokens, {0: 1.0, 1: 1.2}, margin=0.05) == 1
+
+
 def test_recipe_key():
     r = parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost", "probe_every": 8}})
     assert (r.batch.controller, r.batch.probe_every) == ("cost", 8)
@@ -188,8 +197,9 @@ def test_cost_controller_picks_ar_or_k_by_price(tiny, tiny_reference):
     assert [r.tokens for r in rows] == tiny_reference
     assert eng.decoder.last_stats.draft_lengths == [0] * eng.decoder.last_stats.steps
     # As cheap as AR: each step verifies every draft the rows had at the step before (ties go to the shorter step,
-    # so a step verifies fewer only when no row has more)
+    # so a step verifies fewer only when no row has more). The model alone: no margin over AR, no calibration
     eng = controlled(tiny.loaded, {3: {k: 1.0 for k in range(5)}})
+    uncalibrated(eng.decoder.controller).margin = 0.0
     found = []
     real = eng.decoder.controller.observe
     eng.decoder.controller.observe = lambda v, a, f: found.append(max(f, default=0)) or real(v, a, f)
