@@ -260,3 +260,43 @@ def test_tree_step_is_priced_as_a_forward_over_its_nodes():
     for bad in (dict(tree_nodes=4), dict(tree_nodes=13, controller="cost")):
         with pytest.raises(ValueError, match="tree"):
             replace(chain, **bad)
+
+
+def test_an_eagle3_tree_is_drafted_at_each_levels_width():
+    """An EAGLE-3 head drafts a tree one forward a depth: the first over the newly verified tokens, then one over each
+    level's nodes that have children (static) or its beam of topk (dynamic). Priced at those widths: a chain's widths
+    (all 1) price exactly as a chain; a dynamic tree's beam of 4 moves 4 times a chain's activations and FLOPs in
+    those forwards, and on a launch-bound device costs nearly what a chain does."""
+    from dataclasses import replace
+
+    from specpilot.engine.eagle3 import Eagle3Config
+    from specpilot.engine.tree import DynamicTree, tree_from_paths
+    from specpilot.tools.profile.costmodel import (DeviceCeilings, Deployment, ModelShape, draft_cost, eagle3_shape,
+                                                   tree_draft_widths)
+
+    assert tree_draft_widths(DynamicTree(depth=5, topk=4, tokens=32)) == (4, 4, 4, 4)
+    static = tree_from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    assert tree_draft_widths(static) == (2, 1)  # depth 1: [0] and [1] have children; depth 2: [0, 0]
+    head = eagle3_shape(Eagle3Config(hidden_size=64, target_hidden_size=64, intermediate_size=128, n_heads=4,
+                                     n_kv_heads=2, head_dim=16, rms_eps=1e-6, vocab_size=256, draft_vocab_size=160,
+                                     aux_layers=(0, 1, 2), norm_before_residual=False))
+    target = ModelShape(256, 64, 128, 4, 4, 2, 16)
+    chain = Deployment(target, bytes_per_param=4, dtype_bytes=4, batch=8, k=4, drafter_kind="eagle3",
+                       drafter_model=head, tree_nodes=13)
+    bandwidth = DeviceCeilings(name="wide", copy_bytes_per_s=1e9, matmul_flops_per_s=1e10, launch_s=1e-9,
+                               graph_node_s=1e-9)
+    launch = DeviceCeilings(name="launch", copy_bytes_per_s=1e13, matmul_flops_per_s=1e15, launch_s=1e-5,
+                            graph_node_s=1e-5)
+    for dev in (bandwidth, launch):
+        same = draft_cost(dev, replace(chain, draft_widths=(1, 1, 1)))
+        assert same == draft_cost(dev, chain)
+    beam, one = draft_cost(bandwidth, replace(chain, draft_widths=(4, 4, 4))), draft_cost(bandwidth, chain)
+    assert beam.kernels == one.kernels and beam.flops > 3 * (one.flops - draft_cost(
+        bandwidth, replace(chain, k=1, tree_nodes=None)).flops)
+    assert beam.time_s > one.time_s and beam.bytes > one.bytes
+    wide, narrow = draft_cost(launch, replace(chain, draft_widths=(4, 4, 4))), draft_cost(launch, chain)
+    assert narrow.time_s <= wide.time_s < 1.1 * narrow.time_s
+    for bad in (dict(draft_widths=(4, 4)), dict(draft_widths=(4, 0, 4)), dict(draft_widths=(4, 4, 4), tree_nodes=None),
+                dict(draft_widths=(4, 4, 4), drafter_kind="model")):
+        with pytest.raises(ValueError, match="draft_widths"):
+            replace(chain, **bad)

@@ -176,6 +176,10 @@ class Deployment:
     ragged: bool = False  # batch.ragged: a step of kind k' verifies up to k' x B drafts, packed to the rows with drafts
     kernels_packing: int | None = None  # a ragged step's packing kernels; None: counted from the code (above)
     tree_nodes: int | None = None  # verification "tree": the tree's nodes N (root included), k its depth
+    # An EAGLE-3 head drafting a tree: the tokens a row of each head forward after the first (which runs the newly
+    # verified tokens and ranks the root's children): a static tree's nodes with children at depths 1..D-1, a dynamic
+    # tree's beam of topk at each of them (tree_draft_widths). None: a chain, one token a forward.
+    draft_widths: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.drafter_kind not in DRAFTER_KINDS:
@@ -190,6 +194,10 @@ class Deployment:
             raise ValueError("ragged verification needs controller 'cost' (it chooses k')")
         if self.tree_nodes is not None and (self.controller != "none" or self.tree_nodes <= self.k):
             raise ValueError("a tree of tree_nodes > k nodes (k its depth), without a controller")
+        if self.draft_widths is not None and (self.drafter_kind != "eagle3" or self.tree_nodes is None
+                                              or len(self.draft_widths) != self.k - 1
+                                              or min(self.draft_widths, default=1) < 1):
+            raise ValueError("draft_widths: an EAGLE-3 tree's k - 1 head forwards after the first, >= 1 token each")
 
 
 @dataclass(frozen=True)
@@ -296,17 +304,31 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) 
             raise ValueError(f"drafter_kind {dep.drafter_kind!r} needs drafter_model")
         shape, layers, bpp = dep.drafter_model, None, dep.drafter_bytes_per_param or dep.bytes_per_param
     kw = dict(shape=shape, n_layers=layers, bytes_per_param=bpp, kernels=dep.kernels_per_draft_forward)
-    # Catch-up forward over the last two tokens, then k-1 single-token forwards; an argmax over the logits per draft.
-    fwd = forward_cost(dev, dep, 2, **kw) + forward_cost(dev, dep, 1, **kw) * (k - 1)
-    logits = B * shape.vocab * d
-    extra = []
+    # Catch-up forward over the last two tokens, then k-1 forwards of one token a row (a tree: of each level's
+    # width); an argmax (a tree: a top-k) over the logits of every token forwarded.
+    widths = [1] * (k - 1) if dep.draft_widths is None or drafts is not None and drafts != dep.k \
+        else list(dep.draft_widths)
+    fwd = forward_cost(dev, dep, 2, **kw)
+    for w in widths:
+        fwd += forward_cost(dev, dep, w, **kw)
+    extra = [(B * w * shape.vocab * d, 0.0, False) for w in [1] + widths]
     if dep.drafter_kind == "eagle3":
         # An EAGLE-3 head, beyond its one layer: fc fuses three target states (3H -> H) for the catch-up tokens, and
-        # its q/k/v read [embedding; hidden] (2H: the layer's shape counts H once), every draft.
+        # its q/k/v read [embedding; hidden] (2H: the layer's shape counts H once), every token forwarded.
         h = shape.hidden
         extra.append((3 * h * h * bpp, 2 * 2 * B * 3 * h * h, True, 2 * B))
-        extra += [(h * shape.qkv_out * bpp, 2 * B * h * shape.qkv_out, True, B)] * k
-    return fwd + _kernels(dev, dep.cuda_graphs, [(logits, 0.0, False)] * k + extra)
+        extra += [(h * shape.qkv_out * bpp, 2 * B * w * h * shape.qkv_out, True, B * w) for w in [1] + widths]
+    return fwd + _kernels(dev, dep.cuda_graphs, extra)
+
+
+def tree_draft_widths(tree) -> tuple[int, ...]:
+    """The tokens a row of each head forward after the first that an EAGLE-3 head runs to draft `tree`
+    (engine/tree.py): a DynamicTree's beam, topk at each depth 1..D-1; a static TreeShape's nodes that have children,
+    at each depth 1..D-1 (Eagle3Drafter.propose_tree, propose_dynamic_tree)."""
+    if hasattr(tree, "topk"):
+        return (tree.topk,) * (tree.depth - 1)
+    parents = set(tree.parents)
+    return tuple(sum(1 for n, dn in enumerate(tree.depths) if dn == d and n in parents) for d in range(1, tree.depth))
 
 
 def eagle3_shape(cfg) -> ModelShape:

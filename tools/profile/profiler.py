@@ -36,7 +36,7 @@ from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
 from ...engine.workloads import absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import calibrate
-from .costmodel import Deployment, DeviceCeilings, ModelShape, eagle3_shape, predict
+from .costmodel import Deployment, DeviceCeilings, ModelShape, eagle3_shape, predict, tree_draft_widths
 from .kernel_stats import phase_events, top_kernels
 from .native_stderr import quiet_profile
 from .phase_timer import DEVICE_PHASES, PHASES, PhaseTimer, loop_steps, trimmed_mean
@@ -127,7 +127,9 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
                       kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention,
                       controller=recipe.batch.controller, ragged=recipe.batch.ragged,
-                      tree_nodes=dec.verify_width if recipe.verification == "tree" else None)
+                      tree_nodes=dec.verify_width if recipe.verification == "tree" else None,
+                      draft_widths=tree_draft_widths(dec.tree) if dec.tree is not None
+                      and recipe.drafter.kind == "eagle3" else None)
 
 
 def _gap(component, measured, floor, step_s, agent, reason) -> dict:
