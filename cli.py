@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
-from .tools.argtypes import non_negative_float, non_negative_int, positive_float, positive_int, probability
+from .tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
+                              positive_int_list, probability)
 
 
 def _default_device() -> str:
@@ -72,6 +74,46 @@ def add_bench_parser(sub) -> None:
                                    "the same prompts; write DIR/results.json, DIR/report.md and plots.")
     add_arguments(b)
     b.set_defaults(func=cmd_bench)
+
+
+def cmd_grid(args) -> int:
+    from .tools.grid.run import run_grid
+    from .tools.sandbox import process as sandbox
+
+    args.device = args.device or _default_device()
+    return run_grid(args, sandbox=sandbox)  # handed on to the bench: a recipe naming candidate kernel files
+
+
+def add_grid_parser(sub) -> None:
+    from .tools.grid.space import MAX_COMBINATIONS
+
+    g = sub.add_parser("grid", help="expand a space of recipes, gate each, bench the passing ones side by side",
+                       description="Expand the recipes of a space file (or a shipped grid: smollm2), put each "
+                                   "through the token-forcing gate, and measure every passing recipe in one bench "
+                                   "run with ar, stock and ar-fused-overlap, our fastest AR (the reference). "
+                                   "Writes DIR/results.json, DIR/report.md, DIR/best.json, a plot, DIR/recipes/, "
+                                   "DIR/gate/ and DIR/bench/ (docs/GRID.md).")
+    g.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    g.add_argument("--workload", default="code",
+                   help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
+    g.add_argument("--space", required=True, help="space JSON file, or a shipped grid's name (smollm2)")
+    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--batch-sizes", type=positive_int_list, default=[1], help="comma-separated, e.g. 1,8")
+    g.add_argument("--limit", type=positive_int, default=None, help="first K questions of each workload (bench)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens a request in the bench")
+    g.add_argument("--repeats", type=positive_int, default=2,
+                   help="times the bench measures each timed call (median kept)")
+    g.add_argument("--max-recipes", type=positive_int, default=64,
+                   help=f"refuse a space that expands to more recipes (and any past {MAX_COMBINATIONS} "
+                        "combinations)")
+    g.add_argument("--no-gate", action="store_true", help="measure without the token-forcing gate (said in the report)")
+    g.add_argument("--gate-limit", type=positive_int, default=2, help="prompts of each workload the gate checks")
+    g.add_argument("--gate-tokens", type=positive_int, default=64, help="tokens a prompt the gate checks")
+    g.add_argument("--gate-timeout", type=positive_float, default=600.0,
+                   help="seconds the gate waits on one recipe's candidate in all")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    g.set_defaults(func=cmd_grid)
 
 
 def cmd_calibrate(args) -> int:
@@ -234,8 +276,10 @@ def cmd_train_drafter(args) -> int:
                         ttt_steps=args.ttt_steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                         device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
                         checkpoint_every=args.checkpoint_every, log_every=args.log_every, minutes=args.minutes,
-                        lm_head=args.lm_head)
-    train_drafter(settings, args.out, resume=args.resume, say=lambda line: print(line, flush=True))
+                        lm_head=args.lm_head, prompt_mix=args.prompt_mix)
+    started = time.perf_counter()  # each line says when: where a long build's minutes go
+    train_drafter(settings, args.out, resume=args.resume,
+                  say=lambda line: print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True))
     return 0
 
 
@@ -252,6 +296,12 @@ def add_train_parser(sub) -> None:
     t.add_argument("--out", required=True, help="output directory (empty or new; with --resume, the run's)")
     t.add_argument("--prompts", default=None,
                    help='JSONL of {"turns": [...]} or {"prompt": ...} (default: the target writes its own)')
+    t.add_argument("--prompt-mix", default="tasks", choices=["chat", "tasks"],
+                   help="what the target writes without --prompts: chat, open user requests from its bare "
+                        "user-turn prefix (Magpie); tasks (default), equal shares of open chat and of user turns "
+                        "the target continues from a generic task opener: a Python function to write, a math word "
+                        "problem, a text to summarize, a passage with a question (generic framings the target "
+                        "fills, never benchmark text; all filtered as any prompt)")
     t.add_argument("--samples", type=positive_int, default=256,
                    help="prompts to use; each gives a greedy and a sampled answer")
     t.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer")
@@ -313,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
     add_bench_parser(sub)
+    add_grid_parser(sub)
     add_costmodel_parsers(sub)
     add_check_parser(sub)
     add_optimize_parsers(sub)

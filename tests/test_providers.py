@@ -451,6 +451,36 @@ def test_openai_route_answer_validated(profiles, secret_key):
     assert "'optimizer' is not one of" in provider.trail[0]["why"]
 
 
+def test_openai_route_that_ignores_the_largest_gap_is_questioned_then_the_policy_routes(profiles, secret_key):
+    """Seen with the packaged llama.cpp server: the router sent no agent ("at 5% of its memory floor") while the
+    profile showed a gap of over 500%, and the run stopped with nothing tried. Whether a round is worth running is
+    the graph's rule: such a route is questioned once with the gap it ignores; answered again alike, the policy
+    routes, and the trail records the fallback and why."""
+    gaps = profiles["stock"]["gaps"]
+    top = max((g for g in gaps if g["gain"] >= MIN_GAIN), key=lambda g: g["gain"])
+    agent = top["agent"].replace("-", "_")
+    ignore = json.dumps({"agents": [], "reason": "at 5% of its memory floor"})
+    with FakeServer([completion(ignore), completion(ignore)]) as server:
+        provider = llm(server)
+        decision = provider.route(gaps, [], deployment(profiles["stock"]))
+    assert decision == PolicyProvider().route(gaps, [], deployment(profiles["stock"])) and agent in decision.agents
+    [step] = provider.trail
+    assert step["source"] == "policy-fallback" and f"leaves out {agent}" in step["why"]
+    question = server.requests[1]["messages"][-1]["content"]
+    assert f"leaves out {agent}" in question and top["component"] in question
+    # questioned, it routes to the gap's agent: the model's route stands, repaired
+    with FakeServer([completion(ignore), completion(json.dumps({"agents": [agent], "reason": "the gap"}))]) as server:
+        provider = llm(server)
+        decision = provider.route(gaps, [], deployment(profiles["stock"]))
+    assert decision.agents == [agent] and provider.trail[0]["source"] == "repaired"
+    # no gap worth a round: an empty route stands as the model's own
+    small = [g | {"gain": min(g["gain"], 0.019)} for g in gaps]
+    with FakeServer([completion(ignore)]) as server:
+        provider = llm(server)
+        assert provider.route(small, [], deployment(profiles["stock"])).agents == []
+    assert provider.trail[0]["source"] == "llm"
+
+
 @pytest.mark.parametrize("refusal", [
     error(400, "response_format type 'json_schema' is not supported"),
     # llama-cpp-python's server: a 500 carrying its request validation error

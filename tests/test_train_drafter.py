@@ -23,7 +23,9 @@ from specpilot.tools.train import run as run_mod
 from specpilot.tools.train.data import answer_engine, capture, capture_group, capture_groups, load_samples
 from specpilot.tools.train.filters import deduplicated, normalized
 from specpilot.tools.train.head import TrainableHead, head_config
-from specpilot.tools.train.prompts import read_prompt_file, self_instruct
+from specpilot.tools.train import prompts as prompts_mod
+from specpilot.tools.train.prompts import FAMILIES, read_prompt_file, self_instruct
+from specpilot.tools.train.prompts import write_prompts as family_prompts
 from specpilot.tools.train.run import Settings, train_drafter, training_prompts
 from specpilot.tools.train.trainer import OPS, Timing, collate, resident, tf32_matmuls, unrolled_logits
 from specpilot.tools.train.vocab import d2t_t2d, draft_vocabulary, target_ids
@@ -58,7 +60,8 @@ def write_prompts(path, prompts: list[str]):
 def settings(target, prompts=None, **changes) -> Settings:
     base = dict(target=str(target), kind="eagle3", prompts=None if prompts is None else str(prompts), samples=8,
                 max_new_tokens=24, draft_vocab=64, steps=30, ttt_steps=3, lr=3e-3, batch_size=4, seed=0,
-                device="cpu", dtype="fp32", checkpoint_every=10, log_every=5)
+                device="cpu", dtype="fp32", checkpoint_every=10, log_every=5,
+                prompt_mix="chat")  # the tiny runs' figures are tuned to short prompts; the mixes are tested apart
     return Settings(**{**base, **changes})
 
 
@@ -119,6 +122,142 @@ def test_self_instruct_writes_distinct_prompts_deterministically(chat_target_dir
     assert len(first) == 6 and len(set(map(normalized, first))) == 6
     assert all(w.startswith("t") for p in first for w in p.split())  # the target's own words
     assert self_instruct(engine, 6, seed=3, accept=accept) == first
+
+
+def _previous_self_instruct(engine, count, seed, accept):
+    """self_instruct as it was before --prompt-mix (verbatim but for the progress line): `chat` must give this."""
+    tokenizer = engine.target.tokenizer
+    prefix_text = prompts_mod.user_turn_prefix(tokenizer, engine.target.source)
+    prefix = tokenizer.encode(prefix_text, add_special_tokens=False)
+    written, kept = [], []
+    for round_no in range(prompts_mod.SELF_INSTRUCT_ROUNDS):
+        rows = engine.generate([prefix] * count, prompts_mod.SELF_INSTRUCT_TOKENS, prompts_mod.SELF_INSTRUCT_SAMPLING,
+                               seed=seed + round_no)
+        written += [tokenizer.decode(r.tokens, skip_special_tokens=True).strip() for r in rows]
+        kept = accept(written)
+        if len(kept) >= count:
+            break
+    return kept[:count]
+
+
+def test_the_chat_mix_reproduces_the_previous_prompts(chat_target_dir):
+    engine = answer_engine(load(str(chat_target_dir)))
+    for count, seed in ((6, 3), (9, 0)):
+        want = _previous_self_instruct(engine, count, seed, lambda texts: deduplicated(texts).kept)
+        assert self_instruct(engine, count, seed, lambda texts: deduplicated(texts).kept, mix="chat") == want
+        assert family_prompts(engine, count, seed, lambda texts: deduplicated(texts).kept, "chat") == \
+            [("chat", p) for p in want]
+    kept, report = training_prompts(settings(chat_target_dir, prompt_mix="chat", samples=6, seed=3), engine)
+    assert kept == _previous_self_instruct(engine, 6, 3, training_prompts_accept())
+    assert report["prompt_mix"] == "chat" and report["families"] == {"chat": 6}
+
+
+def training_prompts_accept():
+    from specpilot.tools.train.filters import benchmark_prompts, excluding_benchmarks
+
+    benchmarks = benchmark_prompts()
+    return lambda texts: excluding_benchmarks(deduplicated(texts).kept, benchmarks).kept
+
+
+def test_the_tasks_mix_writes_every_family_in_even_shares_within_their_caps(chat_target_dir, monkeypatch):
+    engine = answer_engine(load(str(chat_target_dir)))
+    tokenizer = engine.target.tokenizer
+    calls = []
+    generate = engine.generate
+
+    def spy(prompts, max_new_tokens, *args, **kwargs):
+        calls.append((tokenizer.decode(prompts[0]), max_new_tokens))
+        return generate(prompts, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    accept = lambda texts: deduplicated(texts).kept  # noqa: E731
+    caps = {name: cap for name, _, cap in FAMILIES}
+    for count in (10, 7):
+        calls.clear()
+        got = family_prompts(engine, count, 5, accept, "tasks")
+        assert len(got) == count and len({normalized(p) for _, p in got}) == count
+        shares = {name: sum(f == name for f, _ in got) for name in caps}
+        assert set(shares) == {"chat", "code", "math", "summarization", "reading"} and min(shares.values()) >= 1
+        assert max(shares.values()) - min(shares.values()) <= 1 and sum(shares.values()) == count
+        for family, prompt in got:
+            opener = next(o for name, o, _ in FAMILIES if name == family)
+            assert prompt.startswith(opener)
+            written = prompt[len(opener):]
+            assert written.strip() and all(w.startswith("t") for w in written.split())  # the target's own words
+            assert len(tokenizer.encode(written, add_special_tokens=False)) <= caps[family]
+        # round 1 sampled each family from the user-turn prefix (+ its opener), with its own cap
+        assert all(prefix_text.startswith("t1 t2") for prefix_text, _ in calls)
+        assert [cap for _, cap in calls[:5]] == [cap for _, _, cap in FAMILIES]
+    assert family_prompts(engine, 7, 5, accept, "tasks") == got  # deterministic given the seed
+    assert family_prompts(engine, 7, 6, accept, "tasks") != got
+    assert [f for f, _ in got[:5]] == [name for name, _, _ in FAMILIES]  # interleaved: every family early
+
+
+class _ScriptedTokenizer:
+    """A tokenizer whose 'tokens' index the texts it has seen: the engine below writes scripted texts."""
+
+    chat_template = "scripted"
+
+    def __init__(self):
+        self.texts = []
+
+    def apply_chat_template(self, messages, tokenize=False):
+        return "<user>" + messages[0]["content"] + "</user>"
+
+    def encode(self, text, add_special_tokens=False):
+        self.texts.append(text)
+        return [len(self.texts) - 1]
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return self.texts[tokens[0]]
+
+
+class _ScriptedEngine:
+    """Each family (told by the opener after the user-turn prefix) writes its script's texts in order."""
+
+    def __init__(self, scripts):
+        from types import SimpleNamespace
+
+        self.target = SimpleNamespace(tokenizer=_ScriptedTokenizer(), source="scripted")
+        self.scripts = {name: list(texts) for name, texts in scripts.items()}
+
+    def generate(self, prompts, max_new_tokens, sampling, seed=0):
+        from types import SimpleNamespace
+
+        tok = self.target.tokenizer
+        opener = tok.texts[prompts[0][0]][len("<user>"):]
+        family, _, cap = next(f for f in FAMILIES if f[1] == opener)
+        assert max_new_tokens == cap
+        return [SimpleNamespace(tokens=tok.encode(" " + self.scripts[family].pop(0) + " ")) for _ in prompts]
+
+
+def test_every_family_goes_through_the_same_filters(tmp_path, chat_target_dir):
+    """A family's prompt equal to, or containing, a benchmarked prompt is dropped, and so is a duplicate, as the same
+    texts from a --prompts file are: the openers make no prompt exempt."""
+    benchmark = {"chat": load_workload("chat")[0].turns[0], "code": load_workload("code")[3].turns[0],
+                 "math": load_workload("math")[0].turns[0], "summarization": load_workload("summarize")[0].turns[0],
+                 "reading": load_workload("rag")[0].turns[0]}
+    fresh = {name: [words(10 * i, 14), words(10 * i + 1, 14)] for i, name in enumerate(benchmark)}
+    # round 1: a benchmark prompt and a fresh one; round 2: the fresh one again and another
+    scripts = {name: [benchmark[name], fresh[name][0], fresh[name][0], fresh[name][1]] for name in benchmark}
+    engine = _ScriptedEngine(scripts)
+    kept, report = training_prompts(settings(chat_target_dir, samples=10, prompt_mix="tasks"), engine)
+    assert report["families"] == {name: 2 for name in benchmark}
+    opener = {name: o for name, o, _ in FAMILIES}
+    join = prompts_mod.joined
+    assert sorted(kept) == sorted(join(opener[n], t) for n in benchmark for t in fresh[n])
+    why = sorted(d["why"] for d in report["dropped"])
+    workload = {"chat": "chat", "code": "code", "math": "math", "summarization": "summarize", "reading": "rag"}
+    assert sorted(w for w in why if w.startswith("benchmark")) == \
+        sorted(f"benchmark prompt (workload {w})" for w in workload.values())
+    assert sum("duplicate" in w for w in why) == 5 and len(why) == 10
+    assert join("", benchmark["chat"]) == benchmark["chat"]  # the open-chat family wrote the benchmark text itself
+    # the same texts from a file: the same kept and dropped
+    written = [join(opener[n], t) for n in benchmark for t in scripts[n]]
+    path = write_prompts(tmp_path / "family.jsonl", written)
+    file_kept, file_report = training_prompts(settings(chat_target_dir, path, samples=10), engine=None)
+    assert sorted(file_kept) == sorted(kept)
+    assert sorted(d["why"] for d in file_report["dropped"]) == why
 
 
 def test_target_without_chat_template_and_prompt_file_is_refused(tiny_model_dir, tmp_path, capsys):
@@ -238,6 +377,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_head(trained, chat_target_dir
     (["--steps", "5", "--minutes", "1"], "not allowed with argument"),
     (["--minutes", "0"], "--minutes: must be positive"),
     (["--lm-head", "tied"], "invalid choice"),
+    (["--prompt-mix", "code"], "invalid choice"),
 ])
 def test_bad_arguments_are_refused_in_one_line(chat_target_dir, tmp_path, capsys, extra, message):
     code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(tmp_path / "h"), "--device", "cpu",
@@ -251,6 +391,17 @@ def test_a_used_directory_is_refused_without_resume(trained, chat_target_dir, ca
     code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(trained[0]), "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and "already holds a train-drafter run" in err and err.count("\n") == 1
+
+
+def test_the_data_report_counts_the_families_and_resume_refuses_another_mix(trained, chat_target_dir):
+    out = trained[0]
+    report = json.loads((out / "data.json").read_text())
+    assert report["prompt_mix"] == "chat" and report["families"] == {"chat": report["kept"]} and report["kept"] == 8
+    assert json.loads((out / "run.json").read_text())["prompt_mix"] == "chat"
+    with pytest.raises(SpecPilotError, match="prompt_mix: 'chat' there, 'tasks' now"):
+        train_drafter(settings(chat_target_dir, prompt_mix="tasks"), out, resume=True, say=lambda line: None)
+    assert Settings(**{k: v for k, v in vars(settings(chat_target_dir)).items() if k != "prompt_mix"}).prompt_mix \
+        == "tasks"  # the default
 
 
 # -- --lm-head target, --minutes, batched capture ------------------------------------------------------------------

@@ -193,6 +193,23 @@ def validate_route(answer) -> RouteDecision:
     return RouteDecision(names, reason.strip())
 
 
+def route_covering_gaps(decision: RouteDecision, gaps: list[dict]) -> RouteDecision:
+    """The route, unless it leaves out the agent of the largest gap worth MIN_GAIN or more: whether a round is worth
+    running is the graph's rule (a budget, a gap of at least MIN_GAIN), not the model's, so such a route is
+    questioned with the gap it ignores (the one repair round); ignored twice, the policy routes (a fallback)."""
+    top = max((g for g in gaps or [] if float(g.get("gain", 0.0)) >= MIN_GAIN and
+               str(g.get("agent", "")).replace("-", "_") in AGENTS),
+              key=lambda g: float(g["gain"]), default=None)
+    if top is None:
+        return decision
+    agent = str(top["agent"]).replace("-", "_")
+    if agent in decision.agents:
+        return decision
+    raise CandidateError(f"the route leaves out {agent}, the agent of the largest gap: {top.get('component')} "
+                         f"{float(top['gain']):.0%} ({top.get('reason', '')}); every gap of {MIN_GAIN:.0%} or more "
+                         f"is worth a round: route to {agent} (with any others)")
+
+
 # ------------------------------------------------------------------------------------------------------- transport
 
 class EndpointError(RuntimeError):
@@ -254,7 +271,8 @@ class OpenAIProvider(Provider):
         schema = route_schema()
         prompt = render("router", deployment=deployment, gaps=gaps, memory_hits=_memory_view(memory_hits),
                         min_gain=f"{MIN_GAIN:.0%}", agents=list(AGENTS), schema=schema)
-        decision = self._decide("route", "router", prompt, ROUTE_FUNCTION, schema, validate_route)
+        decision = self._decide("route", "router", prompt, ROUTE_FUNCTION, schema,
+                                lambda answer: route_covering_gaps(validate_route(answer), gaps))
         return decision if decision is not None else self.fallback.route(gaps, memory_hits, deployment)
 
     def propose(self, ctx: AgentContext) -> list[Candidate]:

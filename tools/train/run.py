@@ -21,7 +21,7 @@ from ...engine.errors import SpecPilotError
 from . import data as data_mod
 from .filters import benchmark_prompts, deduplicated, excluding_benchmarks
 from .head import LM_HEADS, TrainableHead, default_aux_layers, head_config
-from .prompts import read_prompt_file, self_instruct, user_turn_prefix
+from .prompts import PROMPT_MIXES, read_prompt_file, user_turn_prefix, write_prompts
 from .trainer import Schedule, load_checkpoint, resident, time_training, train
 from .vocab import draft_vocabulary
 
@@ -48,6 +48,7 @@ class Settings:
     log_every: int
     minutes: float | None = None  # the training's time budget (data building not counted), when steps is None
     lm_head: str = "trained"  # "trained": the head's own, exported; "target": the target's rows, frozen, not exported
+    prompt_mix: str = "tasks"  # self-instruct: "chat" (the bare user turn) or "tasks" (prompts.FAMILIES, even shares)
 
 
 def check(s: Settings) -> None:
@@ -59,6 +60,8 @@ def check(s: Settings) -> None:
         raise SpecPilotError(f"--minutes {s.minutes}: must be positive")
     if s.lm_head not in LM_HEADS:
         raise SpecPilotError(f"--lm-head {s.lm_head!r}: one of {', '.join(LM_HEADS)}")
+    if s.prompt_mix not in PROMPT_MIXES:
+        raise SpecPilotError(f"--prompt-mix {s.prompt_mix!r}: one of {', '.join(PROMPT_MIXES)}")
     if s.samples < 2:
         raise SpecPilotError(f"--samples {s.samples}: at least 2 prompts are needed (one is held out)")
     if s.prompts is not None and not Path(s.prompts).is_file():
@@ -93,7 +96,7 @@ def existing_run(out: Path, settings: Settings, resume: bool) -> bool:
 
 def training_prompts(settings: Settings, engine, say=lambda line: None) -> tuple[list[str], dict]:
     """The prompts that may be trained on (deduplicated, no benchmark prompt), at most settings.samples, and the
-    report of what was dropped."""
+    report of what was dropped (self-instruct: and how many kept prompts each family of the mix gave)."""
     benchmarks = benchmark_prompts()
     dropped: list[tuple[str, str]] = []
 
@@ -104,13 +107,17 @@ def training_prompts(settings: Settings, engine, say=lambda line: None) -> tuple
         dropped.extend(unique.dropped + clean.dropped)
         return clean.kept
 
+    families = None
     if settings.prompts is not None:
         kept = accept(read_prompt_file(settings.prompts))[: settings.samples]
         source = settings.prompts
     else:
-        kept = self_instruct(engine, settings.samples, settings.seed, accept, say)
+        written = write_prompts(engine, settings.samples, settings.seed, accept, settings.prompt_mix, say)
+        kept = [text for _, text in written]
+        families = {name: sum(f == name for f, _ in written) for name, _, _ in PROMPT_MIXES[settings.prompt_mix]}
         source = "self-instruct"
     report = {"source": source, "kept": len(kept),
+              **({} if families is None else {"prompt_mix": settings.prompt_mix, "families": families}),
               "dropped": [{"prompt": p[:200], "why": why} for p, why in dropped],
               "benchmark_check": {"builtin_workloads": True, "humaneval": benchmarks.humaneval_checked}}
     if len(kept) < 2:
