@@ -1,7 +1,8 @@
 """Find a model's weights and tokenizer and build our Transformer from them, offline.
 
-A target is an alias (`smollm2-135m`), a GGUF file, an HF model directory (safetensors), or a hub id already in the
-local HF cache. GGUF files are dequantized by transformers' GGUF loader once and kept as a safetensors directory in
+A target is an alias (`smollm2-135m`), a GGUF file, an HF model directory (safetensors), a hub id already in the
+local HF cache, or a synthetic target (`synthetic:llama-3.1-8b`: a published architecture with random weights drawn on
+the device, engine/synthetic.py). GGUF files are dequantized by transformers' GGUF loader once and kept as a safetensors directory in
 the SpecPilot cache, so later loads take seconds instead of re-parsing and re-dequantizing the file.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import packaged
+from . import packaged, synthetic
 from .errors import SpecPilotError
 from .model import SUPPORTED_ARCHITECTURES, Transformer, from_hf_state_dict
 
@@ -43,9 +44,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def resolve(target: str) -> Path:
-    """Path of a GGUF file or a model directory (a hub id's cached snapshot included)."""
+    """Path of a GGUF file or a model directory (a hub id's cached snapshot included; a synthetic target's directory,
+    made once in the cache: engine/synthetic.py)."""
     if target in ALIASES:
         return ALIASES[target]()
+    if synthetic.is_synthetic(target):
+        return synthetic.materialize(target, cache_root())
     path = Path(target).expanduser()
     if path.exists():
         return path
@@ -58,7 +62,8 @@ def resolve(target: str) -> Path:
         except (LocalEntryNotFoundError, ValueError, OSError):
             pass
     raise SpecPilotError(f"model not found: {target!r} is not a file, a directory, an alias "
-                         f"({', '.join(ALIASES)}) or a hub id in the local cache")
+                         f"({', '.join(ALIASES)}), a synthetic target "
+                         f"({', '.join(synthetic.PREFIX + n for n in synthetic.CONFIGS)}) or a hub id in the local cache")
 
 
 def _gguf_as_directory(gguf: Path) -> Path:
@@ -143,10 +148,13 @@ def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") ->
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise SpecPilotError(f"unsupported architecture {hf_config.model_type!r} in {target} "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
-    except Exception as e:
-        raise SpecPilotError(f"could not load weights of {target}: {type(e).__name__}: {e}") from e
+    seed = synthetic.synthetic_seed(where / "config.json")
+    hf = None
+    if seed is None:
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
+        except Exception as e:
+            raise SpecPilotError(f"could not load weights of {target}: {type(e).__name__}: {e}") from e
     tokenizer = None
     if any((where / f).is_file() for f in TOKENIZER_FILES):
         try:
@@ -154,6 +162,9 @@ def load(target: str, dtype: str | torch.dtype = "fp32", device: str = "cpu") ->
         except Exception as e:
             raise SpecPilotError(f"could not load the tokenizer of {target}: {type(e).__name__}: {e}") from e
     try:
+        if seed is not None:  # random weights drawn on the device; no end-of-sequence id (engine/synthetic.py)
+            return LoadedModel(synthetic.random_transformer(hf_config, dtype, device, seed), tokenizer, hf_config,
+                               str(where), ())
         model = from_hf_state_dict(hf_config, hf.state_dict(), dtype).to(device)
     except ValueError as e:
         raise SpecPilotError(f"cannot run {target}: {e}") from e

@@ -1,0 +1,122 @@
+"""Synthetic targets: a real model's architecture and shapes with random weights, for deployments whose checkpoint
+cannot reach the machine (issue #24).
+
+The time of a decoding step does not depend on what the weights are, only on their shapes, the kernels and the batch,
+so `--target synthetic:llama-3.1-8b` measures what an 8B deployment's steps cost without its 16 GB of weights: the
+weights are drawn on the device from a fixed seed (nothing is carried or downloaded). What such a target says is
+noise, so acceptance and quality figures need a drafter whose choice of tokens is replayed (the next issue's item).
+
+A synthetic target is a directory like any other target's, made once in the cache: `config.json` (the published
+architecture's configuration, `SYNTHETIC_KEY` marking it and carrying the seed) and, for text, the packaged
+SmolLM2-135M's tokenizer files, so that workloads tokenize to realistic prompt lengths. Every id of the tokenizer is an
+id of the larger vocabulary; ids past it decode to nothing. Its name, and so every report and results.json that names
+the target, says `synthetic`. It has no end-of-sequence id: random weights would stop requests at random, so every
+request runs to its token limit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import SpecPilotError
+
+PREFIX = "synthetic:"
+SYNTHETIC_KEY = "specpilot_synthetic"  # in config.json: {"seed": int, "name": str}
+SEED = 0
+TOKENIZER_SOURCE = "smollm2-135m"  # the packaged target whose tokenizer gives synthetic targets their text
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# The published configurations (the models' config.json on the HF hub), as transformers reads them.
+CONFIGS = {
+    "llama-3.1-8b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+    "llama-3.2-1b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False},
+    "qwen3-8b": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "attention_bias": False},
+}
+
+
+def is_synthetic(target: str) -> bool:
+    return target.startswith(PREFIX)
+
+
+def materialize(target: str, root: Path) -> Path:
+    """The directory of `synthetic:NAME` under `root` (made on first use): NAME's config.json marked synthetic, and
+    the packaged SmolLM2's tokenizer files."""
+    from . import loader
+
+    name = target[len(PREFIX):]
+    if name not in CONFIGS:
+        raise SpecPilotError(f"unknown synthetic target {target!r}: one of "
+                             f"{', '.join(PREFIX + n for n in CONFIGS)}")
+    where = root / "synthetic" / name
+    config = {**CONFIGS[name], SYNTHETIC_KEY: {"name": target, "seed": SEED}}
+    if (where / "config.json").is_file() and json.loads((where / "config.json").read_text()) == config:
+        return where
+    try:
+        text_source = loader.source_dir(TOKENIZER_SOURCE)
+    except SpecPilotError as e:
+        raise SpecPilotError(f"{target} takes its tokenizer from the packaged {TOKENIZER_SOURCE}, which is not "
+                             f"installed here ({e})") from e
+    where.mkdir(parents=True, exist_ok=True)
+    for f in TOKENIZER_FILES:
+        if (text_source / f).is_file():
+            shutil.copy(text_source / f, where / f)
+    tmp = where / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(where / "config.json")
+    return where
+
+
+def synthetic_seed(config_path: Path) -> int | None:
+    """The seed of a synthetic target's directory (its config.json's mark), None for a real model."""
+    mark = json.loads(config_path.read_text()).get(SYNTHETIC_KEY)
+    return None if mark is None else int(mark.get("seed", SEED))
+
+
+@torch.no_grad()
+def random_transformer(hf_config, dtype: torch.dtype, device: str, seed: int):
+    """Our Transformer for `hf_config`, its weights drawn on `device` in `dtype` from `seed`: each matrix N(0, 1/in)
+    (activations keep their scale through a layer), the embedding N(0, 1), norms 1 (engine.model's own defaults).
+    The same seed, device and dtype give the same weights."""
+    from .model import ModelConfig, Transformer, rope_inv_freq
+
+    cfg = ModelConfig.from_hf(hf_config)
+    inv_freq, scaling = rope_inv_freq(hf_config)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq, scaling)
+    model = model.to(dtype).to_empty(device=device)
+    model.inv_freq = inv_freq.float().to(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():  # shared parameters (a tied LM head) come once
+        if p.dim() == 1:
+            p.fill_(1.0)
+        elif name == "embed":
+            p.normal_(0.0, 1.0, generator=generator)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=generator)
+    if cfg.tie_embeddings:
+        model.lm_head = model.embed
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,82 @@
+"""Synthetic targets (issue #24 item 1): a published architecture's shapes with random weights drawn on the device
+from a fixed seed, a directory like any target's (config.json marked synthetic, the packaged SmolLM2's tokenizer),
+so every tool that takes a target takes one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.engine import loader, synthetic
+from specpilot.engine.engine import Engine
+from specpilot.engine.errors import SpecPilotError
+from specpilot.engine.recipe import parse
+
+TINY = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 50000, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+              "rope_theta": 500000.0, "tie_word_embeddings": False},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 50000, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+              "rope_theta": 1000000.0, "tie_word_embeddings": True},
+}
+
+
+@pytest.fixture
+def tiny_synthetic(monkeypatch, tmp_path):
+    """`synthetic:tiny-<family>` targets in a cache of their own (the tokenizer still from the real packaged one)."""
+    text_source = loader.source_dir(synthetic.TOKENIZER_SOURCE)
+    monkeypatch.setattr(synthetic, "TOKENIZER_SOURCE", str(text_source))
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path)
+    for family, config in TINY.items():
+        monkeypatch.setitem(synthetic.CONFIGS, f"tiny-{family}", config)
+    return tmp_path
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_a_synthetic_target_has_its_shapes_seeded_weights_and_text(tiny_synthetic, family):
+    target = f"synthetic:tiny-{family}"
+    a, b = loader.load(target, "fp32", "cpu"), loader.load(target, "fp32", "cpu")
+    cfg = a.model.cfg
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == \
+        (50000, 64, 2, 4, 2, 16)
+    assert cfg.qk_norm == (family == "qwen3") and cfg.tie_embeddings == (family == "qwen3")
+    assert (a.model.lm_head is a.model.embed) == cfg.tie_embeddings
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name  # the same seed: the same weights
+    w = a.model.layers[0].w2
+    assert w.std().item() == pytest.approx(1 / 128 ** 0.5, rel=0.1)  # N(0, 1 / fan-in)
+    assert "synthetic" in a.source and a.eos_token_ids == ()
+    ids = a.tokenizer.encode("Summarize the following text.")
+    assert ids and max(ids) < 49152 and a.tokenizer.decode([49152 + 7]) == ""  # ids past the tokenizer: no text
+
+
+def test_a_synthetic_target_decodes_to_its_limit_and_speculation_keeps_its_tokens(tiny_synthetic):
+    target = loader.load("synthetic:tiny-llama", "fp32", "cpu")
+    ar = Engine(target, parse({"name": "ar"}))
+    prompts = [ar.encode("Write a haiku about the sea."), ar.encode("What is 12 times 7?")]
+    reference = [r.tokens for r in ar.generate(prompts, 24)]
+    assert [len(t) for t in reference] == [24, 24]  # no end-of-sequence id: every request runs to its limit
+    spec = Engine(target, parse({"name": "ng", "drafter": {"kind": "ngram"}, "k": 4}))
+    assert [r.tokens for r in spec.generate(prompts, 24)] == reference
+
+
+def test_an_unknown_synthetic_target_is_refused_in_one_line(tiny_synthetic):
+    with pytest.raises(SpecPilotError, match=r"unknown synthetic target 'synthetic:llama-9b': one of .*llama-3.1-8b"):
+        loader.load("synthetic:llama-9b", "fp32", "cpu")
+
+
+def test_the_published_configurations_have_the_published_sizes():
+    """Parameter counts of the three configurations as our engine builds them, against the models' published sizes
+    (tied embeddings counted once)."""
+    from transformers import AutoConfig
+
+    from specpilot.engine.model import ModelConfig
+    from specpilot.tools.profile.costmodel import ModelShape
+
+    published = {"llama-3.1-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "qwen3-8b": 8_190_735_360}
+    for name, count in published.items():
+        config = {k: v for k, v in synthetic.CONFIGS[name].items() if k not in ("model_type", "architectures")}
+        hf = AutoConfig.for_model(synthetic.CONFIGS[name]["model_type"], **config)
+        assert ModelShape.from_config(ModelConfig.from_hf(hf)).params == count, name
