@@ -71,13 +71,18 @@ def run_experiment(name: str, argv: list[str]) -> int:
                                                 "runs/benchmarks/NAME)")
     p.add_argument("--smoke", action="store_true", help="the tiny variant: 1 prompt, 8 tokens, on the CPU (or the "
                                                          "smallest CUDA run of a CUDA-only experiment)")
-    p.add_argument("--target", default=None, help="a model file to use instead of the staged SmolLM2 GGUF")
+    p.add_argument("--target", default=None, help="a model file or directory, or synthetic:NAME (engine/synthetic.py), "
+                                                   "instead of the staged SmolLM2 GGUF")
     if hasattr(module, "arguments"):
         module.arguments(p)
     args = p.parse_args(argv)
     out_dir = Path(args.out or os.environ.get("OUT") or harness.ROOT / "runs" / "benchmarks" / name)
 
-    staged = harness.stage(model=args.target is None)
+    # A synthetic target (engine/synthetic.py) takes its text from the staged SmolLM2's tokenizer
+    synthetic = (args.target or "").startswith("synthetic:")
+    staged = harness.stage(model=args.target is None or synthetic)
+    if synthetic and staged.model:
+        os.environ.setdefault("SPECPILOT_SYNTHETIC_TOKENIZER", str(staged.model))
     for note in staged.notes:
         print(f"stage: {note}", flush=True)
     target = args.target or staged.model

