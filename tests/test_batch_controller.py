@@ -251,7 +251,9 @@ def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
     eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2, loop_times=True)
     eng.generate(tiny_prompts(), 8, ignore_eos=True)
     times = eng.decoder.step_seconds[3]
-    assert times and set(times) <= {0, 1, 2} and all(t > 0 for t in times.values())
+    # the kinds timed are those the steps ran (which, on real timings, vary: a blind AR step too)
+    ran = set(eng.decoder.last_stats.draft_lengths)
+    assert times and set(times) <= ran <= {BLIND_AR, 0, 1, 2} and all(t > 0 for t in times.values())
     assert eng.decoder.controller.seconds is times
 
 
