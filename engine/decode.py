@@ -28,7 +28,8 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
-from .tree import DynamicTree, TreeShape, accept_tree_sampled, compact_tree_kv, tree_mask, tree_positions
+from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
+                   tree_positions)
 from .sampling import SamplingParams, accept_sampled, probabilities
 
 
@@ -654,7 +655,9 @@ class Decoder:
         inputs = torch.cat([st.history.gather(1, last[:, None]), node_tokens], 1)
         valid = torch.cat([torch.ones_like(node_valid[:, :1]), node_valid & st.active[:, None]], 1)
         positions, slots = (t.clamp(max=S - 1) for t in tree_positions(last, depths))
-        logits, hidden = self._forward(inputs, positions, tree=TreeStep(slots, tree_mask(last, ancestors, S)))
+        bits = ancestor_bits(ancestors)
+        logits, hidden = self._forward(inputs, positions, tree=TreeStep(
+            slots, tree_mask(last, ancestors, S), None if bits is None else bits.expand_as(slots)))
         self._mark("verify")
         n_acc, emitted, path = accept_tree_sampled(inputs, valid, logits, parents, ancestors, depths, at_depth,
                                                    sampling, generator)

@@ -117,9 +117,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 @dataclass
 class TreeStep:
     """Where a tree step's nodes go (engine/tree.py): `slots` [B, N] their cache slots (not their positions:
-    siblings share a position), `visible` bool [B, N, S] the cache slots each may attend to."""
+    siblings share a position), `visible` bool [B, N, S] the cache slots each may attend to; `ancestor_bits` [B, N]
+    int64 (trees of up to 64 nodes), the same for a fused layer: bit m set when node m is an ancestor of the node
+    (itself included), node m at slot slots[:, 0] + m."""
     slots: torch.Tensor
     visible: torch.Tensor
+    ancestor_bits: torch.Tensor | None = None
 
 
 @dataclass
@@ -256,7 +259,7 @@ class Transformer(nn.Module):
         output of layer i, concatenated in the order given: (logits, [B, T, len(aux_layers) * hidden]). An EAGLE-3
         head reads them (engine/eagle3.py); they come from this forward, at no extra pass.
         `tree`: the tokens are draft-tree nodes (engine/tree.py): their K/V go to `tree.slots`, and each attends where
-        `tree.visible` says (the modular layer: the fused one masks by position only).
+        `tree.visible` says (the modular layer; a fused layer that takes the tree reads `tree.ancestor_bits`).
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
@@ -270,7 +273,9 @@ class Transformer(nn.Module):
         cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
         needs_masks = getattr(layer_fn, "needs_masks", None)  # a fused layer masks from positions itself
         masks = {}
-        if tree is not None:
+        tree_needs_masks = getattr(layer_fn, "tree_needs_masks", None)  # a fused layer masks trees by ancestor bits
+        if tree is not None and (tree.ancestor_bits is None or tree_needs_masks is None
+                                 or tree_needs_masks(self.layers[0], B, T, tokens.device)):
             rep = self.cfg.n_heads // self.cfg.n_kv_heads
             key_slot = torch.arange(cache.max_len, device=tokens.device)
             for window in set(self.cfg.sliding_windows):
@@ -296,6 +301,8 @@ class Transformer(nn.Module):
             skip["unpack"] = packing.slots
         if tree is not None:
             skip["slots"] = tree.slots
+            if tree.ancestor_bits is not None and getattr(layer_fn, "takes_tree_ancestors", False):
+                skip["tree_ancestors"] = tree.ancestor_bits
         after = {}  # layer index -> its output, for aux_layers
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)

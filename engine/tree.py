@@ -208,6 +208,16 @@ def tree_mask(last_positions: torch.Tensor, ancestors: torch.Tensor, cache_slots
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & seen)  # seen[b, n, s] = ancestors[b, n, rel[b, s]]
 
 
+def ancestor_bits(ancestors: torch.Tensor) -> torch.Tensor | None:
+    """int64 [..., N]: bit m of node n's entry set when node m is an ancestor of n or n itself, from `ancestors`
+    bool [..., N, N]; None past 64 nodes (the fused layer's attention masks a tree by these bits)."""
+    N = ancestors.shape[-1]
+    if N > 64:
+        return None
+    bits = torch.ones(N, dtype=torch.long, device=ancestors.device) << torch.arange(N, device=ancestors.device)
+    return (ancestors.long() * bits).sum(-1)  # disjoint bits: the sum is their OR (bit 63 wraps to the sign bit)
+
+
 def _per_row(batch: int, parents, ancestors, depths, at_depth):
     """A tree's tensors per row: a static tree's ([N], [N, N], [N], [N, depth + 1]) expanded to `batch` rows (views,
     no copies), per-row trees' ([B, N], ...) as they are."""

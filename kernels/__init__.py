@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -28,7 +29,10 @@ IMPLEMENTATIONS: dict[str, dict[str, Callable | str]] = {
 DEFAULTS = dict(builtin.DEFAULTS)
 # The fused layer (recipe `layer: fused`, triton_fused_layer.py) runs steps of at most this many tokens (B * T);
 # larger steps are tensor-core GEMM work and run the modular layer. Here so that it is known without importing Triton.
-FUSED_LAYER_MAX_TOKENS = 16
+# Past 16 its tensor-core path runs tiles of 16 tokens side by side (each reading the weight tile, from L2 after the
+# first); whether that beats the modular layer at 17-64 tokens is the H200's to say: SPECPILOT_FUSED_MAX_TOKENS
+# raises the limit for a run.
+FUSED_LAYER_MAX_TOKENS = int(os.environ.get("SPECPILOT_FUSED_MAX_TOKENS", "16"))
 
 
 class Kernels(NamedTuple):

@@ -69,6 +69,8 @@ MIN_PROGRAMS = 256
 # The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
+# A tree step's nodes a row that the attention kernel masks (each node's ancestors are the bits of one int64)
+TREE_MAX_NODES = 64
 # Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the
 # tensor cores. benchmark(fma_max_tokens=...) times the alternatives; SPECPILOT_FMA_MAX_TOKENS sets it for whole runs.
 FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
@@ -256,12 +258,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
 
 @triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
-                      n_heads, rep, window, scale, keys_per_split,
+                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                      SKIP_DEAD: tl.constexpr):
+                      SKIP_DEAD: tl.constexpr, TREE: tl.constexpr):
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
-    same K/V tiles, from L2 after the first. Splits past the token's position do nothing."""
+    same K/V tiles, from L2 after the first. Splits past the token's position do nothing. TREE: the token is a
+    draft-tree node whose `positions` entry is its cache slot; of the slots from its tree's first (`root_ptr`) on it
+    sees those whose bit, counted from that first slot, is set in its ancestor mask (`ancestors_ptr`, int64)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mh, split = tl.program_id(0), tl.program_id(1)
@@ -274,6 +278,9 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
     if PDL:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
+    if TREE:
+        root = tl.load(root_ptr + m)
+        ancestors = tl.load(ancestors_ptr + m)
     first = split * keys_per_split
     last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
     if first < last:
@@ -284,6 +291,9 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
         for s0 in range(first, last, BLOCK_S):
             slots = s0 + tl.arange(0, BLOCK_S)
             seen = (slots < last) & (slots > pos - window)
+            if TREE:  # a slot before the tree's, or an ancestor's (itself included): its bit in the mask
+                node = tl.maximum(slots - root, 0).to(tl.int64)
+                seen = seen & ((slots < root) | (((ancestors >> node) & 1) != 0))
             at = slots[:, None] * stride_s + dims[None, :]
             k = tl.load(k_base + at, mask=seen[:, None], other=0.0).to(tl.float32)
             v = tl.load(k_base + stride_kv + at, mask=seen[:, None], other=0.0).to(tl.float32)
@@ -396,9 +406,10 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     Up to FMA_MAX_TOKENS tokens: one token a program; all of K in one tile while the weight tile stays within
     TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs for one
     token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the interpreter, which runs
-    programs one by one, wants few). More tokens: the tensor-core tile."""
+    programs one by one, wants few). More tokens: the tensor-core tile, DOT_TOKENS tokens a program (more tokens:
+    more token blocks side by side)."""
     if n_tokens > FMA_MAX_TOKENS:
-        return dict(DOT=True, BLOCK_M=max(DOT_TOKENS, triton.next_power_of_2(n_tokens)), BLOCK_N=DOT_ROWS,
+        return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
     block_k = triton.next_power_of_2(k)
     if block_k > TILE_VALUES:
@@ -413,7 +424,7 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
 def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:
     """(token blocks, row blocks): the FMA path runs one program per token and row block, the tokens of a row block
     side by side in launch order, so that they read its weight tile at about the same time (from L2 after the first);
-    the tensor-core path takes all tokens in one block."""
+    the tensor-core path takes DOT_TOKENS tokens a block."""
     return triton.cdiv(n_tokens, cfg["BLOCK_M"]), triton.cdiv(n_rows, cfg["BLOCK_N"])
 
 
@@ -481,10 +492,15 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 
 
 # -- the layer ---------------------------------------------------------------------------------------------------
-def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None):
+def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None):
     """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
     written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: each token's `positions` and
     `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows (B = 1) run as they are.
+
+    `tree` (a draft-tree step, engine/tree.py): (each token's tree's first cache slot [B, T], its ancestor mask [B, T]
+    int64, bit j for the node at that slot + j, itself included). `positions` are then the nodes' cache slots
+    (siblings share a RoPE position, which `cos` and `sin` carry, but not a slot), and each node attends to the slots
+    before its tree and to its ancestors' (`supports_tree`).
 
     `live` (int32 [B * T], optional): 0 marks a token whose outputs nobody reads, a verification slot past its row's
     valid drafts. On the FMA path (up to FMA_MAX_TOKENS tokens, a program a token) every kernel skips such tokens:
@@ -539,11 +555,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     partial = torch.empty(M * H, splits, D, dtype=torch.float32, device=dev)
     stats = torch.empty(M * H, splits, 2, dtype=torch.float32, device=dev)
     attn = torch.empty(M, H * D, dtype=dt, device=dev)
+    if tree is not None and block.window is not None:
+        raise ValueError("fused layer: tree steps need full attention (a sliding window counts positions)")
+    root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
     _decode_attention[(M * H, splits)](
-        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, H, H // Hkv,
-        block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
+        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
+        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
-        num_warps=setting["num_warps"], **pdl, **skip)  # (the same tokens as every GEMV)
+        num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
@@ -598,13 +617,28 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
     return out.view(x.shape)
 
 
+def supports_tree(block, batch: int, nodes: int, device: torch.device) -> str | None:
+    """Why this layer cannot run a tree step of `nodes` nodes a row, or None when it can: a step it supports, full
+    attention, and each node's ancestors in one int64 mask."""
+    if nodes > TREE_MAX_NODES:
+        return f"a tree of {nodes} nodes (an ancestor mask holds {TREE_MAX_NODES})"
+    if block.window is not None:
+        return "a sliding window (counted in positions; a tree's nodes share them)"
+    return supports(block, batch * nodes, device)
+
+
 def layer_function(fallback):
     """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
-    batches, the CPU without the interpreter) run `fallback`, the modular layer."""
-    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None, slots=None):
-        # packed or not, rows say where tokens go; a tree step (slots: nodes sharing positions) needs its mask
-        if slots is None and supports(block, x.shape[0] * x.shape[1], x.device) is None:
+    batches, the CPU without the interpreter, trees it cannot mask) run `fallback`, the modular layer."""
+    def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None, slots=None,
+              tree_ancestors=None):
+        B, T = x.shape[:2]
+        if slots is None and supports(block, B * T, x.device) is None:  # packed or not, rows say where tokens go
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live)
+        if slots is not None and tree_ancestors is not None and supports_tree(block, B, T, x.device) is None:
+            roots = slots[:, :1].expand(B, T)  # node 0, the root, sits at its tree's first slot
+            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, slots, masks, ops, live,
+                               tree=(roots, tree_ancestors))
         extra = {k: v for k, v in (("unpack", unpack), ("slots", slots)) if v is not None}
         return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, **extra)
 
@@ -615,6 +649,8 @@ def layer_function(fallback):
         return None
 
     layer.needs_masks = lambda block, n_tokens, device: supports(block, n_tokens, device) is not None
+    layer.tree_needs_masks = lambda block, batch, nodes, device: supports_tree(block, batch, nodes, device) is not None
+    layer.takes_tree_ancestors = True  # Transformer.forward passes TreeStep.ancestor_bits
     layer.final_norm = last
     layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
     return layer

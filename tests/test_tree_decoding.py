@@ -1,7 +1,7 @@
 """Tree verification end to end (issue #21 item 2, n-gram trees): the n-gram drafter's several matches fill a static
 tree's branches, the target verifies every node of every row in one forward, and greedy decoding gives AR's tokens
-for every family, on the modular layer and with `layer: fused` (tree steps run the modular layer); sampled tree steps
-run too."""
+for every family, on the modular layer and with `layer: fused` (whose kernels mask each node to its ancestors);
+sampled tree steps run too."""
 from __future__ import annotations
 
 import pytest
@@ -78,6 +78,42 @@ def test_tree_with_the_fused_layer_and_ar_after_miss(tiny_model_dir):
     recipe.drafter.ar_after_miss = True
     got = Engine(loaded, recipe).generate(tiny_prompts(), 16, ignore_eos=True)
     assert [r.tokens for r in got] == [r.tokens for r in want]
+
+
+@pytest.mark.parametrize("paths", [CHAINS, MIXED], ids=["chains", "mixed"])
+def test_tree_steps_run_on_the_fused_layer(tiny_model_dir, monkeypatch, paths):
+    """With `layer: fused` a tree step's layers run the fused kernels, the attention masking each node to the slots
+    before its tree and its ancestors' (one int64 of ancestor bits a node), and greedy decoding gives AR's tokens:
+    three rows of a tree of 8 or 13 nodes, 24 or 39 tokens a step (the limit raised past 16, as
+    SPECPILOT_FUSED_MAX_TOKENS does: the tensor-core path's token blocks)."""
+    from specpilot.engine.loader import load
+    from specpilot.kernels import triton_fused_layer as fused
+
+    monkeypatch.setattr(fused, "MAX_TOKENS", 64)
+    calls, real = [], fused.fused_layer
+
+    def counted(*args, tree=None, **kwargs):
+        calls.append(tree is not None)
+        return real(*args, tree=tree, **kwargs)
+
+    monkeypatch.setattr(fused, "fused_layer", counted)
+    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    want = Engine(loaded, parse({})).generate(tiny_prompts(), 12, ignore_eos=True)
+    got = Engine(loaded, tree_recipe(paths, layer="fused")).generate(tiny_prompts(), 12, ignore_eos=True)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert calls.count(True) >= loaded.model.cfg.n_layers  # every layer of the tree steps, fused
+
+
+def test_ancestor_bits():
+    from specpilot.engine.tree import ancestor_bits, tree_from_paths
+
+    shape = tree_from_paths(MIXED)
+    bits = ancestor_bits(shape.ancestors()).tolist()
+    for n in range(shape.nodes):
+        assert [m for m in range(shape.nodes) if bits[n] >> m & 1] == \
+            [m for m in range(shape.nodes) if shape.ancestors()[n, m]]
+    full = torch.ones(64, 64, dtype=torch.bool).tril()  # a chain of 64: node 63 sees all, bit 63 the sign bit
+    assert ancestor_bits(full)[63].item() == -1 and ancestor_bits(torch.ones(65, 65, dtype=torch.bool)) is None
 
 
 def test_tree_recipes_refused_in_one_line():
