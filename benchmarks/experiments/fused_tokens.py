@@ -1,0 +1,45 @@
+"""The fused layer against the modular one by tokens a step: where the FMA path, the tensor-core path and cuBLAS cross.
+
+What it measures (kernels/triton_fused_layer.py `benchmark`): µs a layer of the staged target's 30 layers in one CUDA
+graph (do_bench_cudagraph), one row of T tokens at position 300 of a 512-slot cache, bf16, for T in --tokens: the
+modular layer (the engine's compiled Block.forward, cuBLAS), the fused layer as shipped (FMA path up to
+FMA_MAX_TOKENS = 8 tokens, tensor cores above, in blocks of 16 tokens past 16),
+and the fused layer with the FMA path ending at 4 tokens (the layer is called directly, whatever its step limit). Steps of T tokens are AR steps at B = T, verification of
+k = T / B - 1 drafts, and trees of T nodes at B = 1.
+
+Why (twelfth lease, A): a B = 8 AR step (8 tokens, the FMA path) cost 1.08 ms in the loop where a k' = 1 step of 16
+tokens (tensor cores) cost 0.97 ms, and steps of 20-40 tokens (past the fused layer's 16-token limit, so modular)
+1.37-1.45 ms; tree steps of 17-64 nodes run the modular layer unless the limit rises. The table says where each
+threshold belongs: FMA_MAX_TOKENS (SPECPILOT_FMA_MAX_TOKENS) and the fused layer's limit (SPECPILOT_FUSED_MAX_TOKENS).
+
+Device minutes: about 2.
+"""
+from __future__ import annotations
+
+import harness
+
+MINUTES = 2
+CUDA_ONLY = True
+
+
+def arguments(p) -> None:
+    p.add_argument("--tokens", default="1,2,4,5,8,10,12,16,20,24,32,40,48,64")
+
+
+def run(out_dir, args):
+    from specpilot.engine import loader
+    from specpilot.engine.model import Block, compiled
+    from specpilot.kernels import triton_fused_layer
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.smoke:
+        tokens = tokens[:2]
+    target = loader.load(args.ctx.target, "bf16", "cuda")
+    modular = compiled(Block.forward)
+    rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(None, 4))
+    for r in rows:
+        print(r, flush=True)
+    keys = sorted({k for r in rows for k in r})
+    table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
+                                     for k in keys] for r in rows])
+    return {"rows": rows}, table
