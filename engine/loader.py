@@ -49,7 +49,7 @@ def resolve(target: str) -> Path:
     if target in ALIASES:
         return ALIASES[target]()
     if synthetic.is_synthetic(target):
-        return synthetic.materialize(target, cache_root())
+        return synthetic.materialize(target, cache_root(), source_dir)
     path = Path(target).expanduser()
     if path.exists():
         return path

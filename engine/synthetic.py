@@ -63,11 +63,9 @@ def is_synthetic(target: str) -> bool:
     return target.startswith(PREFIX)
 
 
-def materialize(target: str, root: Path) -> Path:
+def materialize(target: str, root: Path, source_dir) -> Path:
     """The directory of `synthetic:NAME` under `root` (made on first use): NAME's config.json marked synthetic, and
-    the packaged SmolLM2's tokenizer files."""
-    from . import loader
-
+    the tokenizer files of TOKENIZER_SOURCE, whose directory `source_dir` (the loader's) finds."""
     name = target[len(PREFIX):]
     if name not in CONFIGS:
         raise SpecPilotError(f"unknown synthetic target {target!r}: one of "
@@ -77,7 +75,7 @@ def materialize(target: str, root: Path) -> Path:
     if (where / "config.json").is_file() and json.loads((where / "config.json").read_text()) == config:
         return where
     try:
-        text_source = loader.source_dir(TOKENIZER_SOURCE)
+        text_source = source_dir(TOKENIZER_SOURCE)
     except SpecPilotError as e:
         raise SpecPilotError(f"{target} takes its tokenizer from {TOKENIZER_SOURCE}, which is not here ({e}); "
                              f"SPECPILOT_SYNTHETIC_TOKENIZER may name another target's file or directory") from e

@@ -12,6 +12,9 @@ tokens (tensor cores) cost 0.97 ms, and steps of 20-40 tokens (past the fused la
 1.37-1.45 ms; tree steps of 17-64 nodes run the modular layer unless the limit rises. The table says where each
 threshold belongs: FMA_MAX_TOKENS (SPECPILOT_FMA_MAX_TOKENS) and the fused layer's limit (SPECPILOT_FUSED_MAX_TOKENS).
 
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the step prices by width behind the batch controller's
+choices) once run; not run yet.
+
 Device minutes: about 2.
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@ training log and data report. Then one `specpilot bench` at B = 1 (`--bench-work
 and as EAGLE-2's dynamic tree, each recipe's tokens checked against AR by the bench. A system that fails is recorded
 as that system's error; the head is kept either way.
 
-Backs docs/TRAINING.md's trained head and docs/BENCHMARKS.md's first EAGLE-3 figures.
+Backs docs/BENCHMARKS.md, "What is not yet fast" (the first trained EAGLE-3 head, twelfth lease B), and
+docs/TRAINING.md's "First run on the H200".
 
 Device minutes: about 1 to build the data, `--minutes` to train, 1-2 for the bench.
 """
