@@ -28,7 +28,8 @@ from specpilot.engine.recipe import load_recipe, parse
 from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_patch
 from specpilot.graph.providers import make_provider
 from specpilot.graph.providers.openai_compat import OpenAIProvider, candidates_schema
-from specpilot.graph.providers.policy import MIN_GAIN, CostView, PolicyProvider, _ngram_dep, needs_triton
+from specpilot.graph.providers.policy import (MIN_GAIN, CostView, PolicyProvider, Skips, _ngram_dep,
+                                              algorithm_options, needs_triton)
 from specpilot.kernels import IMPLEMENTATIONS
 from specpilot.memory import JsonlMemory, Outcome
 from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
@@ -152,6 +153,33 @@ def test_algorithm_proposes_ar_after_miss_for_an_adaptive_ngram_drafter(profiles
     for r, p in ((have, prof), (asdict(load_recipe("stock")), prof), ("ar", profiles["ar"])):
         cands = PolicyProvider().propose(context(p, "algorithm", recipe=r, max_candidates=100))
         assert all("ar_after_miss" not in c.recipe_patch.get("drafter", {}) for c in cands)
+
+
+def test_algorithm_proposes_an_ngram_tree_where_the_wider_step_is_nearly_free(profiles):
+    """A chain n-gram recipe with a measured acceptance: where the cost model puts a tree of 3 branches of k drafts
+    (3k + 1 tokens) within 15% of the chain's step (launch-bound: the kernel floors dominate), the algorithm agent
+    proposes it, a valid recipe; where the wider step costs more (the CPU's GEMMs grow with their rows), it says
+    why it did not; adaptive recipes and AR get none."""
+    prof = copy.deepcopy(profiles["stock"])
+    launch_bound = dict(prof["ceilings"], launch_s=1e-3, graph_node_s=1e-3, gemm_node_s=1e-3, gemm_curve=None)
+    ctx = context(prof, "algorithm", max_candidates=100, ceilings=launch_bound)
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    [tree] = [c for c in cands if c.recipe_patch.get("verification") == "tree"]
+    shape = parse(merge_patch(ctx.recipe, tree.recipe_patch)).tree
+    assert len(shape.paths) == 3 * 4 and "n-gram tree of 3 branches of 4 drafts (13 tokens" in tree.reason
+    costly = dict(prof["ceilings"], launch_s=1e-9, graph_node_s=1e-9, gemm_node_s=1e-9)
+    view = CostView.from_context(deployment(prof, ceilings=costly), prof)
+    skipped = Skips()
+    options = algorithm_options(load_recipe("stock"), view, skipped)
+    assert not [o for o in options if o.patch.get("verification") == "tree"]
+    assert any(s.startswith("n-gram tree of 3 branches") and "over the chain's" in s for s in skipped), skipped
+    adaptive = asdict(load_recipe("stock"))
+    adaptive["drafter"]["adaptive"] = True
+    for recipe, p in ((adaptive, prof), ("ar", profiles["ar"])):
+        cands = PolicyProvider().propose(context(p, "algorithm", recipe=recipe, max_candidates=100,
+                                                 ceilings=launch_bound))
+        assert not [c for c in cands if c.recipe_patch.get("verification") == "tree"]
 
 
 def test_algorithm_turns_speculation_off_when_drafts_are_rejected(profiles):

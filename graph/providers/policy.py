@@ -14,6 +14,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
+from ...engine.tree import chains
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
 from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
@@ -28,6 +29,10 @@ NGRAM_MAX_CHOICES = (2, 3, 4)
 LAYERSKIP_FRACTIONS = (0.25, 0.5)
 # 12-bit weights: the lossless12 format reads 1.5 bytes a weight instead of bf16's 2 (docs/LOSSLESS12.md).
 LOSSLESS12_BYTES_PER_PARAM = 1.5
+# An n-gram tree: this many branches of k drafts (the drafter's several matches, latest first), proposed when the
+# cost model puts the wider verification at most TREE_MAX_STEP_COST above the chain's step (a launch-bound step).
+TREE_BRANCHES = 3
+TREE_MAX_STEP_COST = 0.15
 # Ragged verification is proposed only when at most this fraction of rows have drafts a step: above it few draft
 # slots of a padded step are left empty, so there is little for packing to hand to other rows.
 RAGGED_MAX_AVAILABILITY = 0.8
@@ -427,7 +432,36 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
             f"{recipe.k + 1} tokens, whose dead slots still cost more than an AR step (docs/BENCHMARKS.md); with "
             f"ar_after_miss the host runs an AR step after each such step, the drafter still "
             f"searching; the cost model does not price this, the evaluation measures it"), (2, 0)))
+    options += _tree_options(recipe, view, cur, now, measured_note, skipped)
     return sorted(options, key=lambda o: o.rank)
+
+
+def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, measured_note: str,
+                  skipped: Skips) -> list[Option]:
+    """An n-gram chain whose drafts miss: the same k over TREE_BRANCHES branches (the drafter's several matches), in
+    one verification of TREE_BRANCHES x k + 1 tokens, where the cost model puts that step within TREE_MAX_STEP_COST
+    of the chain's (a launch-bound step verifies a tree for about what a chain costs). A tree accepts at least what
+    its first branch, the chain, does; how much more is not priced (the evaluation measures it)."""
+    d = recipe.drafter
+    if d.kind != "ngram" or recipe.verification != "chain" or not view.per_position:
+        return []
+    if d.adaptive or recipe.batch.controller != "none":
+        skipped.add("n-gram tree: verifies the whole tree every step (no adaptive length, no batch controller)")
+        return []
+    shape = chains(TREE_BRANCHES, recipe.k)
+    tree = view.predict(replace(view.dep, tree_nodes=shape.nodes), view.acceptance(recipe.k))
+    cost = tree.step_s / cur.step_s - 1.0
+    name = f"n-gram tree of {TREE_BRANCHES} branches of {recipe.k} drafts ({shape.nodes} tokens a row a step)"
+    if cost > TREE_MAX_STEP_COST:
+        skipped.add(f"{name}: the cost model puts its step {cost:+.0%} over the chain's ({ms(tree.step_s)} against "
+                    f"{ms(cur.step_s)}), above {TREE_MAX_STEP_COST:.0%}")
+        return []
+    paths = [list(p) for p in shape.paths[1:]]
+    return [Option({"verification": "tree", "tree": {"kind": "static", "paths": paths}}, (
+        f"{name} for {now}: at {measured_note} most drafts are rejected; a tree verifies the drafter's next matches "
+        f"as further branches in the same step, which the calibrated cost model puts at {ms(tree.step_s)} against "
+        f"{ms(cur.step_s)} ({cost:+.0%}); it accepts at least what the chain does, and its gain is the evaluation's "
+        f"to measure"), (2, 1))]
 
 
 def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
