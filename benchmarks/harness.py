@@ -173,9 +173,12 @@ def environment(device: str) -> dict:
         # The device tool's copy of the checkout can carry a stale .git (its HEAD was the session's first commit on
         # the H200 runs of 2026-12-01): the commit typed into the call, when given, is the one the tree came from.
         commit, dirty = os.environ["SPECPILOT_COMMIT"], False
+    # kernel settings a run was given by environment (SPECPILOT_FMA_MAX_TOKENS, ...): a figure depends on them
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECPILOT_") and k not in (
+        "SPECPILOT_COMMIT", "SPECPILOT_BENCH_WORK")}
     return {"device": device, "device_name": name, "driver": driver, "python": sys.version.split()[0],
             "torch": torch.__version__, "triton": version("triton"), "transformers": version("transformers"),
-            "git_commit": commit, "git_dirty": dirty,
+            "git_commit": commit, "git_dirty": dirty, "settings": settings,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -183,7 +186,8 @@ def env_line(env: dict) -> str:
     commit = (env.get("git_commit") or "unknown")[:10] + (" (dirty)" if env.get("git_dirty") else "")
     return (f"{env['date']} · commit {commit} · {env['device_name']}"
             f"{', driver ' + env['driver'] if env.get('driver') else ''} · torch {env['torch']}, triton "
-            f"{env['triton']}, transformers {env['transformers']}")
+            f"{env['triton']}, transformers {env['transformers']}"
+            + "".join(f" · {k}={v}" for k, v in (env.get("settings") or {}).items()))
 
 
 def scratch_dir(name: str) -> Path:

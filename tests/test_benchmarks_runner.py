@@ -95,3 +95,29 @@ def test_cuda_only_experiment_refuses_without_cuda(runner, tmp_path, monkeypatch
                         "--out", str(tmp_path / "out")]) == 3
     assert "lossless12_gemv: needs CUDA" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
+    """fused_tokens' thresholds: the FMA path up to the last width where it beat the tensor cores, the fused layer's
+    limit at the last whole 16-token block where every tested width beat the modular layer."""
+    fused_tokens = runner.load("fused_tokens")
+
+    def rows(fma_us, tc_us, modular_us):
+        out = []
+        for T in (1, 4, 5, 6, 8, 16, 20, 32, 40, 48, 64):
+            on = fma_us.get(T, tc_us.get(T, 10.0))
+            out += [dict(tokens=T, fma_max_tokens=8, fused_us=on if T <= 8 else tc_us.get(T, 10.0),
+                         modular_us=modular_us.get(T, 20.0)),
+                    dict(tokens=T, fma_max_tokens=4, fused_us=on if T <= 4 else tc_us.get(T, 10.0),
+                         modular_us=modular_us.get(T, 20.0))]
+        return out
+
+    # FMA wins at 5 and 6, loses at 8; fused beats modular through 32, loses at 40
+    got = fused_tokens.thresholds(rows({5: 8.0, 6: 9.0, 8: 12.0}, {5: 10.0, 6: 10.0, 8: 10.0, 40: 25.0}, {}))
+    assert got == {"SPECPILOT_FMA_MAX_TOKENS": 6, "SPECPILOT_FUSED_MAX_TOKENS": 32}
+    # FMA loses at once; fused wins everywhere up to the cap
+    got = fused_tokens.thresholds(rows({5: 11.0}, {5: 10.0}, {}))
+    assert got == {"SPECPILOT_FMA_MAX_TOKENS": 4, "SPECPILOT_FUSED_MAX_TOKENS": 64}
+    # fused loses at 20: the limit stays at one block
+    got = fused_tokens.thresholds(rows({5: 8.0, 6: 8.0, 8: 8.0}, {20: 30.0}, {}))
+    assert got == {"SPECPILOT_FMA_MAX_TOKENS": 8, "SPECPILOT_FUSED_MAX_TOKENS": 16}

@@ -42,6 +42,8 @@ def arguments(p) -> None:
     p.add_argument("--baselines", default="hf-static")
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help=f"the sweep's recipes besides ar and stock, of: {', '.join(RECIPES)}")
 
 
 def table(results: dict, reference: str) -> str:
@@ -82,7 +84,12 @@ def run(out_dir, args):
         argv = ["--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes), "--max-new-tokens", tokens,
                 "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests,
                 "--waves", 1 if args.smoke else args.waves, "--batching", args.batching]
-        for name in RECIPES:
+        names = [n for n in args.recipes.split(",") if n]
+        unknown = sorted(set(names) - set(RECIPES))
+        if unknown or FASTEST_AR not in names:
+            raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (of {', '.join(RECIPES)}; "
+                             f"{FASTEST_AR} is the table's reference)")
+        for name in names:
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]

@@ -12,6 +12,10 @@ tokens (tensor cores) cost 0.97 ms, and steps of 20-40 tokens (past the fused la
 1.37-1.45 ms; tree steps of 17-64 nodes run the modular layer unless the limit rises. The table says where each
 threshold belongs: FMA_MAX_TOKENS (SPECPILOT_FMA_MAX_TOKENS) and the fused layer's limit (SPECPILOT_FUSED_MAX_TOKENS).
 
+The thresholds the rows give (`thresholds`) are in the results and in WORK/fused_tokens.env (`export` lines for
+SPECPILOT_FMA_MAX_TOKENS and SPECPILOT_FUSED_MAX_TOKENS), so a later call of the same warm machine can run a bench at
+them (`. /tmp/fused_tokens.env`) before they become the defaults.
+
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the step prices by width behind the batch controller's
 choices) once run; not run yet.
 
@@ -26,7 +30,31 @@ CUDA_ONLY = True
 
 
 def arguments(p) -> None:
-    p.add_argument("--tokens", default="1,2,4,5,8,10,12,16,20,24,32,40,48,64")
+    p.add_argument("--tokens", default="1,2,4,5,6,8,10,12,16,20,24,32,40,48,64")
+
+
+def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
+    """The thresholds the rows support. FMA_MAX_TOKENS: the largest tested T in (fma_alt, shipped_fma] up to which
+    the FMA path (fma_max_tokens = shipped_fma) beat the tensor-core path (fma_max_tokens = fma_alt) at every tested
+    T, else fma_alt. The fused layer's limit: the largest multiple of `block` (at most `cap`) up to which the fused
+    layer beat the modular one at every tested T above `block`; tensor-core steps cost by blocks of `block` tokens,
+    so a limit between tested points would let untested widths run a whole extra block."""
+    by = {(r["tokens"], r["fma_max_tokens"]): r for r in rows}
+    fma = fma_alt
+    for T in sorted({t for t, _ in by if fma_alt < t <= shipped_fma}):
+        on, off = by.get((T, shipped_fma)), by.get((T, fma_alt))
+        if on is None or off is None or on["fused_us"] > off["fused_us"]:
+            break
+        fma = T
+    fused = block
+    above = sorted({t for t, _ in by if t > block})
+    for limit in range(2 * block, cap + 1, block):
+        tested = [t for t in above if fused < t <= limit]
+        if limit not in above or any(min(r["fused_us"] for (t2, _), r in by.items() if t2 == t)
+                                     > by[(t, shipped_fma)]["modular_us"] for t in tested):
+            break
+        fused = limit
+    return {"SPECPILOT_FMA_MAX_TOKENS": fma, "SPECPILOT_FUSED_MAX_TOKENS": fused}
 
 
 def run(out_dir, args):
@@ -43,6 +71,9 @@ def run(out_dir, args):
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
+    chosen = thresholds(rows)
+    (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
                                      for k in keys] for r in rows])
-    return {"rows": rows}, table
+    return {"rows": rows, "thresholds": chosen}, table + "\n\nThresholds these rows support: " + ", ".join(
+        f"{k}={v}" for k, v in chosen.items())
