@@ -73,7 +73,9 @@ DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 TREE_MAX_NODES = 64
 # Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the
 # tensor cores. benchmark(fma_max_tokens=...) times the alternatives; SPECPILOT_FMA_MAX_TOKENS sets it for whole runs.
-FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "8"))
+# 6: on the H200 (SmolLM2-135M, µs a layer, FMA / tensor cores) 5 tokens 25.7 / 30.8, 6 tokens 29.8 / 31.1, 8 tokens
+# 35.8 / 31.4 (docs/BENCHMARKS.md, thirteenth lease, `fused_tokens`): a B = 8 AR step was on the slower side at 8.
+FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "6"))
 # On the FMA path, each token's program takes the tile a one-token step takes (the rows a program holds fix the
 # order of its sums on the GPU): a verified token's layer outputs are then bit for bit those AR decoding computes for
 # it. Off (SPECPILOT_FMA_TILES_AS_ONE_TOKEN=0), a step of more tokens takes more rows a program, so fewer programs.

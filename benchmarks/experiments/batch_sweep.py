@@ -52,13 +52,15 @@ def table(results: dict, reference: str) -> str:
     kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}"
              + (" at ms " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_prices_ms"].items())
                 if r.get("step_prices_ms") else "")
+             + ("; in the loop " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_loop_ms"].items())
+                if r.get("step_loop_ms") else "")
              for r in results["runs"] if r.get("step_kinds") and (len(r["step_kinds"]) > 1 or r.get("step_prices_ms"))]
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
     text = harness.bench_table(results, reference) + f"\n\nShapes captured while timed: {captured or 'none'}."
     if kinds:
         text += ("\n\nSteps by kind k' (0: AR), where a run had more than one kind, and the controller's price of "
-                 "each kind:\n\n" + "\n".join(kinds))
+                 "each kind (replayed at warm-up; then as the loop timed it):\n\n" + "\n".join(kinds))
     return text
 
 

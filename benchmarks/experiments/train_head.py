@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import harness
 
@@ -66,7 +67,10 @@ def run(out_dir, args):
     kept.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(head / name, kept / name)
-    (out_dir / "train_log.txt").write_text("\n".join(train.tail))
+    # the whole log, less the per-chunk progress lines: where the data's minutes went (phase by phase) is in it
+    lines = Path(train.log).read_text().splitlines() if Path(train.log).is_file() else train.tail
+    (out_dir / "train_log.txt").write_text("\n".join(
+        line for line in lines if not any(k in line for k in ("hidden states:", "answers:"))))
     data = json.loads((head / "data.json").read_text())
     data.pop("dropped", None)
     schedule = json.loads((head / "schedule.json").read_text()) if (head / "schedule.json").is_file() else {}

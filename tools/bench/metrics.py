@@ -83,6 +83,8 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
                                                               Counter()).items())},
         # the batch controller's price of each kind of step at this batch's bucket (ms; measured at warm-up)
         "step_prices_ms": {str(kind): seconds * 1e3 for kind, seconds in sorted(runs[-1].step_prices.items())},
+        # ... and as the decoding loop timed them (ms; what the controller decided with at the end of the call)
+        "step_loop_ms": {str(kind): seconds * 1e3 for kind, seconds in sorted(runs[-1].step_loop_seconds.items())},
     }
 
 

@@ -35,7 +35,9 @@ class BatchRun:
     # baseline the graphs torch.compile built in it: should be 0
     step_kinds: dict[int, int] = field(default_factory=dict)  # our engine: steps run of each kind k' (0: AR steps)
     step_prices: dict[int, float] = field(default_factory=dict)  # with the batch controller: seconds of each kind of
-    # step at the batch's bucket, as the controller priced them
+    # step at the batch's bucket, as the warm-up's graph replays priced them
+    step_loop_seconds: dict[int, float] = field(default_factory=dict)  # and as the decoding loop timed them (the
+    # moving average the controller decided with at the end of the call)
 
 
 class BenchSkip(Exception):
@@ -131,7 +133,9 @@ class EngineSystem(System):
                        [r.finish_reason for r in rows])
         run.captures = self.engine.decoder.captures - captures
         run.step_kinds = dict(sorted(Counter(self.engine.decoder.last_stats.draft_lengths).items()))
-        run.step_prices = dict(self.engine.decoder.prices.get(self.engine.decoder.batch_rows, {}))
+        decoder = self.engine.decoder
+        run.step_prices = dict(decoder.prices.get(decoder.batch_rows, {}))
+        run.step_loop_seconds = dict(decoder.step_seconds.get(decoder.batch_rows, {}))
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
