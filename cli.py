@@ -8,8 +8,8 @@ import time
 
 from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
-from .tools.argtypes import (non_negative_float, non_negative_int, positive_float, positive_int,
-                              positive_int_list, probability)
+from .tools.argtypes import (add_target_argument, non_negative_float, non_negative_int, positive_float,
+                              positive_int, positive_int_list, probability)
 
 
 def _default_device() -> str:
@@ -19,7 +19,7 @@ def _default_device() -> str:
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    add_target_argument(p, default="smollm2-135m")
     p.add_argument("--recipe", default="stock", help="ar, stock, or a recipe JSON file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
@@ -93,7 +93,7 @@ def add_grid_parser(sub) -> None:
                                    "run with ar, stock and ar-fused-overlap, our fastest AR (the reference). "
                                    "Writes DIR/results.json, DIR/report.md, DIR/best.json, a plot, DIR/recipes/, "
                                    "DIR/gate/ and DIR/bench/ (docs/GRID.md).")
-    g.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    add_target_argument(g, default="smollm2-135m")
     g.add_argument("--workload", default="code",
                    help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
     g.add_argument("--space", required=True, help="space JSON file, or a shipped grid's name (smollm2)")
@@ -230,7 +230,7 @@ def add_optimize_parsers(sub) -> None:
                                    "candidates, and keeps the fastest recipe that passes the token-forcing gate. "
                                    "Writes DIR/recipe.json, DIR/report.md, DIR/progress.png, DIR/candidates/; "
                                    "checkpointed for `specpilot resume DIR` (docs/AGENTS.md).")
-    o.add_argument("--target", default=D["target"], help="alias, GGUF file, model directory or cached hub id")
+    add_target_argument(o, default=D["target"])
     o.add_argument("--workload", default=D["workload"], help="code, chat, math, summarize, rag, FILE.jsonl[:category]")
     o.add_argument("--provider", default=D["provider"], help="policy (deterministic, offline) or openai")
     o.add_argument("--model", default=None, help="the openai provider's model")
@@ -291,7 +291,7 @@ def add_train_parser(sub) -> None:
                                    "the training-time test. Writes DIR/config.json and DIR/model.safetensors, "
                                    "loadable as drafter {\"kind\": \"eagle3\", \"model\": DIR} "
                                    "(docs/TRAINING.md).")
-    t.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    add_target_argument(t, default="smollm2-135m")
     t.add_argument("--kind", default="eagle3", choices=["eagle3"], help="the drafter to train")
     t.add_argument("--out", required=True, help="output directory (empty or new; with --resume, the run's)")
     t.add_argument("--prompts", default=None,

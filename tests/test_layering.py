@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"cli": 6, "graph": 5, "memory": 4, "prompts": 4, "tools": 3, "engine": 2, "kernels": 1}
 # Inside tools/: which subpackage may use which (agent_tools.py sits above all four; argtypes.py below them).
 TOOLS_USES = {"agent_tools": {"bench", "gate", "profile", "sandbox", "argtypes"}, "gate": {"sandbox"},
-              "bench": {"argtypes"}, "grid": {"bench", "gate", "argtypes"}, "profile": set(), "sandbox": set(), "argtypes": set()}
+              "bench": {"argtypes"}, "grid": {"bench", "gate", "argtypes"}, "profile": {"argtypes"}, "sandbox": set(),
+              "argtypes": set()}
 
 
 def package_modules() -> dict[str, Path]:

@@ -92,3 +92,15 @@ def test_the_weight_read_floor_counts_what_a_step_reads(tiny_synthetic):
         every = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
         table = model.embed.numel() * 4
         assert step_weight_bytes(model) == (every if model.cfg.tie_embeddings else every - table)
+
+
+def test_every_commands_target_help_names_every_synthetic_target(capsys):
+    """--target's shared help lists exactly the synthetic architectures the loader knows, in every command."""
+    from specpilot import cli
+    from specpilot.tools.argtypes import SYNTHETIC_NAMES, TARGET_HELP
+
+    assert set(SYNTHETIC_NAMES) == set(synthetic.CONFIGS)
+    for command in ("generate", "bench", "optimize", "train-drafter"):
+        assert cli.main([command, "--help"]) == 0
+        shown = " ".join(capsys.readouterr().out.split())
+        assert " ".join(TARGET_HELP.split()) in shown, command

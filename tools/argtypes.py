@@ -84,3 +84,15 @@ def check(validator, flag: str, value):
         return validator(value)
     except argparse.ArgumentTypeError as e:
         raise SpecPilotError(f"argument {flag}: {e}") from None
+
+
+# --target's help, the same for every command that loads a target (engine/loader.py resolves it; engine/synthetic.py
+# holds the synthetic architectures, which a test keeps this list in step with)
+SYNTHETIC_NAMES = ("llama-3.1-8b", "qwen3-8b", "llama-3.2-1b")
+TARGET_HELP = ("alias (smollm2-135m), GGUF file, model directory, cached hub id, or synthetic:NAME (a published "
+               f"architecture with random weights, nothing downloaded: {', '.join(SYNTHETIC_NAMES)})")
+
+
+def add_target_argument(parser, default: str | None = "smollm2-135m", **kwargs) -> None:
+    """`--target` with the shared help."""
+    parser.add_argument("--target", default=default, help=TARGET_HELP, **kwargs)

@@ -22,6 +22,7 @@ from ...engine import loader
 from ...engine.engine import Engine
 from ...engine.recipe import load_recipe, parse
 from ...engine.workloads import load_workload
+from ..argtypes import add_target_argument
 
 _AUTOTUNE = "max-autotune-no-cudagraphs"
 SYSTEMS = {
@@ -152,7 +153,7 @@ def hf_runner(source: str, device: str, dtype, mode: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="smollm2-135m")
+    add_target_argument(ap, default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--workloads", default="code,summarize,chat")

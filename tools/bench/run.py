@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import check, positive_float, positive_int, positive_int_list
+from ..argtypes import add_target_argument, check, positive_float, positive_int, positive_int_list
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
 from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
@@ -71,7 +71,7 @@ STDERR_LINES = 50  # a worker's last stderr lines kept for the message of its de
 
 def add_arguments(b: argparse.ArgumentParser) -> None:
     """`specpilot bench`'s flags: the CLI's subcommand and `parse_args` (callers in code) share them."""
-    b.add_argument("--target", default="smollm2-135m", help="alias, GGUF file, model directory or cached hub id")
+    add_target_argument(b, default="smollm2-135m")
     b.add_argument("--recipe", action="append", default=[],
                    help="recipe JSON file to measure besides ar and stock (repeatable)")
     b.add_argument("--workload", default="code",

@@ -26,6 +26,7 @@ from ...engine import loader
 from ...engine.engine import Engine
 from ...engine.recipe import parse
 from ...engine.workloads import load_workload
+from ..argtypes import add_target_argument
 from .calibrate import load_or_measure
 from .costmodel import KERNELS_BOOKKEEPING, Deployment, ModelShape, predict
 from .native_stderr import quiet_profile
@@ -47,7 +48,7 @@ def measure(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> di
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
+    add_target_argument(ap, default="smollm2-135m")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--ks", default="0,1,2,4,8,16", help="0 = AR, else chain verification with the n-gram drafter")
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -17,6 +17,7 @@ import torch
 from ...engine import loader
 from ...engine.engine import Engine
 from ...engine.recipe import parse
+from ..argtypes import add_target_argument
 from .native_stderr import quiet_profile
 
 _L12 = {"weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
@@ -68,7 +69,7 @@ def measure(engine: Engine, name: str, B: int, max_new_tokens: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--target", default="smollm2-135m")
+    add_target_argument(ap, default="smollm2-135m")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--variants", default="ar,ar-sdpa,ngram-k4", help=f"any of {', '.join(VARIANTS)}")
     ap.add_argument("--max-new-tokens", type=int, default=256)

@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 
 from ...kernels.lossless12_format import exponent_histogram, tensor_stats
+from ..argtypes import add_target_argument
 
 RANDOM_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (1024, 4096))
 HEADER = f"{'tensor':<24}{'count':>6}{'weights':>12}{'distinct':>9}{'top15':>10}{'top16':>10}{'zeros':>10}" \
@@ -86,7 +87,7 @@ def report(tensors, title: str, per_tensor: bool) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m")
+    add_target_argument(ap, default="smollm2-135m")
     ap.add_argument("--per-tensor", action="store_true", help="one row per tensor instead of per tensor kind")
     ap.add_argument("--no-random", action="store_true", help="skip the Llama-like random tensors")
     a = ap.parse_args(argv)
