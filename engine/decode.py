@@ -28,6 +28,7 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
+from .recipe import BatchSpec
 from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
                    tree_positions)
 from .sampling import SamplingParams, accept_sampled, probabilities
@@ -86,9 +87,10 @@ REFILL_GROUP = 16
 # The weight of each new measurement in the batch controller's moving average of a kind of step's loop time
 TIME_AVERAGING = 0.1
 # How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
-# run it. A step that the estimates put at a tie gains nothing on average and loses whenever they err (acceptance
-# and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost 3-4% to marginal choices.
-SPECULATION_MARGIN = 0.05
+# run it (the recipe's batch.margin). A step that the estimates put at a tie gains nothing on average and loses
+# whenever they err (acceptance and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost
+# 3-4% to marginal choices.
+SPECULATION_MARGIN = BatchSpec.margin
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -203,11 +205,15 @@ class DraftLengthController:
     drafts for every row would not pay, the AR step does not search for drafts either (BLIND_AR).
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
-    each choice's prediction is kept until its step is read, and every verifying kind's expected gain is scaled by
-    (gained + prior) / (predicted + prior) over this batch's steps (`calibration`). The model errs where it cannot see:
-    drafts found two steps back (overlap chooses a step before the previous one is read), per-row budgets that verify
-    fewer drafts than were found (adaptive), rows that finish or start in between, few samples at deep positions;
-    measured tokens correct all of them at once, so a batch where speculation gains less than it costs turns to AR.
+    each choice's prediction is kept until its step is read, and each verifying kind's expected gain is scaled by
+    (gained + prior) / (predicted + prior) over this batch's steps of that kind, the prior weighing in the same ratio
+    over all its verifying steps (`calibration`: a kind run rarely follows the batch's measure). The model errs where
+    it cannot see: drafts found two steps back (overlap chooses a step before the previous one is read), per-row
+    budgets that verify fewer drafts than were found (adaptive), rows that finish or start in between, few samples at
+    deep positions (a deep kind's error is its own, hence a ratio a kind); measured tokens correct all of them at
+    once, so a batch where speculation gains less than it costs turns to AR. What a step gained counts only the
+    tokens its rows kept (`observe`'s `kept`): a request's last step may accept drafts past its end, which are
+    dropped.
 
     The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
     decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
@@ -232,15 +238,19 @@ class DraftLengthController:
         self.accepted = [1.0] * self.k
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
         self.ar_run = 0  # AR steps chosen in a row
-        self.predictions: deque[float | None] = deque()  # each step chosen and not yet read: its expected gain
-        self.predicted_gain = self.realized_gain = 0.0  # over this batch's verifying steps
+        # each step chosen and not yet read: (its kind, its expected gain), None for an AR step
+        self.predictions: deque[tuple[int, float] | None] = deque()
+        self.predicted_gain: Counter = Counter()  # by kind, over this batch's verifying steps
+        self.realized_gain: Counter = Counter()
         self.seconds = {} if seconds is None else seconds
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
-    def observe(self, verified: list[int], accepted: list[int], found: list[int]) -> None:
-        """A step's outcome for its live rows: drafts each verified, accepted, and found (available). Steps are
+    def observe(self, verified: list[int], accepted: list[int], found: list[int],
+                kept: list[int] | None = None) -> None:
+        """A step's outcome for its live rows: drafts each verified, accepted, and found (available), and of the
+        accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
         observed in the order they were chosen."""
         for v, n in zip(verified, accepted):
             for i in range(min(v, n + 1)):
@@ -249,14 +259,19 @@ class DraftLengthController:
         self.found = list(found)
         predicted = self.predictions.popleft() if self.predictions else None
         if predicted is not None:  # a verifying step: what the model expected it to gain, and what it gained
-            self.predicted_gain += predicted
-            self.realized_gain += sum(accepted)
+            kind, gain = predicted
+            self.predicted_gain[kind] += gain
+            self.realized_gain[kind] += sum(accepted if kept is None else kept)
 
-    def calibration(self) -> float:
-        """Gained over expected gain of this batch's verifying steps, with a prior of one step of every row's
-        first draft accepted at the rate predicted (so the first few steps cannot swing it)."""
+    def calibration(self, kind: int | None = None) -> float:
+        """Gained over expected gain of this batch's verifying steps of `kind` (None: of every kind), with a prior
+        of one step of every row's first draft at the ratio of all kinds (which has the same prior at 1: so the
+        first few steps cannot swing either)."""
         prior = max(1, self.bucket)
-        return (self.realized_gain + prior) / (self.predicted_gain + prior)
+        overall = (sum(self.realized_gain.values()) + prior) / (sum(self.predicted_gain.values()) + prior)
+        if kind is None:
+            return overall
+        return (self.realized_gain[kind] + prior * overall) / (self.predicted_gain[kind] + prior)
 
     def observe_time(self, kind: int, seconds: float) -> None:
         """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps)."""
@@ -281,9 +296,10 @@ class DraftLengthController:
         return out
 
     def _tokens(self, found: list[int]) -> dict[int, float]:
-        """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, the gain calibrated."""
-        p, c, rows = self.acceptance(), self.calibration(), len(found)
-        return {kind: rows + c * (step_tokens(found, p, kind, self.ragged, self.bucket) - rows)
+        """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, each kind's gain
+        calibrated."""
+        p, rows = self.acceptance(), len(found)
+        return {kind: rows + self.calibration(kind) * (step_tokens(found, p, kind, self.ragged, self.bucket) - rows)
                 for kind in range(self.k + 1)}
 
     def expected(self) -> dict[int, float]:
@@ -310,8 +326,8 @@ class DraftLengthController:
         self.ar_run = self.ar_run + 1 if choice <= 0 else 0
         # the model's own (uncalibrated) gain for this step, compared with what it gains once read
         rows = len(self.found) if self.found is not None else self.bucket
-        c = self.calibration()
-        self.predictions.append((expected[choice] - rows) / c if choice > 0 else None)
+        self.predictions.append((choice, (expected[choice] - rows) / self.calibration(choice)) if choice > 0
+                                else None)
         return choice
 
 
@@ -480,7 +496,8 @@ class Decoder:
                  kernels: dict[str, str] | Kernels | None = None, overlap: bool = False, compile_mode: str = "default",
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
-                 ragged: bool = False, tree: TreeShape | DynamicTree | None = None):
+                 ragged: bool = False, tree: TreeShape | DynamicTree | None = None,
+                 margin: float = SPECULATION_MARGIN):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -497,7 +514,8 @@ class Decoder:
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
-        self.controller = DraftLengthController(k, probe_every, ragged) if controller == "cost" and k > 0 else None
+        self.controller = (DraftLengthController(k, probe_every, ragged, margin=margin)
+                           if controller == "cost" and k > 0 else None)
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
         # Tree verification: every verifying step verifies the tree's N nodes a row (engine/tree.py), a static tree
@@ -1013,6 +1031,7 @@ class Decoder:
                 active[b] = self._append(results[b], [first_host[b]], t_first, stop, eos)
             owner = list(range(B)) + [None] * (rows - B)  # the request each row decodes
             since = [0] * rows  # the first step whose output belongs to the row's current request
+            kept = [0] * rows  # at the step just read: the accepted drafts each row kept (its request may have ended)
             firsts: dict[int, tuple] = {}  # row -> (handle, index): its started request's first token, read with
             # the request's first step
             waiting = deque(range(B, len(prompts)))
@@ -1087,12 +1106,15 @@ class Decoder:
                     n = out[b][0]
                     r.accepted.append(n)
                     r.found.append(out[b][-1])
+                    before = len(r.tokens)
                     if not self._append(r, out[b][1: n + 2], now, stop, eos):
                         active[b] = False
                         finished.append(b)
+                    kept[b] = max(0, min(n, len(r.tokens) - before - 1))  # accepted drafts past the end dropped
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
-                    controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found)
+                    controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
+                                       [kept[b] for b in stepped])
                 started = bool((waiting or ready) and finished) and start(finished)
                 if finished:
                     st.active.copy_(to_device(torch.tensor(active), device))

@@ -61,6 +61,7 @@ class BatchSpec:
     max_batch_size: int = 64  # rows decoded at once; more requests wait for a row (continuous batching)
     controller: str = "none"  # cost: each step's draft length 0..k from measured acceptance and step prices
     probe_every: int = 16  # cost: after this many AR steps in a row, one step verifies k drafts
+    margin: float = 0.05  # cost: how much more a verifying step must be expected to yield a second than an AR step
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
 
 
@@ -126,6 +127,8 @@ def _typed(hint, value, path: str):
         return dict(value)
     if origin in (typing.Union, types.UnionType):
         hint = tuple(typing.get_args(hint))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # JSON writes 0.0 as 0
     ok = isinstance(value, hint) and not (isinstance(value, bool) and hint in (int, float))
     if not ok:
         want = hint.__name__ if isinstance(hint, type) else " or ".join(h.__name__ for h in hint)
@@ -183,6 +186,8 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.controller", "chooses a draft length: it needs a drafter")
     if r.batch.probe_every < 1:
         bad("batch.probe_every", "must be >= 1")
+    if not 0 <= r.batch.margin <= 1:
+        bad("batch.margin", f"{r.batch.margin} must be between 0 and 1 (a share of an AR step's rate)")
     if r.batch.ragged and r.batch.controller != "cost":
         bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
                             "batch.controller 'cost'")

@@ -76,7 +76,7 @@ def test_choose_ragged_where_padded_loses():
 def uncalibrated(c: DraftLengthController) -> DraftLengthController:
     """The model alone: these tests observe steps without choosing each one first, so nothing pairs a step's
     prediction with its outcome (test_calibration_turns_an_optimistic_model_to_ar pairs them)."""
-    c.calibration = lambda: 1.0
+    c.calibration = lambda kind=None: 1.0
     return c
 
 
@@ -133,15 +133,60 @@ def test_a_verifying_step_must_beat_ar_by_the_margin():
     assert choose_step(tokens, {0: 1.0, 1: 1.2}, margin=0.05) == 1
 
 
+def test_each_kind_is_calibrated_by_its_own_steps():
+    """Two kinds of verifying step, one of which gains as the model says and one a quarter of it: each kind's ratio
+    follows its own steps (the prior pulls it toward the batch's), and a kind never run takes the batch's ratio."""
+    c = DraftLengthController(4, bucket=4)
+    for kind, gained in ((1, 1.0), (4, 0.25)):
+        for _ in range(50):
+            c.predictions.append((kind, 4.0))
+            c.observe([kind] * 4, [int(gained * 4 // 4)] * 4, [4] * 4, kept=[gained] * 4)
+    assert c.calibration(1) == pytest.approx(1.0, abs=0.05)
+    assert c.calibration(4) == pytest.approx(0.25, abs=0.05)
+    assert c.calibration(2) == pytest.approx(c.calibration()) == pytest.approx(0.625, abs=0.05)
+
+
+def test_drafts_past_a_requests_end_do_not_count_as_gained():
+    """Rows whose requests end inside the step keep fewer of their accepted drafts: the calibration counts those."""
+    c = DraftLengthController(4, bucket=4)
+    for _ in range(100):
+        c.predictions.append((4, 16.0))
+        c.observe([4] * 4, [4] * 4, [4] * 4, kept=[1] * 4)  # every draft accepted, one of four kept
+    assert c.acceptance() == pytest.approx([1.0] * 4, abs=0.01)  # acceptance itself is what the target did
+    assert c.calibration(4) == pytest.approx(0.25, abs=0.01)
+
+
+def test_the_decoder_counts_what_each_row_kept(tiny):
+    """Requests of 7 new tokens decoded verifying 4 drafts a step: each step the controller observes is credited with
+    the drafts its rows kept, so one token a row-step plus those kept is every token after each request's first
+    (the prefill's), none past a request's end."""
+    eng = controlled(tiny.loaded, {2: {k: 1.0 for k in range(5)}})  # every kind at one price: k' = 4 wins
+    seen = []
+    observe = eng.decoder.controller.observe
+    eng.decoder.controller.observe = lambda v, a, f, kept=None: (seen.append((a, kept)), observe(v, a, f, kept))
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    out = eng.generate(prompts, 7, ignore_eos=True)
+    assert all(len(r.tokens) == 7 for r in out)
+    assert sum(k + 1 for _, kept in seen for k in kept) == sum(len(r.tokens) - 1 for r in out)
+    assert all(k <= a for accepted, kept in seen for a, k in zip(accepted, kept))
+
+
 def test_recipe_key():
-    r = parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost", "probe_every": 8}})
-    assert (r.batch.controller, r.batch.probe_every) == ("cost", 8)
-    assert parse({}).batch.controller == "none"
+    r = parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost", "probe_every": 8, "margin": 0}})
+    assert (r.batch.controller, r.batch.probe_every, r.batch.margin) == ("cost", 8, 0.0)
+    assert parse({}).batch.controller == "none" and parse({}).batch.margin == 0.05
     for bad, key in (({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "fast"}}, "batch.controller"),
                      ({"batch": {"controller": "cost"}}, "batch.controller"),
-                     ({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"probe_every": 0}}, "batch.probe_every")):
+                     ({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"probe_every": 0}}, "batch.probe_every"),
+                     ({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"margin": -0.1}}, "batch.margin"),
+                     ({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"margin": "high"}}, "batch.margin")):
         with pytest.raises(RecipeError, match=key):
             parse(bad)
+
+
+def test_the_recipes_margin_reaches_the_controller(tiny):
+    assert controlled(tiny.loaded, margin=0.2).decoder.controller.margin == 0.2
+    assert controlled(tiny.loaded).decoder.controller.margin == 0.05
 
 
 def controlled(loaded, prices=None, k=4, loop_times=False, **batch) -> Engine:
@@ -202,7 +247,7 @@ def test_cost_controller_picks_ar_or_k_by_price(tiny, tiny_reference):
     uncalibrated(eng.decoder.controller).margin = 0.0
     found = []
     real = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f: found.append(max(f, default=0)) or real(v, a, f)
+    eng.decoder.controller.observe = lambda v, a, f, kept=None: found.append(max(f, default=0)) or real(v, a, f, kept)
     assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
     lengths = eng.decoder.last_stats.draft_lengths
     assert lengths[0] == 4 and lengths[1:] == [min(f, 4) for f in found[:len(lengths) - 1]] and 4 in lengths[1:]

@@ -44,6 +44,8 @@ def arguments(p) -> None:
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help=f"the sweep's recipes besides ar and stock, of: {', '.join(RECIPES)}")
+    p.add_argument("--margins", default="",
+                   help="also the controller recipe at these batch.margin values, e.g. 0.15 (cost-m15)")
 
 
 def table(results: dict, reference: str) -> str:
@@ -93,6 +95,10 @@ def run(out_dir, args):
                              f"{FASTEST_AR} is the table's reference)")
         for name in names:
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
+        cost = SYSTEMS["ngram2-k4-cost-fused-overlap"]
+        for margin in (float(m) for m in args.margins.split(",") if m):
+            name = f"ngram2-k4-cost-m{round(margin * 100)}-fused-overlap"
+            argv += ["--recipe", ctx.recipe(name, {**cost, "batch": {**cost["batch"], "margin": margin}})]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
         found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
