@@ -345,12 +345,13 @@ def fuse(head: Eagle3Head, states: torch.Tensor, ops) -> torch.Tensor:
 
 
 def midlayer(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             kv: torch.Tensor, ops, slots: torch.Tensor | None = None,
-             visible: torch.Tensor | None = None) -> torch.Tensor:
+             kv: torch.Tensor | None, ops, slots: torch.Tensor | None = None,
+             visible: torch.Tensor | None = None, attend=None) -> torch.Tensor:
     """The decoder layer over pairs (tokens [B, T], hidden [B, T, H]) at `positions` [B, T]: writes their K/V to
     `kv` [2, B, kv_heads, S, head_dim] and attends to slots 0..position of the row; returns the pre-norm output.
     Draft-tree nodes (`Eagle3Drafter.propose_tree`) give their own cache `slots` [B, T] and the slots each may see,
-    `visible` bool [B, T, S]."""
+    `visible` bool [B, T, S]. Training's unroll (tools/train/trainer.py) gives its own attention instead of a cache:
+    `attend(q [B, T, heads, head_dim] after RoPE, k, v [B, T, kv_heads, head_dim])` -> [B, T, heads * head_dim]."""
     cfg = head.cfg
     B, T = tokens.shape
     eps, nh, nkv, hd = cfg.rms_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -360,15 +361,18 @@ def midlayer(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, posit
     q, k, v = ops.linear(x, head.wqkv, head.bqkv).split([nh * hd, nkv * hd, nkv * hd], -1)
     cos, sin = (t[positions].unsqueeze(2) for t in head.rope)
     q, k = rotate(q.view(B, T, nh, hd), cos, sin), rotate(k.view(B, T, nkv, hd), cos, sin)
-    rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
-    kv[:, rows, :, positions if slots is None else slots] = torch.stack((k, v.view(B, T, nkv, hd)), 2)
-    rep = nh // nkv
-    if visible is None:
-        visible = torch.arange(kv.shape[3], device=tokens.device)[None, None, :] <= positions[:, :, None]
-    mask = visible[:, None, None].expand(B, 1, rep, T, kv.shape[3])
-    q = q.view(B, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, rep * T, hd)
-    o = ops.attention(q, kv[0], kv[1], mask.reshape(B, 1, rep * T, kv.shape[3]))
-    o = o.view(B, nkv, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
+    if attend is not None:
+        o = attend(q, k, v.view(B, T, nkv, hd))
+    else:
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T)
+        kv[:, rows, :, positions if slots is None else slots] = torch.stack((k, v.view(B, T, nkv, hd)), 2)
+        rep = nh // nkv
+        if visible is None:
+            visible = torch.arange(kv.shape[3], device=tokens.device)[None, None, :] <= positions[:, :, None]
+        mask = visible[:, None, None].expand(B, 1, rep, T, kv.shape[3])
+        q = q.view(B, T, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, rep * T, hd)
+        o = ops.attention(q, kv[0], kv[1], mask.reshape(B, 1, rep * T, kv.shape[3]))
+        o = o.view(B, nkv, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, nh * hd)
     h = residual + ops.linear(o, head.wo, head.bo)
     gate, up = ops.linear(ops.rmsnorm(h, head.post_norm, eps), head.w13, None).chunk(2, dim=-1)
     return h + ops.linear(F.silu(gate) * up, head.w2, None)

@@ -20,7 +20,7 @@ from specpilot.engine.loader import load
 from specpilot.engine.recipe import parse
 from specpilot.engine.workloads import load_workload
 from specpilot.tools.train import run as run_mod
-from specpilot.tools.train.data import answer_engine, capture, capture_group, capture_groups, load_samples
+from specpilot.tools.train.data import Sample, answer_engine, capture, capture_group, capture_groups, load_samples
 from specpilot.tools.train.filters import deduplicated, normalized
 from specpilot.tools.train.head import TrainableHead, head_config
 from specpilot.tools.train import prompts as prompts_mod
@@ -343,6 +343,65 @@ def test_the_unrolled_training_steps_are_the_engines_draft_steps(trained, chat_t
             if j:
                 last, logits = next_draft(head, tokens[:, t + 1 + j], last, torch.tensor([[t + j]]), kv, OPS)
             torch.testing.assert_close(unrolled[j][0, t], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def dense_unrolled_logits(head, batch, steps):
+    """The unroll as first written: a cache of one slot per (step, index), slot i * n + u holding step i's entry of
+    index u, and the layer's own SDPA over all steps * n slots under the mask of those step j at t sees."""
+    B, n = batch.tokens.shape[0], batch.tokens.shape[1] - steps - 1
+    t = torch.arange(n)
+    head.ensure_rope(n + steps)
+    slot_step, slot_index = torch.arange(steps * n).div(n, rounding_mode="floor"), t.repeat(steps)
+    causal = (slot_step[None] == 0) & (slot_index[None] <= t[:, None])
+    diagonal = (slot_step[None] > 0) & (slot_index[None] == t[:, None])
+    kv = torch.zeros(2, B, head.cfg.n_kv_heads, steps * n, head.cfg.head_dim, dtype=head.dtype)
+    hidden = fuse(head, batch.states[:, :n], OPS)
+    logits = []
+    for j in range(steps):
+        visible = (causal | diagonal & (slot_step[None] <= j))[None].expand(B, n, steps * n)
+        kv = kv.clone()
+        hidden = midlayer(head, batch.tokens[:, 1 + j: 1 + j + n], hidden, (t + j)[None].expand(B, n), kv, OPS,
+                          slots=(t + j * n)[None].expand(B, n), visible=visible)
+        logits.append(draft_logits(head, hidden, OPS))
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_unrolls_attention_is_the_masked_attention_over_every_step(dtype):
+    """`ttt_attention` (step 0's keys by one causal matmul, each step's key at t by a dot product) gives the logits
+    and the parameter gradients of SDPA over a cache of every (step, index) under the visibility mask: grouped
+    query heads (4 over 2 KV heads), right-padded samples of two lengths. Equal up to rounding: within 1e-5 of each
+    tensor's largest magnitude in fp32, 1e-12 in fp64."""
+    g = torch.Generator().manual_seed(0)
+    H, V, steps = 32, 50, 4
+    target = type("Target", (), {"device": torch.device("cpu"), "norm": 1 + 0.1 * torch.randn(H, generator=g),
+                                 "lm_head": torch.randn(V, H, generator=g), "embed": torch.randn(V, H, generator=g)})
+    config = {"hidden_size": H, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8, "rms_norm_eps": 1e-6, "vocab_size": V, "max_position_embeddings": 64,
+              "rope_theta": 10000.0, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    head = TrainableHead(config, torch.arange(0, V, 2), target, seed=0)
+    with torch.no_grad():  # off SpecForge's N(0, 0.02) start, whose attention is near uniform
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    head.to(dtype)
+    samples = [Sample(torch.randint(V, (L,), generator=g), 2, torch.randn(L, 3 * H, generator=g),
+                      torch.randn(L, H, generator=g), torch.randint(V, (L,), generator=g)) for L in (12, 7)]
+    batch = collate(samples, steps, "cpu")
+    batch.states = batch.states.to(dtype)
+    weights = [torch.randn(2, 11, V // 2, generator=g, dtype=dtype) for _ in range(steps)]
+
+    def logits_and_grads(unroll):
+        head.zero_grad()
+        logits = unroll(head, batch, steps)
+        sum((l * w).sum() for l, w in zip(logits, weights)).backward()
+        return [l.detach() for l in logits], [p.grad.clone() for p in head.parameters()]
+
+    got, got_grads = logits_and_grads(unrolled_logits)
+    want, want_grads = logits_and_grads(dense_unrolled_logits)
+    assert len(got) == steps and got[0].shape == (2, 11, V // 2)
+    scale = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]  # of each tensor's largest magnitude
+    for a, b in zip(got + got_grads, want + want_grads):
+        torch.testing.assert_close(a, b, atol=scale * b.abs().max().item(), rtol=0)
 
 
 class Killed(Exception):

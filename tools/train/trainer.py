@@ -7,8 +7,11 @@ output at t with the true token t + 1 + j and predicts token t + 2 + j. Attentio
 entries of indices 0..t and its own chain's entries of steps 1..j at index t (SpecForge's cache of earlier steps,
 visible on the diagonal only). Positions: step j sits at position t + j, where the engine's j-th draft step sits
 (SpecForge keeps position t for every step; at decode time the head's cache has the draft at t + j, so this trains
-the function the engine runs). The unroll runs engine/eagle3.py's own `midlayer` with a cache of one slot per
-(step, index) and that visibility mask.
+the function the engine runs). The unroll runs engine/eagle3.py's own `midlayer` with `ttt_attention` in place of
+its cache and SDPA, computed as SpecForge's llama3_eagle computes it: the scores of step 0's keys u < t by one matmul
+under a causal mask, those of steps 0..j's keys at t by one dot product each, one softmax over both. That is
+n * n + n * (j + 1) scores at step j, where SDPA over a cache of one slot per (step, index) under the visibility
+mask scored n * steps * n, nearly all of them masked out (~7x the attention FLOPs at the default 7 steps).
 
 Loss (SpecForge): at each step, the cross-entropy of the head's draft-vocabulary distribution against the target's
 distribution restricted to the draft vocabulary (softmax of the target's logits at those rows: forward KL up to
@@ -92,26 +95,43 @@ def target_probs(batch: Batch, target_norm: torch.Tensor, eps: float, target_row
     return logits.softmax(-1)
 
 
+def ttt_attention(q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Step j's attention (module docstring) for queries q [B, n, heads, head_dim] after RoPE, `cache` holding steps
+    0..j's (k, v) [B, n, kv_heads, head_dim]: one softmax over step 0's keys u < t and steps 0..j's keys at t;
+    [B, n, heads * head_dim]."""
+    (k0, v0), (B, n, nh, hd) = cache[0], q.shape
+    nkv = k0.shape[2]
+    rep = nh // nkv
+    q = q.view(B, n, nkv, rep, hd) * hd ** -0.5  # SDPA's default scale
+    grouped = q.permute(0, 2, 3, 1, 4).reshape(B, nkv, rep * n, hd)
+    earlier = (grouped @ k0.permute(0, 2, 3, 1)).view(B, nkv, rep, n, n)  # [.., t, u]
+    # u >= t masked: step 0's key at t comes with the later steps' (one stack, never empty)
+    earlier = earlier.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(), float("-inf"))
+    keys, values = (torch.stack(x, 3) for x in zip(*cache))  # every step's entry at t: [B, n, kv_heads, j + 1, hd]
+    probs = torch.cat([earlier, torch.einsum("btgrd,btgid->bgrti", q, keys)], -1).softmax(-1)
+    o = (probs[..., :n].reshape(B, nkv, rep * n, n) @ v0.transpose(1, 2)).view(B, nkv, rep, n, hd)
+    o = o.permute(0, 3, 1, 2, 4) + torch.einsum("bgrti,btgid->btgrd", probs[..., n:], values)
+    return o.reshape(B, n, nh * hd)
+
+
 def unrolled_logits(head: TrainableHead, batch: Batch, steps: int) -> list[torch.Tensor]:
     """The head unrolled for `steps` steps over every pair index t = 0..n-1 at once (module docstring): step j's
     draft logits [B, n, Vd], predicting token t + 2 + j."""
     B = batch.tokens.shape[0]
     n = batch.tokens.shape[1] - steps - 1  # the longest sample's pairs: tokens 0..T-2 (collate padded by steps)
-    device = batch.tokens.device
-    t = torch.arange(n, device=device)
+    t = torch.arange(n, device=batch.tokens.device)
     head.ensure_rope(n + steps)
-    # slot i * n + u holds step i's entry of index u; step j at index t sees step 0's u <= t and steps 1..j's u == t
-    slot_step, slot_index = torch.arange(steps * n, device=device).div(n, rounding_mode="floor"), t.repeat(steps)
-    causal = (slot_step[None] == 0) & (slot_index[None] <= t[:, None])
-    diagonal = (slot_step[None] > 0) & (slot_index[None] == t[:, None])
-    kv = torch.zeros(2, B, head.cfg.n_kv_heads, steps * n, head.cfg.head_dim, device=device)
+    cache = []  # each step's (k, v) [B, n, kv_heads, head_dim]; appended, never written in place (backward)
+
+    def attend(q, k, v):
+        cache.append((k, v))
+        return ttt_attention(q, cache)
+
     hidden = fuse(head, batch.states[:, :n], OPS)
     logits = []
     for j in range(steps):
-        visible = (causal | diagonal & (slot_step[None] <= j))[None].expand(B, n, steps * n)
-        kv = kv.clone()  # the earlier steps' attention saved the cache for backward: each step writes a copy
-        hidden = midlayer(head, batch.tokens[:, 1 + j: 1 + j + n], hidden, (t + j)[None].expand(B, n), kv, OPS,
-                          slots=(t + j * n)[None].expand(B, n), visible=visible)
+        hidden = midlayer(head, batch.tokens[:, 1 + j: 1 + j + n], hidden, (t + j)[None].expand(B, n), None, OPS,
+                          attend=attend)
         logits.append(draft_logits(head, hidden, OPS))
     return logits
 
