@@ -217,9 +217,11 @@ class DraftLengthController:
 
     The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
     decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
-    kind). That time holds what a replay does not: the requests started in the batch between steps, the host's work
-    where it is the bottleneck, attention over the real context lengths. A kind not timed yet is priced as its
-    replay scaled like the timed kinds around it."""
+    kind). That time holds what a replay does not: the host's work where it is the bottleneck, attention over the
+    real context lengths. The steps that ran behind requests started in the batch are not timed (the decoder skips
+    them): every kind of step would pay that prefill alike, and charged to whichever kind followed it, it made that
+    kind look up to twice its cost. A kind not timed yet is priced as its replay scaled like the timed kinds around
+    it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
                  margin: float = SPECULATION_MARGIN):
@@ -1040,6 +1042,11 @@ class Decoder:
             launched = 0
 
             group = min(REFILL_GROUP, rows)  # waiting requests prefilled together, ahead of the rows they take
+            # Steps launched right after requests started: their read waits for the prefill and move-in too, work
+            # that every kind of step would pay alike (the same requests start whatever the steps verify), so their
+            # loop times are not a price of their kind. (Timed, the kind that tends to follow a refill, an AR step
+            # for the new rows, looked twice its cost at B = 64: the H200's chat cells, thirteenth lease.)
+            behind_refill: set[int] = set()
             ready: deque = deque()  # (request, its prefill, its row there): prefilled, waiting for a free row
 
             def start(free: list[int]) -> bool:
@@ -1059,6 +1066,8 @@ class Decoder:
                         owner[b], since[b], active[b], firsts[b] = i, launched, True, (prefilled.first_host, j)
                     at += len(moving)
                 stats.refills += len(take)
+                if take:  # the next step launched runs behind these requests' prefill and move-in
+                    behind_refill.add(launched)
                 return bool(take)
 
             def launch():
@@ -1087,8 +1096,10 @@ class Decoder:
                 out = self._read(handle)  # the step's one host sync
                 self._mark("synced")
                 now = time.perf_counter() - t0
-                if controller is not None and stats.steps:  # (the first read also waited for the prefill)
+                if controller is not None and stats.steps and index not in behind_refill:
+                    # (the first read also waited for the prefill)
                     controller.observe_time(stats.draft_lengths[index], now - last_read)
+                behind_refill.discard(index)
                 last_read = now
                 stats.steps += 1
                 stepped, finished = [], []

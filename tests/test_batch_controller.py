@@ -302,6 +302,31 @@ def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
     assert eng.decoder.controller.seconds is times
 
 
+def test_steps_behind_a_refill_are_not_timed(tiny_model_dir):
+    """Requests started in a running batch are prefilled between two steps; the step launched behind them waits for
+    that too, which no kind of step costs by itself: its loop time is not fed to the controller. Here each prefill
+    sleeps 0.2 s (far above a step of the tiny model), and no time the controller saw holds one."""
+    import time as time_module
+
+    from specpilot.engine.loader import load
+
+    eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2, loop_times=True, max_batch_size=2)
+    prefill, prefills = eng.decoder._prefill_requests, []
+
+    def slow_prefill(*args, **kwargs):
+        prefills.append(1)
+        time_module.sleep(0.2)
+        return prefill(*args, **kwargs)
+
+    eng.decoder._prefill_requests = slow_prefill
+    seen = []
+    observe_time = eng.decoder.controller.observe_time
+    eng.decoder.controller.observe_time = lambda kind, seconds: (seen.append(seconds), observe_time(kind, seconds))
+    out = eng.generate(tiny_prompts() * 2, 6, ignore_eos=True, max_batch=2)
+    assert all(len(r.tokens) == 6 for r in out) and len(prefills) >= 2  # refills, two requests each
+    assert seen and max(seen) < 0.1
+
+
 def test_blind_ar_when_no_draft_could_pay():
     """An AR step searches for drafts (the controller must see when they come back) unless even k drafts for every
     live row would lose to AR at the measured acceptance: then it skips the search too (BLIND_AR), until a probe."""
