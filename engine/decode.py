@@ -86,6 +86,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 REFILL_GROUP = 16
 # The weight of each new measurement in the batch controller's moving average of a kind of step's loop time
 TIME_AVERAGING = 0.1
+# Replayed step prices (`Decoder._measure_prices`): untimed replays of each kind first, then rounds of replays over
+# the kinds in turn, a kind's price its median round
+PRICE_WARM_REPLAYS, PRICE_ROUNDS, PRICE_REPLAYS = 5, 5, 3
 # How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
 # run it (the recipe's batch.margin). A step that the estimates put at a tie gains nothing on average and loses
 # whenever they err (acceptance and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost
@@ -779,8 +782,22 @@ class Decoder:
         """The controller's price of each kind of step on this bucket: given, measured at warm-up, or now."""
         prices = self.prices.get(st.batch)
         if prices is None:
-            prices = self.prices[st.batch] = {k: self._time_step(st, k, 3) for k in self._step_kinds()}
+            prices = self.prices[st.batch] = self._measure_prices(st)
         return prices
+
+    def _measure_prices(self, st: DecodeState) -> dict[int, float]:
+        """Each kind's replayed step time: after PRICE_WARM_REPLAYS untimed replays of every kind, PRICE_ROUNDS
+        rounds of PRICE_REPLAYS replays a kind, the kinds interleaved, and each kind's median round. Timed one kind
+        after the other, the first kinds ran on a GPU still clocking up: on the H200 (thirteenth lease, chat B = 4)
+        k' = 4, timed first, was priced 1.32 ms where the loop timed it at 1.13."""
+        kinds = self._step_kinds()
+        for kind in kinds:
+            self._time_step(st, kind, PRICE_WARM_REPLAYS)
+        rounds = {kind: [] for kind in kinds}
+        for _ in range(PRICE_ROUNDS):
+            for kind in kinds:
+                rounds[kind].append(self._time_step(st, kind, PRICE_REPLAYS))
+        return {kind: sorted(times)[len(times) // 2] for kind, times in rounds.items()}
 
     def replay_once(self) -> None:
         """Replay the last captured step once (for a profiler trace); the lengths are put back afterwards."""

@@ -262,6 +262,30 @@ def test_prices_are_measured_when_not_given(tiny_model_dir):
     assert all(p > 0 for p in eng.decoder.prices[3].values())
 
 
+def test_prices_are_timed_warm_and_in_turns(tiny_model_dir):
+    """Every kind is replayed untimed first, then the kinds are timed in turns, and a kind's price is its median
+    round: a GPU that speeds up during the measurement (clocks rising) biases no kind, and one slow round none."""
+    from specpilot.engine import decode
+    from specpilot.engine.loader import load
+
+    eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2)
+    calls, clock = [], iter(range(1000, 0, -1))  # every replay a little faster than the one before
+
+    def timed(st, kind, replays):
+        calls.append((kind, replays))
+        return 10.0 if len(calls) == 20 else next(clock) / 1000  # one slow round
+
+    eng.decoder._time_step = timed
+    eng.generate(tiny_prompts(), 4, ignore_eos=True)
+    kinds = [2, 1, 0, BLIND_AR]
+    warm = [(kind, decode.PRICE_WARM_REPLAYS) for kind in kinds]
+    assert calls == warm + [(kind, decode.PRICE_REPLAYS) for kind in kinds] * decode.PRICE_ROUNDS
+    prices = eng.decoder.prices[3]
+    assert prices[2] < 1.0 and all(p < 1.0 for p in prices.values())  # the slow round left out
+    # the kinds' prices differ by one replay's speed-up a turn at most: time order did not rank them
+    assert max(prices.values()) - min(prices.values()) <= 0.004
+
+
 def test_loop_times_correct_the_replayed_prices():
     """Replays say a k = 4 step costs 1.2 AR steps; the loop measures AR steps at their replay and k = 4 steps at
     twice AR. With each draft accepted about half the time, verifying three or four wins by the replays and four
