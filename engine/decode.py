@@ -84,8 +84,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Waiting requests prefilled together (continuous batching), ahead of the rows they will take: their prefill runs in
 # a scratch cache of this many rows, at most (`Decoder._prefill_requests`).
 REFILL_GROUP = 16
-# The weight of each new measurement in the batch controller's moving average of a kind of step's loop time
+# The weight of each new measurement in the batch controller's moving average of a kind of step's loop time (the
+# first 1 / TIME_AVERAGING measurements are averaged alike), and how many a kind needs before its own average prices
+# it (fewer: priced like the kinds timed around it; a kind run a few times, a probe, is priced by noise otherwise)
 TIME_AVERAGING = 0.1
+MIN_TIMED_STEPS = 4
 # Replayed step prices (`Decoder._measure_prices`): untimed replays of each kind first, then rounds of replays over
 # the kinds in turn, a kind's price its median round
 PRICE_WARM_REPLAYS, PRICE_ROUNDS, PRICE_REPLAYS = 5, 5, 3
@@ -223,8 +226,8 @@ class DraftLengthController:
     kind). That time holds what a replay does not: the host's work where it is the bottleneck, attention over the
     real context lengths. The steps that ran behind requests started in the batch are not timed (the decoder skips
     them): every kind of step would pay that prefill alike, and charged to whichever kind followed it, it made that
-    kind look up to twice its cost. A kind not timed yet is priced as its replay scaled like the timed kinds around
-    it."""
+    kind look up to twice its cost. A kind not timed yet, or fewer than MIN_TIMED_STEPS times, is priced as its
+    replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
                  margin: float = SPECULATION_MARGIN):
@@ -233,11 +236,13 @@ class DraftLengthController:
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
         self.margin = margin
         self.seconds: dict[int, float] = {}
+        self.timed: dict[int, int] = {}
         self.reset(bucket)
 
-    def reset(self, bucket: int | None = None, seconds: dict[int, float] | None = None) -> None:
+    def reset(self, bucket: int | None = None, seconds: dict[int, float] | None = None,
+              timed: dict[int, int] | None = None) -> None:
         """A new batch: acceptance measured afresh; `seconds`, the loop's times of this bucket's kinds of step so
-        far (the dict is updated in place), carry over."""
+        far, and `timed`, how many steps of each kind they average (both dicts updated in place), carry over."""
         self.bucket = bucket or self.bucket
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
@@ -248,6 +253,7 @@ class DraftLengthController:
         self.predicted_gain: Counter = Counter()  # by kind, over this batch's verifying steps
         self.realized_gain: Counter = Counter()
         self.seconds = {} if seconds is None else seconds
+        self.timed = {} if timed is None else timed
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
@@ -279,14 +285,19 @@ class DraftLengthController:
         return (self.realized_gain[kind] + prior * overall) / (self.predicted_gain[kind] + prior)
 
     def observe_time(self, kind: int, seconds: float) -> None:
-        """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps)."""
+        """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps; the
+        plain mean of the first ones)."""
+        n = self.timed.get(kind, 0) + 1
+        self.timed[kind] = n
         old = self.seconds.get(kind)
-        self.seconds[kind] = seconds if old is None else old + TIME_AVERAGING * (seconds - old)
+        self.seconds[kind] = seconds if old is None else old + max(TIME_AVERAGING, 1 / n) * (seconds - old)
 
     def priced(self, prices_by_k: dict[int, float]) -> dict[int, float]:
-        """Each kind's price: its loop time where timed, else its replay times the loop/replay ratio interpolated
-        between the nearest timed kinds below and above it (the nearest one's beyond them)."""
-        ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items() if prices_by_k.get(kind)}
+        """Each kind's price: its loop time where timed (MIN_TIMED_STEPS times at least), else its replay times the
+        loop/replay ratio interpolated between the nearest timed kinds below and above it (the nearest one's
+        beyond them)."""
+        ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items()
+                 if prices_by_k.get(kind) and self.timed.get(kind, MIN_TIMED_STEPS) >= MIN_TIMED_STEPS}
         if not ratio:
             return prices_by_k
         out = {}
@@ -547,6 +558,7 @@ class Decoder:
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
         # The batch controller's loop times of each kind of step, per bucket (DraftLengthController.observe_time)
         self.step_seconds: dict[int, dict[int, float]] = {}
+        self.step_timed: dict[int, dict[int, int]] = {}  # how many steps each of those averages
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
         # warm-up can do ahead of time. Only worth it with graphs: eagerly, padding is pure cost.
@@ -1013,7 +1025,7 @@ class Decoder:
         eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
         controller = self.controller
         if controller is not None:  # acceptance is measured per call; the loop's step times carry over
-            controller.reset(rows, self.step_seconds.setdefault(rows, {}))
+            controller.reset(rows, self.step_seconds.setdefault(rows, {}), self.step_timed.setdefault(rows, {}))
 
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()

@@ -314,6 +314,23 @@ def test_loop_times_correct_the_replayed_prices():
     assert shared == {2: 0.5}  # the decoder's per-bucket record, carried to the next call
 
 
+def test_a_kind_timed_a_few_times_is_priced_like_its_neighbours():
+    """The first loop times of a kind are averaged alike (the first one does not weigh nine tenths of the tenth);
+    a kind timed fewer than MIN_TIMED_STEPS times (a probe, once) is priced from the kinds timed around it."""
+    from specpilot.engine.decode import MIN_TIMED_STEPS
+
+    replay = {0: 1.0, 1: 1.1, 2: 1.2}
+    c = DraftLengthController(2, bucket=4)
+    for seconds in (3.0, 1.0, 1.0, 1.0):
+        c.observe_time(0, seconds)
+    assert c.seconds[0] == pytest.approx(1.5)  # the mean of four, not 3.0 pulled a tenth of the way each time
+    for _ in range(MIN_TIMED_STEPS - 1):
+        c.observe_time(2, 6.0)  # a kind timed too few times: five times its replay, noise
+    assert c.priced(replay)[2] == pytest.approx(1.2 * 1.5)  # priced like AR, the timed kind: x1.5
+    c.observe_time(2, 6.0)
+    assert c.priced(replay)[2] == pytest.approx(6.0)  # now its own
+
+
 def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
     from specpilot.engine.loader import load
 

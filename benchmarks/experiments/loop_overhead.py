@@ -6,10 +6,14 @@ continuously batched. For each system (our fastest AR; the n-gram drafter at k =
 every step verifying; the same with the batch controller) after a warm-up call: the call's wall time and steps; each
 kind of step's graph replayed at warm-up (the controller's price) and again at the state the call left (real
 lengths and history); and the host time inside the call's phases: waiting for a step's output (`_read`), launching
-steps (`_launch`), starting requests in finished rows (`_start_requests`), the rest (the row loop). Device-bound,
+steps (`_launch`), prefilling requests to start in finished rows (`_prefill_requests`) and moving them in
+(`_move_in`), the rest (the row loop). Device-bound,
 the waits dominate; host-bound, they vanish.
 
-Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry).
+Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry). With `--workload
+NAME` it runs the staged target on that workload's prompts instead (cycled to `--requests`, chat-templated), where
+the n-gram drafter finds what it finds on real text (on random tokens, nothing): the loop of a cell of
+`batch_sweep`, timed phase by phase, with the controller's loop-timed prices.
 
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
 large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md.
@@ -41,6 +45,7 @@ def arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--layers", type=int, default=SHAPES["num_hidden_layers"])
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--workload", default="", help="the staged target on this workload's prompts (default: random)")
 
 
 def random_target(layers: int, device: str, scratch):
@@ -74,10 +79,19 @@ def run(out_dir, args):
     ctx = args.ctx
     device = "cuda" if torch.cuda.is_available() and not ctx.smoke else "cpu"
     rows, requests, new = (2, 4, 8) if ctx.smoke else (args.rows, args.requests, args.max_new_tokens)
-    target = random_target(2 if ctx.smoke else args.layers, device, ctx.scratch)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(requests)]
+    if args.workload:
+        from specpilot.engine import loader
+        from specpilot.engine.workloads import load_workload
+
+        target = loader.load(ctx.target, "bf16" if device == "cuda" else "fp32", device)
+        questions = load_workload(args.workload)
+        encode = Engine(target, parse({})).encode
+        prompts = [encode(questions[i % len(questions)].turns[0]) for i in range(requests)]
+    else:
+        target = random_target(2 if ctx.smoke else args.layers, device, ctx.scratch)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
+                                 generator=g).tolist() for _ in range(requests)]
     found, lines = {}, []
     for name in args.systems.split(","):
         spec = SYSTEMS[name]
@@ -86,7 +100,7 @@ def run(out_dir, args):
         eng.warmup([rows], max(map(len, prompts)), new)
         eng.generate(prompts, new, ignore_eos=True, max_batch=rows)  # the first real call: caches, allocator
         phases = {}
-        for method in ("_read", "_launch", "_start_requests"):
+        for method in ("_read", "_launch", "_prefill_requests", "_move_in"):
             setattr(dec, method, timed(phases, method, getattr(dec, method)))
         torch.cuda.synchronize() if device == "cuda" else None
         t0 = time.perf_counter()
@@ -99,18 +113,22 @@ def run(out_dir, args):
         kinds = sorted(set(stats.draft_lengths))
         at_end = {k: dec._time_step(dec._state, k, 20) * 1e3 for k in kinds}
         warm = {k: v * 1e3 for k, v in dec.prices.get(dec._state.batch, {}).items()}
+        loop = {k: v * 1e3 for k, v in dec.step_seconds.get(dec._state.batch, {}).items()}
         tokens = sum(len(r.tokens) for r in out)
         rest = wall - sum(phases.values())
         found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
                        "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
-                       "replay_ms_at_warmup": warm, "host_s": phases, "rest_s": rest}
+                       "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest}
         lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {wall / stats.steps * 1e3:.3f} | "
                      + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
-                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in ("_read", "_launch", "_start_requests"))
+                     + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
+                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}"
+                                  for m in ("_read", "_launch", "_prefill_requests", "_move_in"))
                      + f" / {rest * 1e3:.0f} | {stats.refills} |")
         del eng, dec
         torch.cuda.empty_cache() if device == "cuda" else None
-    head = ("| system | tok/s | steps | wall ms/step | replay ms at the end, by kind | at warm-up | host ms: wait "
-            "/ launch / start requests / rest | requests started |\n|---|---:|---:|---:|---|---|---|---:|")
+    head = ("| system | tok/s | steps | wall ms/step | replay ms at the end, by kind | at warm-up | in the loop | host "
+            "ms: wait / launch / prefill requests / move them in / rest | requests started |\n"
+            "|---|---:|---:|---:|---|---|---|---|---:|")
     return found, head + "\n" + "\n".join(lines)
