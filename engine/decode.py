@@ -206,9 +206,10 @@ class DraftLengthController:
     (an untried length looks good, so it gets tried). Which rows have drafts, and how many, is what the drafter found
     at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
     proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
-    each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A plain AR step verifies nothing, so after
-    `probe_every` AR steps in a row the next step verifies k, to notice when acceptance comes back. When even k
-    drafts for every row would not pay, the AR step does not search for drafts either (BLIND_AR).
+    each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A
+    plain AR step verifies nothing, so after `probe_every` AR steps in a row the next step verifies k, to notice
+    when acceptance comes back. When even k drafts for every row would not pay, the AR step does not search for
+    drafts either (BLIND_AR).
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's prediction is kept until its step is read, and each verifying kind's expected gain is scaled by
@@ -601,8 +602,8 @@ class Decoder:
         self.captures = 0
         self.captured: list[tuple] = []
         self.last_stats = BatchStats()
-        # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA graph)
-        # and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
+        # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA
+        # graph) and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
         self.phase_timer = None
 
     @property

@@ -289,8 +289,8 @@ def test_prices_are_timed_warm_and_in_turns(tiny_model_dir):
 def test_loop_times_correct_the_replayed_prices():
     """Replays say a k = 4 step costs 1.2 AR steps; the loop measures AR steps at their replay and k = 4 steps at
     twice AR. With each draft accepted about half the time, verifying three or four wins by the replays and four
-    loses by the loop; k' = 1..3, not timed, are priced at their replays times the loop/replay ratio interpolated between the
-    timed kinds, and k' = 1 wins."""
+    loses by the loop; k' = 1..3, not timed, are priced at their replays times the loop/replay ratio interpolated
+    between the timed kinds, and k' = 1 wins."""
     replay = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15, 4: 1.2}
     c = DraftLengthController(4, probe_every=1000, bucket=16)
     accepted = [0] * 9 + [1] * 4 + [2] * 2 + [3]  # 16 rows verified 4 drafts: p_i close to 1/2 each

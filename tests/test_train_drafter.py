@@ -27,7 +27,8 @@ from specpilot.tools.train import prompts as prompts_mod
 from specpilot.tools.train.prompts import FAMILIES, read_prompt_file, self_instruct
 from specpilot.tools.train.prompts import write_prompts as family_prompts
 from specpilot.tools.train.run import Settings, train_drafter, training_prompts
-from specpilot.tools.train.trainer import OPS, Timing, collate, resident, tf32_matmuls, unrolled_logits
+from specpilot.tools.train.trainer import (LENGTH_WINDOW, OPS, Timing, batch_indices, collate, epoch_order, resident,
+                                          tf32_matmuls, unrolled_logits)
 from specpilot.tools.train.vocab import d2t_t2d, draft_vocabulary, target_ids
 from test_decoding import _word_tokenizer, tiny_prompts
 
@@ -267,6 +268,28 @@ def test_target_without_chat_template_and_prompt_file_is_refused(tiny_model_dir,
     assert code == 2 and err.count("\n") == 1
     assert "no chat template" in err and "--prompts" in err
     assert not (tmp_path / "h").exists()
+
+
+def test_batches_grouped_by_length_pad_less_and_still_see_every_sample_once_an_epoch():
+    """Samples of 100-650 tokens: each epoch's order (grouped by length) is a permutation of all of them, fixed by the
+    seed and the epoch; its batches pad far less than the plain permutation's; batch_indices walks it step by step."""
+    g = torch.Generator().manual_seed(0)
+    n, B = 1000, 16
+    lengths = torch.randint(100, 650, (n,), generator=g).tolist()
+
+    def padding(order):  # padded tokens over real tokens, batch by batch
+        batches = [order[i: i + B] for i in range(0, n, B)]
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches) / sum(lengths) - 1
+
+    for epoch in range(3):
+        grouped = epoch_order(n, B, 7, epoch, lengths)
+        assert sorted(grouped) == list(range(n)) and grouped == epoch_order(n, B, 7, epoch, lengths)
+        assert grouped != epoch_order(n, B, 8, epoch, lengths)
+        plain = epoch_order(n, B, 7, epoch)
+        assert padding(plain) > 0.5 and padding(grouped) < 0.05  # within a window of LENGTH_WINDOW batches
+    walked = [i for step in range(2 * n // B) for i in batch_indices(n, B, 7, step, lengths)]  # 2,000 exactly
+    assert walked[:n] == epoch_order(n, B, 7, 0, lengths) and sorted(walked[n: 2 * n]) == list(range(n))
+    assert LENGTH_WINDOW * B < n  # the windows, not one sort of the whole epoch, are what the test covers
 
 
 def test_the_heads_config_has_the_targets_rope(tiny):

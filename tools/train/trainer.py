@@ -18,8 +18,8 @@ distribution restricted to the draft vocabulary (softmax of the target's logits 
 the target's entropy), averaged over answer tokens whose target argmax is in the draft vocabulary; steps weighted
 0.8 ** j and summed. AdamW (betas 0.9, 0.95, no weight decay), linear warm-up over the first WARMUP of the steps
 then cosine decay to 0, gradients clipped at norm 0.5 (SpecForge's max_grad_norm). Batches follow a seeded
-permutation of the samples per epoch, so a run's batch at step s depends only on the seed and s: with the
-optimizer's state in the checkpoint, a resumed run is the uninterrupted one.
+permutation of the samples per epoch, grouped by length (`epoch_order`), so a run's batch at step s depends only on
+the seed, s and the samples: with the optimizer's state in the checkpoint, a resumed run is the uninterrupted one.
 
 On CUDA the samples are moved to the device once (when they fit) and matmuls run in TF32 during training
 (`resident`, `tf32_matmuls`); on CPU neither changes anything. `--minutes` (`time_training`) times a few steps on a
@@ -51,7 +51,10 @@ STEP_WEIGHT = 0.8
 WARMUP = 0.05
 MAX_GRAD_NORM = 0.5
 RESIDENT_SHARE = 0.5  # the samples move to the GPU once when they take at most this share of its free memory
-TIMING_WARMUP, TIMING_STEPS = 2, 5  # --minutes: untimed, then timed training steps on a copy of the head
+# --minutes: untimed, then timed training steps on a copy of the head (batches grouped by length differ in cost:
+# enough of them to average over)
+TIMING_WARMUP, TIMING_STEPS = 2, 12
+LENGTH_WINDOW = 32  # batches of the epoch's permutation sorted by length together (`epoch_order`)
 
 
 @dataclass(frozen=True)
@@ -177,16 +180,34 @@ def learning_rate(schedule: Schedule, step: int) -> float:
     return schedule.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, schedule.steps - warm)))
 
 
-def batch_indices(n_samples: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Samples step*B .. step*B + B - 1 of the endless sequence of seeded per-epoch permutations."""
-    orders: dict[int, torch.Tensor] = {}  # the epochs this batch reaches into
+def epoch_order(n_samples: int, batch_size: int, seed: int, epoch: int,
+                lengths: list[int] | None = None) -> list[int]:
+    """One epoch's order of the samples: a seeded permutation; with `lengths`, grouped by length (HF Trainer's
+    group_by_length): each window of LENGTH_WINDOW batches of the permutation sorted by length, then the epoch's
+    batches in a seeded order. A batch pads to its longest sample, and the training-time test's attention grows
+    with the square of it: random batches of the task mix's 100-650-token samples padded to about twice their
+    mean."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n_samples, generator=g).tolist()
+    if lengths is None:
+        return order
+    window = batch_size * LENGTH_WINDOW
+    grouped = [i for w in range(0, n_samples, window) for i in sorted(order[w: w + window], key=lengths.__getitem__)]
+    full = n_samples // batch_size  # whole batches shuffled; a last, partial one stays last (the batches stay aligned)
+    return [i for b in torch.randperm(full, generator=g).tolist()
+            for i in grouped[b * batch_size: (b + 1) * batch_size]] + grouped[full * batch_size:]
+
+
+def batch_indices(n_samples: int, batch_size: int, seed: int, step: int, lengths: list[int] | None = None) \
+        -> list[int]:
+    """Samples step*B .. step*B + B - 1 of the endless sequence of seeded per-epoch orders (`epoch_order`)."""
+    orders: dict[int, list[int]] = {}  # the epochs this batch reaches into
     out = []
     for i in range(step * batch_size, (step + 1) * batch_size):
         epoch, at = divmod(i, n_samples)
         if epoch not in orders:
-            orders[epoch] = torch.randperm(n_samples,
-                                           generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        out.append(int(orders[epoch][at]))
+            orders[epoch] = epoch_order(n_samples, batch_size, seed, epoch, lengths)
+        out.append(orders[epoch][at])
     return out
 
 
@@ -288,9 +309,11 @@ def time_training(head: TrainableHead, target, samples: list[Sample], heldout: l
     pool, held = resident(samples, probe.device), resident(heldout, probe.device)
     device = probe.device
 
+    lengths = [s.tokens.numel() for s in pool]
+
     def run(steps: range) -> None:
         for step in steps:
-            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step)]
+            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step, lengths)]
             train_step(probe, optimizer, chosen, t, schedule.ttt_steps, schedule.lr)
 
     def seconds(fn) -> float:
@@ -323,9 +346,10 @@ def train(head: TrainableHead, target, samples: list[Sample], heldout: list[Samp
     t = targets(head, target.model)
     pool, held = resident(samples, head.device), resident(heldout, head.device)
     entries = []
+    lengths = [s.tokens.numel() for s in pool]
     with tf32_matmuls(head.device):
         for step in range(start, schedule.steps):
-            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step)]
+            chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step, lengths)]
             loss, losses = train_step(head, optimizer, chosen, t, schedule.ttt_steps, learning_rate(schedule, step))
             done = step + 1
             if done % schedule.checkpoint_every == 0 or done == schedule.steps:
