@@ -270,3 +270,16 @@ def test_tiny_bench_counts_step_kinds(tiny_run):
             assert set(kinds) == {"0"} and kinds["0"] > 0
         elif r["system"] == "stock":
             assert set(kinds) == {"4"} and kinds["4"] >= max(1, r["tokens"] // r["requests"] // 5)
+
+
+def test_every_engine_bench_system_is_a_valid_recipe_named_as_listed():
+    """engine_bench's systems (the experiments' --systems) parse as recipes, each dict named by its key; the n-gram
+    tree is the policy's shape: 3 branches of 4 drafts."""
+    from specpilot.engine.recipe import load_recipe, parse
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    for name, spec in SYSTEMS.items():
+        recipe = load_recipe(spec) if isinstance(spec, str) else parse(spec)
+        assert isinstance(spec, str) or recipe.name == name
+    tree = parse(SYSTEMS["ngram2-tree3x4-fused-overlap"])
+    assert tree.verification == "tree" and len(tree.tree.paths) == 12 and max(map(len, tree.tree.paths)) == 4

@@ -21,6 +21,7 @@ import torch
 from ...engine import loader
 from ...engine.engine import Engine
 from ...engine.recipe import load_recipe, parse
+from ...engine.tree import chains
 from ...engine.workloads import load_workload
 from ..argtypes import add_target_argument
 
@@ -79,6 +80,12 @@ SYSTEMS = {
     "ngram-k4-adaptive-armiss-fused-overlap": {"name": "ngram-k4-adaptive-armiss-fused-overlap", "k": 4,
                                                "layer": "fused", "overlap": True,
                                                "drafter": {"kind": "ngram", "adaptive": True, "ar_after_miss": True}},
+    # an n-gram tree: the drafter's 3 latest matches as branches of 4 drafts (what the policy proposes where a chain's
+    # drafts miss), 13 tokens a row on the fused layer's tensor-core path; against the min-2 chain above (issue #21)
+    "ngram2-tree3x4-fused-overlap": {"name": "ngram2-tree3x4-fused-overlap", "k": 4, "layer": "fused",
+                                     "overlap": True, "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4},
+                                     "verification": "tree",
+                                     "tree": {"kind": "static", "paths": [list(p) for p in chains(3, 4).paths[1:]]}},
     "layerskip8-k4-fused": {"name": "layerskip8-k4-fused", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4,
                             "layer": "fused"},
     "selfdraft-fp16-k4-fused": {"name": "selfdraft-fp16-k4-fused", "drafter": {"kind": "model",
