@@ -275,7 +275,7 @@ def test_batches_grouped_by_length_pad_less_and_still_see_every_sample_once_an_e
     seed and the epoch; its batches pad far less than the plain permutation's; batch_indices walks it step by step."""
     g = torch.Generator().manual_seed(0)
     n, B = 1000, 16
-    lengths = torch.randint(100, 650, (n,), generator=g).tolist()
+    lengths = tuple(torch.randint(100, 650, (n,), generator=g).tolist())
 
     def padding(order):  # padded tokens over real tokens, batch by batch
         batches = [order[i: i + B] for i in range(0, n, B)]

@@ -31,6 +31,7 @@ the target's states) is the target's greedy next token: what a chain's first dra
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from contextlib import contextmanager
@@ -180,8 +181,9 @@ def learning_rate(schedule: Schedule, step: int) -> float:
     return schedule.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, schedule.steps - warm)))
 
 
+@functools.lru_cache(maxsize=4)  # a step reads one epoch's order, two at an epoch's end: made once an epoch
 def epoch_order(n_samples: int, batch_size: int, seed: int, epoch: int,
-                lengths: list[int] | None = None) -> list[int]:
+                lengths: tuple[int, ...] | None = None) -> list[int]:
     """One epoch's order of the samples: a seeded permutation; with `lengths`, grouped by length (HF Trainer's
     group_by_length): each window of LENGTH_WINDOW batches of the permutation sorted by length, then the epoch's
     batches in a seeded order. A batch pads to its longest sample, and the training-time test's attention grows
@@ -197,8 +199,8 @@ def epoch_order(n_samples: int, batch_size: int, seed: int, epoch: int,
             for i in grouped[b * batch_size: (b + 1) * batch_size]] + grouped[full * batch_size:]
 
 
-def batch_indices(n_samples: int, batch_size: int, seed: int, step: int, lengths: list[int] | None = None) \
-        -> list[int]:
+def batch_indices(n_samples: int, batch_size: int, seed: int, step: int,
+                  lengths: tuple[int, ...] | None = None) -> list[int]:
     """Samples step*B .. step*B + B - 1 of the endless sequence of seeded per-epoch orders (`epoch_order`)."""
     orders: dict[int, list[int]] = {}  # the epochs this batch reaches into
     out = []
@@ -308,7 +310,7 @@ def time_training(head: TrainableHead, target, samples: list[Sample], heldout: l
     pool, held = resident(samples, probe.device), resident(heldout, probe.device)
     device = probe.device
 
-    lengths = [s.tokens.numel() for s in pool]
+    lengths = tuple(s.tokens.numel() for s in pool)
 
     def run(steps: range) -> None:
         for step in steps:
@@ -345,7 +347,7 @@ def train(head: TrainableHead, target, samples: list[Sample], heldout: list[Samp
     t = targets(head, target.model)
     pool, held = resident(samples, head.device), resident(heldout, head.device)
     entries = []
-    lengths = [s.tokens.numel() for s in pool]
+    lengths = tuple(s.tokens.numel() for s in pool)
     with tf32_matmuls(head.device):
         for step in range(start, schedule.steps):
             chosen = [pool[i] for i in batch_indices(len(pool), schedule.batch_size, schedule.seed, step, lengths)]
