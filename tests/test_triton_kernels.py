@@ -359,6 +359,27 @@ def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     assert "17 tokens" in triton_fused_layer.supports(block, 17, cpu)
 
 
+def test_sampled_decoding_on_the_fused_layer_follows_its_seed(tiny_model_dir):
+    """Sampled steps (run without a graph) on the fused layer, as train-drafter's answers run on CUDA: every step
+    takes the fused layer, the tokens are the seed's (twice the same), and another seed draws others."""
+    from specpilot.engine.sampling import SamplingParams
+
+    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    engine = Engine(loaded, parse({"layer": "fused", "compile": False}))
+    rows = [[5, 6, 7, 8, 9], [3, 4]]
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    calls = []
+    real = triton_fused_layer.fused_layer
+    triton_fused_layer.fused_layer = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        first = [r.tokens for r in engine.generate(rows, 6, sampling, seed=3, ignore_eos=True)]
+    finally:
+        triton_fused_layer.fused_layer = real
+    assert calls and all(len(t) == 6 for t in first)
+    assert [r.tokens for r in engine.generate(rows, 6, sampling, seed=3, ignore_eos=True)] == first
+    assert [r.tokens for r in engine.generate(rows, 6, sampling, seed=4, ignore_eos=True)] != first
+
+
 def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
     """Llama family: AR, and n-gram speculation at k = 4 for one row (5 tokens a step: FMA path, dead tokens skipped)
     and over a ragged batch of three (15 tokens: tensor cores), and at k = 8 (27 tokens: the modular fallback), token

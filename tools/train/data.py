@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.recipe import load_recipe
+from ...engine.recipe import parse
 from ...engine.sampling import SamplingParams
 
 ANSWER_SAMPLING = SamplingParams(temperature=0.8, top_p=0.95)
@@ -38,9 +38,15 @@ class Sample:
 
 
 def answer_engine(target):
+    """The AR engine that writes the prompts and answers. Not compiled: torch.compile builds each batch bucket's step
+    and each prefill width anew (seconds each: 9.9 s for the B = 1 step on the H200, third lease), and the calls
+    here drain through every bucket, where a CUDA graph of the uncompiled step is captured in milliseconds. On CUDA
+    the fused layer (steps of up to 16 tokens; larger ones modular): a batch's tail, and every sampled step (run
+    without a graph), launches 5 kernels a layer instead of some 13."""
     from ...engine.engine import Engine
 
-    return Engine(target, load_recipe("ar"))
+    cuda = target.model.device.type == "cuda"
+    return Engine(target, parse({"name": "train-data", "compile": False, "layer": "fused" if cuda else "modular"}))
 
 
 def answers(engine, prompts: list[list[int]], max_new_tokens: int, seed: int,
