@@ -8,8 +8,8 @@ import time
 
 from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
-from .tools.argtypes import (add_target_argument, non_negative_float, non_negative_int, positive_float,
-                              positive_int, positive_int_list, probability)
+from .tools.argtypes import (DTYPE_HELP, add_device_arguments, add_target_argument, non_negative_float,
+                              non_negative_int, positive_float, positive_int, positive_int_list, probability)
 
 
 def _default_device() -> str:
@@ -21,8 +21,7 @@ def _default_device() -> str:
 def add_target_args(p: argparse.ArgumentParser) -> None:
     add_target_argument(p, default="smollm2-135m")
     p.add_argument("--recipe", default="stock", help="ar, stock, or a recipe JSON file")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    add_device_arguments(p)
 
 
 def add_workload_args(p: argparse.ArgumentParser, limit_help: str) -> None:
@@ -111,8 +110,7 @@ def add_grid_parser(sub) -> None:
     g.add_argument("--gate-tokens", type=positive_int, default=64, help="tokens a prompt the gate checks")
     g.add_argument("--gate-timeout", type=positive_float, default=600.0,
                    help="seconds the gate waits on one recipe's candidate in all")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    add_device_arguments(g)
     g.set_defaults(func=cmd_grid)
 
 
@@ -144,7 +142,7 @@ def add_costmodel_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="measure the device's ceilings for the cost model (cached per device)",
                        description="Measure copy bandwidth, matmul FLOP/s, kernel launch and CUDA-graph node "
                                    "overhead; cache them under $SPECPILOT_CACHE/calibration/.")
-    c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_device_arguments(c, dtype_help=None)
     c.add_argument("--force", action="store_true", help="measure again even when cached")
     c.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("profile", help="time a recipe's step phases against their floors; ranked gaps per agent",
@@ -240,8 +238,7 @@ def add_optimize_parsers(sub) -> None:
     o.add_argument("--budget-gpu-minutes", type=positive_float, default=D["budget_gpu_minutes"],
                    help="minutes the measurements hold the device (on a CPU, the CPU)")
     o.add_argument("--batch-size", type=positive_int, default=D["batch_size"], help="the deployment's batch size")
-    o.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    o.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    add_device_arguments(o)
     o.add_argument("--max-new-tokens", type=positive_int, default=D["max_new_tokens"])
     o.add_argument("--limit", type=positive_int, default=D["limit"],
                    help="prompts of the workload (at least the batch size)")
@@ -325,9 +322,8 @@ def add_train_parser(sub) -> None:
     t.add_argument("--seed", type=non_negative_int, default=0)
     t.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
     t.add_argument("--log-every", type=positive_int, default=50, help="steps between progress lines")
-    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    t.add_argument("--dtype", default=None, help="the target's: fp32, bf16 or fp16 (default: bf16 on cuda, fp32 "
-                                                 "on cpu); the head trains in fp32 and is written in this dtype")
+    add_device_arguments(t, dtype_help=f"the target's: {DTYPE_HELP}; the head trains in fp32 and is written in "
+                                       "this dtype")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.set_defaults(func=cmd_train_drafter)
 

@@ -33,24 +33,22 @@ SEED = 0
 TOKENIZER_SOURCE = os.environ.get("SPECPILOT_SYNTHETIC_TOKENIZER", "smollm2-135m")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
+def llama3(hidden: int, intermediate: int, layers: int, head_dim: int, rope_factor: float, tied: bool) -> dict:
+    """A Llama 3.x config.json: what the family shares (vocabulary, 32 query and 8 K/V heads, llama3 RoPE scaling)
+    with a model's own sizes."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": hidden,
+            "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False}
+
+
 # The published configurations (the models' config.json on the HF hub), as transformers reads them.
 CONFIGS = {
-    "llama-3.1-8b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
-    "llama-3.2-1b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False},
+    "llama-3.1-8b": llama3(hidden=4096, intermediate=14336, layers=32, head_dim=128, rope_factor=8.0, tied=False),
+    "llama-3.2-1b": llama3(hidden=2048, intermediate=8192, layers=16, head_dim=64, rope_factor=32.0, tied=True),
     "qwen3-8b": {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
         "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -96,3 +96,14 @@ TARGET_HELP = ("alias (smollm2-135m), GGUF file, model directory, cached hub id,
 def add_target_argument(parser, default: str | None = "smollm2-135m", **kwargs) -> None:
     """`--target` with the shared help."""
     parser.add_argument("--target", default=default, help=TARGET_HELP, **kwargs)
+
+
+DEVICE_HELP = "cpu or cuda (default: cuda when available)"
+DTYPE_HELP = "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)"
+
+
+def add_device_arguments(parser, dtype_help: str | None = DTYPE_HELP) -> None:
+    """`--device`, and `--dtype` (with this help; None: no --dtype), the same for every command that loads a model."""
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    if dtype_help is not None:
+        parser.add_argument("--dtype", default=None, help=dtype_help)

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from ..argtypes import add_target_argument, check, positive_float, positive_int, positive_int_list
+from ..argtypes import (add_device_arguments, add_target_argument, check, positive_float, positive_int,
+                        positive_int_list)
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
 from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
@@ -92,10 +93,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "of B a timed call of its own")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="times each timed call is measured per system (median kept)")
-    b.add_argument("--baselines", default="none", help="hf: add HF transformers static-cache AR and prompt lookup; hf-static: only the first")
+    b.add_argument("--baselines", default="none",
+                   help="hf: add HF transformers static-cache AR and prompt lookup; hf-static: only the first")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    b.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)")
+    add_device_arguments(b)
     b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
     b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
     b.add_argument("--sandbox-timeout", type=positive_float, default=SANDBOX_TIMEOUT_S,
@@ -339,8 +340,8 @@ def run_bench(args, sandbox=None) -> int:
     else:
         bench = measure(args, batch_sizes, workloads, recipes, device, dtype, out)
     print(bench_report.summary_text(bench.results))
-    print(f"wrote {out / 'results.json'}, {out / 'report.md'}" + (" and plots" if (out / bench_report.PLOTS[0]).is_file()
-                                                                 else ""))
+    plots = " and plots" if (out / bench_report.PLOTS[0]).is_file() else ""
+    print(f"wrote {out / 'results.json'}, {out / 'report.md'}{plots}")
     return 0
 
 
