@@ -66,6 +66,8 @@ class BatchStats:
     draft_lengths: list[int] = field(default_factory=list)  # each step's kind k': drafts a row (ragged: per row on
     # average) it verified at most; 0: an AR step; BLIND_AR (-1): an AR step that did not search for drafts
     refills: int = 0  # requests started in a row another request had finished (continuous batching)
+    shrinks: int = 0  # times the batch moved to a smaller bucket as its requests ran out (`Decoder._shrink`)
+    bucket: int = 0  # the rows (bucket) the batch started in
 
     def add(self, other: "BatchStats") -> None:
         """Count another batch's steps and times in (prompts decoded in several batches, one after another)."""
@@ -75,6 +77,7 @@ class BatchStats:
         self.ar_steps += other.ar_steps
         self.draft_lengths += other.draft_lengths
         self.refills += other.refills
+        self.shrinks += other.shrinks
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
@@ -255,6 +258,11 @@ class DraftLengthController:
         self.realized_gain: Counter = Counter()
         self.seconds = {} if seconds is None else seconds
         self.timed = {} if timed is None else timed
+
+    def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, int]) -> None:
+        """The batch moved to a smaller bucket (its rows ran out): that bucket's loop times price the steps from
+        now on; what was measured of the acceptance stays."""
+        self.bucket, self.seconds, self.timed = bucket, seconds, timed
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
@@ -957,7 +965,9 @@ class Decoder:
         the cache at its final size, then for each batch bucket one short greedy batch (its step graphs, and prefill
         at the narrowest width; eagerly this pays torch's lazy initialization), the prefill graph of every wider
         width, with continuous batching the prefill of every group of requests that may start in a running batch,
-        and with the controller the price of each kind of step. Sampled steps run eagerly and are not warmed."""
+        and with the controller the price of each kind of step; with continuous batching also the steps (and prices)
+        of every smaller bucket, where a batch moves as its requests run out. Sampled steps run eagerly and are not
+        warmed."""
         buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
         widths = prefill_widths(max_prompt_tokens) if self.bucketed or not self.cuda_graphs else [max_prompt_tokens]
         need = cache_length(max_prompt_tokens, max_new_tokens, self.verify_width - 1, self.overlap)
@@ -967,11 +977,14 @@ class Decoder:
         with torch.inference_mode():
             if self.continuous:  # the scratch cache first: making it starts the prefill graphs over
                 self._prefill_graph(groups[-1], widths[0], scratch=True)
-        for batch in buckets:
+        # A batch drains into smaller buckets as its requests run out (`_shrink`): their steps are ready too.
+        drains = [b for b in BATCH_BUCKETS if b < max(buckets) and b not in buckets] \
+            if self.continuous and self.bucketed else []
+        for batch in sorted(buckets + drains):
             self.generate([[0]] * batch, StopCondition(2, ()))
             st = self._use(batch, 0)
             with torch.inference_mode():
-                for width in widths:
+                for width in widths if batch in buckets else ():
                     self._prefill_graph(batch, width)
                 if self.controller is not None:
                     self._prices(st)
@@ -1067,7 +1080,7 @@ class Decoder:
             firsts: dict[int, tuple] = {}  # row -> (handle, index): its started request's first token, read with
             # the request's first step
             waiting = deque(range(B, len(prompts)))
-            stats = BatchStats(prefill_s=t_first)
+            stats = BatchStats(prefill_s=t_first, bucket=rows)
             verify = True  # the next step may verify drafts (else, with ar_after_miss, it is an AR step)
             launched = 0
 
@@ -1116,11 +1129,12 @@ class Decoder:
             if any(active):
                 self._capture_all(st, sampling)
                 pending = launch()
+            draining = False  # the batch will move to a smaller bucket: no step is launched ahead until it has
             while pending is not None:
                 # With overlap the device runs step i+1 while the host reads step i; a row that finished at step i
                 # takes part in step i+1 too, and its extra tokens are dropped (the cache has room for them). A
                 # request started in that row begins with the step after.
-                ahead = launch() if self.overlap else None
+                ahead = launch() if self.overlap and not draining else None
                 self._mark("sync")
                 index, handle = pending
                 out = self._read(handle)  # the step's one host sync
@@ -1164,6 +1178,20 @@ class Decoder:
                 self._mark("end")
                 if not any(active):
                     break
+                live = [b for b in range(rows) if active[b]]
+                smaller = None if waiting or ready or firsts else self._smaller_bucket(len(live), rows, sampling)
+                draining = smaller is not None and ahead is not None
+                if smaller is not None and ahead is None:  # nothing in flight: the rows can move now
+                    st = self._shrink(st, live, smaller)
+                    owner = [owner[b] for b in live] + [None] * (smaller - len(live))
+                    since = [since[b] for b in live] + [0] * (smaller - len(live))
+                    kept = [kept[b] for b in live] + [0] * (smaller - len(live))
+                    active, rows = [True] * len(live) + [False] * (smaller - len(live)), smaller
+                    if controller is not None:
+                        controller.rebucket(rows, self.step_seconds.setdefault(rows, {}),
+                                            self.step_timed.setdefault(rows, {}))
+                    behind_refill.add(launched)  # (the next step's read also waits for the move)
+                    stats.shrinks += 1
                 pending = ahead or launch()
             sync()
             stats.decode_s = time.perf_counter() - t0 - t_first
@@ -1172,6 +1200,43 @@ class Decoder:
             for r in results:
                 r.text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
         return results
+
+    def _smaller_bucket(self, live: int, rows: int, sampling: SamplingParams) -> int | None:
+        """The smallest bucket below `rows` that holds `live` rows and is ready to step (a state, and with CUDA graphs
+        every kind of step captured, with the controller priced: warmed up, so that moving there captures and times
+        nothing), or None. Only a drafter without per-row state of its own can move with its rows (`continuous`)."""
+        if not self.continuous:
+            return None
+        kinds = self._step_kinds() if sampling.greedy else ()
+        for bucket in sorted(b for b in self._states if live <= b < rows):
+            if all((bucket, kind) in self._graphs for kind in kinds) and (
+                    self.controller is None or bucket in self.prices):
+                return bucket
+        return None
+
+    def _shrink(self, st: DecodeState, live: list[int], bucket: int) -> DecodeState:
+        """Move the `live` rows of a batch (in order) to the first rows of the smaller `bucket`'s state, and their
+        K/V to the first rows of the cache (where that bucket decodes); the rows past them are dead (inactive, one
+        token). As requests run out the steps then cost what a batch of the rows left costs, not the full batch's:
+        a batch of speculative steps drains unevenly (its requests end at different steps) and without this paid
+        the full width for its last, nearly empty steps. Called with no step in flight."""
+        device = self.model.device
+        index = to_device(torch.tensor(live), device)
+        # Only up to the longest row's end: past it a row holds junk of drafts never accepted.
+        span = min(int(st.lengths[index].max()) + self.verify_width, self._base_cache.max_len)
+        kv = self._base_cache.kv
+        kv[:, :, : len(live), :, :span] = kv[:, :, index, :, :span]  # (the gather copies before the write)
+        small = self._use(bucket, 0)
+        n = len(live)
+        small.history[:n] = st.history[index]
+        small.history[n:] = 0
+        small.lengths[:n] = st.lengths[index]
+        small.lengths[n:] = 1
+        small.budget[:n] = st.budget[index]
+        small.budget[n:] = self.k
+        small.active[:n] = True
+        small.active[n:] = False
+        return small
 
     def _prefill_requests(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> "Prefilled":
         """Prefill waiting requests into the scratch cache (rows 0..len(prompts)-1; a graph per group bucket and

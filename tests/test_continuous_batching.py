@@ -106,3 +106,27 @@ def test_bad_max_batch_is_refused(tiny):
     eng = engine(tiny, RECIPES["ar"], 2)
     with pytest.raises(ValueError, match="max_batch"):
         eng.decoder.generate(prompts(), StopCondition(4), max_batch=0)
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "ar"] + ["ar"])
+def test_a_draining_batch_moves_to_smaller_ready_buckets_and_keeps_every_token(tiny, alone, name):
+    """Once no request waits, a batch whose live rows fit a smaller bucket that has run before (its steps ready)
+    moves there, rows and K/V compacted, and every request still decodes what it decodes alone."""
+    eos, want = alone
+    eng = engine(tiny, RECIPES[name], 4)
+    eng.warmup([1, 2, 4], max(len(p) for p in prompts()), N_NEW)  # the smaller buckets' steps (and prices)
+    got = eng.decoder.generate(prompts(), StopCondition(N_NEW, eos), max_batch=4)
+    assert [r.tokens for r in got] == want
+    stats = eng.decoder.last_stats
+    assert stats.shrinks >= 1 and stats.refills == len(prompts()) - 4
+    assert eng.decoder.batch_rows < 4  # it ended in a smaller bucket
+
+
+def test_a_batch_does_not_move_to_a_bucket_that_never_ran(tiny, alone):
+    """Without a smaller bucket ready (nothing warmed there), the batch keeps its rows: moving would capture, compile
+    and price steps in the middle of a timed decode."""
+    eos, want = alone
+    eng = engine(tiny, RECIPES["controller"], 4)
+    got = eng.decoder.generate(prompts(), StopCondition(N_NEW, eos), max_batch=4)
+    assert [r.tokens for r in got] == want
+    assert eng.decoder.last_stats.shrinks == 0 and eng.decoder.batch_rows == 4

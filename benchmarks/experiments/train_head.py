@@ -61,7 +61,7 @@ def run(out_dir, args):
                   "--log-every", 100, "--checkpoint-every", 1000]
     train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
                                                   "--out", head, "--device", ctx.device, "--lm-head", "target",
-                                                  *sizing], timeout=60 * (args.minutes + 3.5))
+                                                  *sizing], timeout=60 * (args.minutes + 6))
     ctx.need(head / "model.safetensors", train)
     kept = out_dir / "head"
     kept.mkdir(parents=True, exist_ok=True)

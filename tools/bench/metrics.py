@@ -85,6 +85,9 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         "step_prices_ms": {str(kind): seconds * 1e3 for kind, seconds in sorted(runs[-1].step_prices.items())},
         # ... and as the decoding loop timed them (ms; what the controller decided with at the end of the call)
         "step_loop_ms": {str(kind): seconds * 1e3 for kind, seconds in sorted(runs[-1].step_loop_seconds.items())},
+        # times a batch moved to a smaller bucket as its requests ran out (its last steps then cost what the rows
+        # left cost)
+        "batch_shrinks": sum(r.shrinks for r in runs),
     }
 
 

@@ -38,6 +38,7 @@ class BatchRun:
     # step at the batch's bucket, as the warm-up's graph replays priced them
     step_loop_seconds: dict[int, float] = field(default_factory=dict)  # and as the decoding loop timed them (the
     # moving average the controller decided with at the end of the call)
+    shrinks: int = 0  # our engine: times the batch moved to a smaller bucket as its requests ran out
 
 
 class BenchSkip(Exception):
@@ -70,6 +71,7 @@ class System(ABC):
             run.finish_reasons += part.finish_reasons
             run.captures += part.captures
             run.step_kinds = dict(Counter(run.step_kinds) + Counter(part.step_kinds))
+            run.shrinks += part.shrinks
         return run
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
@@ -134,8 +136,10 @@ class EngineSystem(System):
         run.captures = self.engine.decoder.captures - captures
         run.step_kinds = dict(sorted(Counter(self.engine.decoder.last_stats.draft_lengths).items()))
         decoder = self.engine.decoder
-        run.step_prices = dict(decoder.prices.get(decoder.batch_rows, {}))
-        run.step_loop_seconds = dict(decoder.step_seconds.get(decoder.batch_rows, {}))
+        bucket = decoder.last_stats.bucket  # (where the batch started: it may have drained to smaller ones)
+        run.step_prices = dict(decoder.prices.get(bucket, {}))
+        run.step_loop_seconds = dict(decoder.step_seconds.get(bucket, {}))
+        run.shrinks = decoder.last_stats.shrinks
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
