@@ -217,6 +217,16 @@ def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def test_fused_layer_with_several_tokens_a_program(tiny_model_dir, monkeypatch):
+    """FMA_TOKENS_PER_PROGRAM = 4: steps of five tokens (two programs a row block, the second with one token) and a
+    ragged batch of three rows of two agree with the modular layer; Qwen3's per-head q/k norm keeps one token a
+    program in its q/k/v kernel."""
+    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", 4)
+    for family in ("llama", "qwen3"):
+        loaded = load(str(tiny_model_dir(family)), "fp32", "cpu")
+        assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5, family
+
+
 def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     """Hidden 48 and intermediate 96 (as SmolLM2's 576 and 1536): tiles padded to powers of two, masked, agree with
     the modular layer."""
@@ -256,12 +266,14 @@ def _five_token_step(model, first: int, seed: int):
     return positions, cos, sin, x, delta, cache
 
 
-@pytest.mark.parametrize("fma_max_tokens", [8, 1])
-def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
+@pytest.mark.parametrize("fma_max_tokens,per_program", [(8, 1), (8, 4), (1, 1)])
+def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens, per_program):
     """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
-    norm are bit for bit those of the full step. On the FMA path every kernel skips the dead tokens, so their cache
-    slots are left as they were; on the tensor-core path none does: the whole step is the full step's."""
+    norm are bit for bit those of the full step. On the FMA path (one token a program, or several) every kernel skips
+    the dead tokens, so their cache slots are left as they were; on the tensor-core path none does: the whole step
+    is the full step's."""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
+    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", per_program)
     model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=3)
@@ -326,20 +338,24 @@ def test_fused_layer_dead_tokens_leave_nothing_unwritten_behind(tiny_model_dir, 
             assert torch.isfinite(h).all() and torch.isfinite(d).all()
 
 
-def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
+@pytest.mark.parametrize("per_program", [1, 4])
+def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir, monkeypatch, per_program):
     """On the FMA path a step of five tokens runs each token through the program a one-token step runs, with the same
     tile (FMA_TILES_AS_ONE_TOKEN) and attention splits: its outputs and cache writes are bit for bit those of five
     one-token steps run in order (what AR decoding computes), so verification cannot change a token by rounding
     differently. (The interpreter sums a tile's rows in one order whatever the tile; on the GPU the tile fixes it.)
-    Qwen2: q/k/v biases."""
+    So with several tokens a program (FMA_TOKENS_PER_PROGRAM; 4 of 5: a program with a token past the step's end):
+    each runs through the same tile and sums. Qwen2: q/k/v biases."""
+    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", per_program)
     model = load(str(tiny_model_dir("qwen2")), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=30, seed=4)
     block, ops = model.layers[0], model.default_ops
     for rows, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size)):
         for width in (1, 256):  # the interpreter's and the GPU's least number of programs
-            assert (triton_fused_layer.gemv_blocks(rows, k, 5, width)
-                    == triton_fused_layer.gemv_blocks(rows, k, 1, width)), (rows, k, width)
+            step, one = triton_fused_layer.gemv_blocks(rows, k, 5, width), triton_fused_layer.gemv_blocks(rows, k, 1, width)
+            assert step.pop("TOKENS") == per_program and one.pop("TOKENS") == 1
+            assert step == one, (rows, k, width)
     step_cache, token_cache = cache.clone(), cache.clone()
     step = triton_fused_layer.fused_layer(block, x, delta, cos, sin, step_cache, torch.zeros(1, 5, dtype=torch.long),
                                           positions, {}, ops)
