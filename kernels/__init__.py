@@ -3,7 +3,8 @@
 A recipe names one implementation per slot: `builtin:NAME` (registered below) or the path of a candidate source file
 that defines a function named after the slot (`def linear(x, w, b): ...`). Built-ins that need Triton are registered
 as "module:function" and imported only when picked, so that importing the engine never imports Triton (and
-TRITON_INTERPRET can still be set before a kernel module is first imported).
+TRITON_INTERPRET can still be set before a kernel module is first imported). `cross_compile` compiles the kernels
+for the H200 on a machine without a GPU (what the interpreter cannot check).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The agent-facing kernel tools on CPU: every cheating kernel in tests/cheating_kernels is rejected by the defense
 aimed at it, honest kernels of every slot pass (plain torch, and Triton under the interpreter), compile_triton
-reports syntax and kernel errors with their message, timing is refused on CPU with the reason, call_tool answers
+reports syntax and kernel errors with their message (and, compiled for sm_90 without a GPU, what only the GPU's
+compiler refuses), timing is refused on CPU with the reason, call_tool answers
 bad arguments with a structured error, and tool_specs are valid JSON schemas matching the functions. On a CUDA
 machine also: timing over rotated inputs, the GPU variants of the cheats, and compiled kernels' resources."""
 from __future__ import annotations
@@ -60,6 +61,10 @@ COMPILES = {  # name -> (source, entry)
     "good": (TRITON_GOOD, "rmsnorm_kernel"),
     "syntax": (TRITON_GOOD.replace("row = tl.program_id(0)", "row = tl.program_id(0"), "rmsnorm_kernel"),
     "kernel_error": (TRITON_GOOD.replace("tl.sqrt(", "tl.no_such_sqrt("), "rmsnorm_kernel"),
+    # right in the interpreter, refused by the compiler: a float before a loop, a block inside it (loop-carried)
+    "retyped": (TRITON_GOOD.replace("    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)",
+                                    "    acc = 0.0\n    for _ in range(0, d, BLOCK):\n        acc = x * x\n"
+                                    "    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / d + eps)"), "rmsnorm_kernel"),
 }
 
 
@@ -130,9 +135,19 @@ def test_timing_is_refused_on_cpu_with_the_reason(results):
 
 
 def test_compile_triton_good_kernel(results):
+    """On CPU the launch runs in the interpreter, then the example's launch is compiled for the H200 (sm_90): the
+    binary's registers and spills."""
     r = results["compile_good"]
     assert r["ok"] and r["launched"] and r["interpreted"] and r["stage"] is None and not r["messages"]
-    assert r["resources"] is None and "interpreter" in r["resources_reason"]
+    assert "sm_90" in r["resources_reason"]
+    assert [k["name"] for k in r["resources"]] == ["rmsnorm_kernel"]
+    assert all(k["target"] == "sm_90" and 0 < k["n_regs"] <= 255 and k["n_spills"] == 0 for k in r["resources"])
+
+
+def test_compile_triton_reports_what_only_the_gpu_compiler_refuses(results):
+    r = results["compile_retyped"]
+    assert not r["ok"] and r["stage"] == "compile", r
+    assert "acc" in " ".join(r["messages"]), r["messages"]
 
 
 def test_compile_triton_reports_a_syntax_error(results):

@@ -353,7 +353,8 @@ def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir, 
     block, ops = model.layers[0], model.default_ops
     for rows, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size)):
         for width in (1, 256):  # the interpreter's and the GPU's least number of programs
-            step, one = triton_fused_layer.gemv_blocks(rows, k, 5, width), triton_fused_layer.gemv_blocks(rows, k, 1, width)
+            step = triton_fused_layer.gemv_blocks(rows, k, 5, width)
+            one = triton_fused_layer.gemv_blocks(rows, k, 1, width)
             assert step.pop("TOKENS") == per_program and one.pop("TOKENS") == 1
             assert step == one, (rows, k, width)
     step_cache, token_cache = cache.clone(), cache.clone()

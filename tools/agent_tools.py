@@ -130,10 +130,35 @@ def compile_triton(source: str, entry: str, device: str = "auto", timeout_s: flo
     result = CompileResult(bool(o.get("ok")), entry, device, bool(o.get("interpreted")), o.get("stage"),
                            list(o.get("messages", [])), bool(o.get("launched")), o.get("resources"),
                            o.get("resources_reason"), r.seconds)
+    if result.ok and result.launched and result.interpreted:  # the interpreter ran it: now the GPU's compiler
+        cross_compile(source, entry, limits, result)
     no_kernel = triton_kernel_defined(source, entry)
     if no_kernel and result.ok:  # whatever the child said: ok needs a kernel, read from the source here
         result.ok, result.stage, result.messages = False, "import", [no_kernel]
     return result
+
+
+def cross_compile(source: str, entry: str, limits: SandboxLimits, result: CompileResult) -> None:
+    """On a machine without a GPU: a second child, without the interpreter, compiles the example's launches for the
+    H200's architecture (sm_90; kernels/cross_compile.py). Its compiler errors fail the result (stage `compile`);
+    else `resources` are the binaries' (registers, spill bytes, shared memory)."""
+    from specpilot.kernels.cross_compile import HOPPER
+
+    nonce = secrets.token_hex(16)
+    r = run_python(HARNESS, {"mode": "compile", "source": source, "entry": entry, "nonce": nonce,
+                             "cross_arch": HOPPER}, limits, {"TRITON_INTERPRET": "0"})
+    result.seconds += r.seconds
+    failure = sandbox_failure(r, nonce)
+    if failure:
+        result.resources_reason = f"not compiled for sm_{HOPPER}: {failure[1].splitlines()[0]}"
+        return
+    o = r.output
+    if not o.get("ok"):
+        result.ok, result.stage, result.messages = False, o.get("stage") or "compile", list(o.get("messages", []))
+        return
+    result.resources, result.resources_reason = o.get("resources"), (
+        f"compiled for sm_{HOPPER} without a GPU (the interpreter ran the launch): registers and spill bytes of "
+        f"the binary")
 
 
 # -- benchmark_kernel ---------------------------------------------------------------------------------------------

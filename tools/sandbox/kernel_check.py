@@ -741,6 +741,8 @@ def run_compile(payload: dict) -> dict:
                       seconds=perf_counter() - t0)
         return result
     launch = _getattr(module, "_launch_example", None)
+    if payload.get("cross_arch"):  # no GPU, no interpreter: the example's launches recorded, compiled for the arch
+        return run_cross_compile(module, entry, fn, launch, payload["cross_arch"], result, failed, t0)
     if launch is not None:
         try:
             launch()
@@ -757,6 +759,37 @@ def run_compile(payload: dict) -> dict:
     else:
         result["resources"] = compiled_kernels(fn)
     result.update(ok=True, seconds=perf_counter() - t0)
+    return result
+
+
+def run_cross_compile(module, entry: str, fn, launch, arch: int, result: dict, failed, t0: float) -> dict:
+    """`_launch_example()` with the kernel's launches recorded instead of run (its tensors may live on the CPU),
+    then each compiled for CUDA `arch` by the compiler in Triton's wheel: its errors, and per launch the binary's
+    registers, spill bytes and shared memory (kernels/cross_compile.py)."""
+    from specpilot.kernels.cross_compile import compile_launch, record
+
+    if launch is None:
+        result.update(resources_reason="define _launch_example() launching the kernel once: a launch fixes the "
+                                       "argument types and constants to compile for", seconds=perf_counter() - t0)
+        return result
+    try:
+        with record(module, [entry]) as calls:
+            launch()
+    except BaseException as e:
+        return failed("import", e)
+    result["launched"] = bool(calls)
+    resources = []
+    for kernel, args, kwargs in calls:
+        try:
+            usage = compile_launch(kernel, args, kwargs, arch)
+        except BaseException as e:  # the compiler's error: what a GPU would have said
+            return failed("compile", e)
+        resources.append({"name": usage["kernel"], "n_regs": usage["registers"],
+                          "n_spills": usage["stack_bytes"] + usage["local_bytes"],
+                          "shared_bytes": usage["shared_bytes"],
+                          "num_warps": kwargs.get("num_warps", 4), "num_stages": kwargs.get("num_stages"),
+                          "target": f"sm_{arch}"})
+    result.update(ok=True, resources=resources, seconds=perf_counter() - t0)
     return result
 
 
