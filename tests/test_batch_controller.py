@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.engine.decode import BLIND_AR, DraftLengthController, choose_step, expected_tokens, step_tokens
+from specpilot.engine.batch_controller import (BLIND_AR, DraftLengthController, choose_step, expected_tokens,
+                                               step_tokens)
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -317,7 +318,7 @@ def test_loop_times_correct_the_replayed_prices():
 def test_a_kind_timed_a_few_times_is_priced_like_its_neighbours():
     """The first loop times of a kind are averaged alike (the first one does not weigh nine tenths of the tenth);
     a kind timed fewer than MIN_TIMED_STEPS times (a probe, once) is priced from the kinds timed around it."""
-    from specpilot.engine.decode import MIN_TIMED_STEPS
+    from specpilot.engine.batch_controller import MIN_TIMED_STEPS
 
     replay = {0: 1.0, 1: 1.1, 2: 1.2}
     c = DraftLengthController(2, bucket=4)

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from specpilot.engine.decode import _finish_packed, _pack, water_fill
+from specpilot.engine.batch_controller import water_fill
+from specpilot.engine.decode import _finish_packed, _pack
 from specpilot.engine.engine import Engine
 from specpilot.engine.model import packed, unpacked
 from specpilot.engine.recipe import RecipeError, parse
@@ -44,7 +45,7 @@ def test_water_fill():
 def test_step_tokens_is_water_fill_row_by_row():
     """The controller's expected tokens of a ragged step (counted over rows grouped by drafts found) equal the sum
     over water_fill's allocation, row by row; padded, over min(found, k')."""
-    from specpilot.engine.decode import expected_tokens, step_tokens
+    from specpilot.engine.batch_controller import expected_tokens, step_tokens
 
     rng = random.Random(0)
     for _ in range(500):

@@ -1,0 +1,239 @@
+"""The batch-level controller: each decoding step's kind k' (how many drafts a row verifies, down to a plain AR
+step for the whole batch) from the acceptance measured so far, the drafts each row has, and each kind's price at the
+batch's bucket (its graph replayed at warm-up, corrected by the decoding loop's own times). The decoder
+(engine/decode.py) asks it before each step and tells it each step's outcome and time; it holds no tensors."""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from .recipe import BatchSpec
+
+# The weight of each new measurement in the batch controller's moving average of a kind of step's loop time (the
+# first 1 / TIME_AVERAGING measurements are averaged alike), and how many a kind needs before its own average prices
+# it (fewer: priced like the kinds timed around it; a kind run a few times, a probe, is priced by noise otherwise)
+TIME_AVERAGING = 0.1
+MIN_TIMED_STEPS = 4
+# How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
+# run it (the recipe's batch.margin). A step that the estimates put at a tie gains nothing on average and loses
+# whenever they err (acceptance and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost
+# 3-4% to marginal choices.
+SPECULATION_MARGIN = BatchSpec.margin
+# The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
+# would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
+BLIND_AR = -1
+
+
+def expected_tokens(acceptance_by_position, n: int) -> float:
+    """Tokens a row emits in a step verifying n drafts: 1 + sum over i <= n of prod over j <= i of p_j, with p_j the
+    chance that draft j is accepted once drafts 1..j-1 were."""
+    total = reach = 1.0
+    for p in list(acceptance_by_position)[:n]:
+        reach *= p
+        total += reach
+    return total
+
+
+def water_fill(found: list[int], budget: int) -> list[int]:
+    """The drafts each row verifies in a ragged step: every row up to a common cap c (the largest whose total fits
+    the budget), then one more each for the first rows that have more, while the budget lasts (what the step's
+    packing computes on the device, `_pack`)."""
+    cap = 0
+    while sum(min(v, cap + 1) for v in found) <= budget and cap < max(found, default=0):
+        cap += 1
+    alloc = [min(v, cap) for v in found]
+    left = budget - sum(alloc)
+    for b, v in enumerate(found):
+        if v > cap and left > 0:
+            alloc[b] += 1
+            left -= 1
+    return alloc
+
+
+def step_tokens(found: list[int], acceptance_by_position, k_step: int, ragged: bool, bucket: int) -> float:
+    """Expected tokens of a step of kind k_step for live rows with `found` drafts each: padded, each row verifies at
+    most k_step of its drafts; ragged, the batch verifies at most k_step x bucket drafts, water-filled over the rows
+    that have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for
+    every kind before every step); 0, a plain AR step (one token a row)."""
+    if k_step == 0:
+        return float(len(found))
+    rows = Counter(found)  # drafts found -> rows
+    gain = [expected_tokens(acceptance_by_position, n) for n in range(max(rows, default=0) + 2)]
+    if not ragged:
+        return sum(c * gain[min(v, k_step)] for v, c in rows.items())
+    budget, cap = k_step * bucket, 0
+    while cap < max(rows, default=0) and sum(c * min(v, cap + 1) for v, c in rows.items()) <= budget:
+        cap += 1
+    extra = min(budget - sum(c * min(v, cap) for v, c in rows.items()), sum(c for v, c in rows.items() if v > cap))
+    return sum(c * gain[min(v, cap)] for v, c in rows.items()) + max(0, extra) * (gain[cap + 1] - gain[cap])
+
+
+def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float], margin: float = 0.0) -> int:
+    """The kind of step (its k') with the most expected tokens per second, tokens / price, where a verifying step
+    must beat an AR step's rate by `margin` (a share). Kinds without a price are not considered; ties go to the
+    smaller k' (the cheaper step); nothing priced: the largest kind."""
+    best, best_rate = max(tokens_by_kind), 0.0
+    for kind in sorted(tokens_by_kind):
+        price = prices_by_kind.get(kind)
+        if price is None:
+            continue
+        if price <= 0:
+            raise ValueError(f"step price for k'={kind} must be positive, got {price}")
+        rate = tokens_by_kind[kind] / price * (1 + margin if kind <= 0 else 1)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = kind, rate
+    return best
+
+
+class DraftLengthController:
+    """The host's state for one batch: what it has measured, and the choice of each next step's kind k' in 0..k.
+
+    p_i, the chance that draft i is accepted once drafts 1..i-1 were, is (rows that accepted draft i) / (rows that
+    verified draft i after accepting 1..i-1), from this batch's steps, starting from one success at each position
+    (an untried length looks good, so it gets tried). Which rows have drafts, and how many, is what the drafter found
+    at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
+    proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
+    each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A
+    plain AR step verifies nothing, so after `probe_every` AR steps in a row the next step verifies k, to notice
+    when acceptance comes back. When even k drafts for every row would not pay, the AR step does not search for
+    drafts either (BLIND_AR).
+
+    The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
+    each choice's prediction is kept until its step is read, and each verifying kind's expected gain is scaled by
+    (gained + prior) / (predicted + prior) over this batch's steps of that kind, the prior weighing in the same ratio
+    over all its verifying steps (`calibration`: a kind run rarely follows the batch's measure). The model errs where
+    it cannot see: drafts found two steps back (overlap chooses a step before the previous one is read), per-row
+    budgets that verify fewer drafts than were found (adaptive), rows that finish or start in between, few samples at
+    deep positions (a deep kind's error is its own, hence a ratio a kind); measured tokens correct all of them at
+    once, so a batch where speculation gains less than it costs turns to AR. What a step gained counts only the
+    tokens its rows kept (`observe`'s `kept`): a request's last step may accept drafts past its end, which are
+    dropped.
+
+    The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
+    decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
+    kind). That time holds what a replay does not: the host's work where it is the bottleneck, attention over the
+    real context lengths. The steps that ran behind requests started in the batch are not timed (the decoder skips
+    them): every kind of step would pay that prefill alike, and charged to whichever kind followed it, it made that
+    kind look up to twice its cost. A kind not timed yet, or fewer than MIN_TIMED_STEPS times, is priced as its
+    replay scaled like the timed kinds around it."""
+
+    def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
+                 margin: float = SPECULATION_MARGIN):
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
+        self.margin = margin
+        self.seconds: dict[int, float] = {}
+        self.timed: dict[int, int] = {}
+        self.reset(bucket)
+
+    def reset(self, bucket: int | None = None, seconds: dict[int, float] | None = None,
+              timed: dict[int, int] | None = None) -> None:
+        """A new batch: acceptance measured afresh; `seconds`, the loop's times of this bucket's kinds of step so
+        far, and `timed`, how many steps of each kind they average (both dicts updated in place), carry over."""
+        self.bucket = bucket or self.bucket
+        self.reached = [1.0] * self.k
+        self.accepted = [1.0] * self.k
+        self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
+        self.ar_run = 0  # AR steps chosen in a row
+        # each step chosen and not yet read: (its kind, its expected gain), None for an AR step
+        self.predictions: deque[tuple[int, float] | None] = deque()
+        self.predicted_gain: Counter = Counter()  # by kind, over this batch's verifying steps
+        self.realized_gain: Counter = Counter()
+        self.seconds = {} if seconds is None else seconds
+        self.timed = {} if timed is None else timed
+
+    def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, int]) -> None:
+        """The batch moved to a smaller bucket (its rows ran out): that bucket's loop times price the steps from
+        now on; what was measured of the acceptance stays."""
+        self.bucket, self.seconds, self.timed = bucket, seconds, timed
+
+    def acceptance(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted, self.reached)]
+
+    def observe(self, verified: list[int], accepted: list[int], found: list[int],
+                kept: list[int] | None = None) -> None:
+        """A step's outcome for its live rows: drafts each verified, accepted, and found (available), and of the
+        accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
+        observed in the order they were chosen."""
+        for v, n in zip(verified, accepted):
+            for i in range(min(v, n + 1)):
+                self.reached[i] += 1
+                self.accepted[i] += n > i
+        self.found = list(found)
+        predicted = self.predictions.popleft() if self.predictions else None
+        if predicted is not None:  # a verifying step: what the model expected it to gain, and what it gained
+            kind, gain = predicted
+            self.predicted_gain[kind] += gain
+            self.realized_gain[kind] += sum(accepted if kept is None else kept)
+
+    def calibration(self, kind: int | None = None) -> float:
+        """Gained over expected gain of this batch's verifying steps of `kind` (None: of every kind), with a prior
+        of one step of every row's first draft at the ratio of all kinds (which has the same prior at 1: so the
+        first few steps cannot swing either)."""
+        prior = max(1, self.bucket)
+        overall = (sum(self.realized_gain.values()) + prior) / (sum(self.predicted_gain.values()) + prior)
+        if kind is None:
+            return overall
+        return (self.realized_gain[kind] + prior * overall) / (self.predicted_gain[kind] + prior)
+
+    def observe_time(self, kind: int, seconds: float) -> None:
+        """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps; the
+        plain mean of the first ones)."""
+        n = self.timed.get(kind, 0) + 1
+        self.timed[kind] = n
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + max(TIME_AVERAGING, 1 / n) * (seconds - old)
+
+    def priced(self, prices_by_k: dict[int, float]) -> dict[int, float]:
+        """Each kind's price: its loop time where timed (MIN_TIMED_STEPS times at least), else its replay times the
+        loop/replay ratio interpolated between the nearest timed kinds below and above it (the nearest one's
+        beyond them)."""
+        ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items()
+                 if prices_by_k.get(kind) and self.timed.get(kind, MIN_TIMED_STEPS) >= MIN_TIMED_STEPS}
+        if not ratio:
+            return prices_by_k
+        out = {}
+        for kind, price in prices_by_k.items():
+            below = max((m for m in ratio if m <= kind), default=None)
+            above = min((m for m in ratio if m >= kind), default=None)
+            if below is None or above is None or below == above:
+                r = ratio[below if above is None else above if below is None else below]
+            else:
+                r = ratio[below] + (ratio[above] - ratio[below]) * (kind - below) / (above - below)
+            out[kind] = price * r
+        return out
+
+    def _tokens(self, found: list[int]) -> dict[int, float]:
+        """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, each kind's gain
+        calibrated."""
+        p, rows = self.acceptance(), len(found)
+        return {kind: rows + self.calibration(kind) * (step_tokens(found, p, kind, self.ragged, self.bucket) - rows)
+                for kind in range(self.k + 1)}
+
+    def expected(self) -> dict[int, float]:
+        """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
+        return self._tokens(self.found if self.found is not None else [self.k] * self.bucket)
+
+    def hopeless(self, priced: dict[int, float]) -> bool:
+        """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
+        for drafts is wasted until the acceptance changes (a probe measures it again)."""
+        rows = len(self.found) if self.found is not None else self.bucket
+        return rows > 0 and choose_step(self._tokens([self.k] * rows), priced, self.margin) == 0
+
+    def choose(self, prices_by_k: dict[int, float]) -> int:
+        """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
+        expected = self.expected()
+        if self.ar_run >= self.probe_every:
+            choice = self.k
+        else:
+            priced = self.priced(prices_by_k)
+            searching = {kind: price for kind, price in priced.items() if kind >= 0}
+            choice = choose_step(expected, searching, self.margin)
+            if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
+                choice = BLIND_AR
+        self.ar_run = self.ar_run + 1 if choice <= 0 else 0
+        # the model's own (uncalibrated) gain for this step, compared with what it gains once read
+        rows = len(self.found) if self.found is not None else self.bucket
+        self.predictions.append((choice, (expected[choice] - rows) / self.calibration(choice)) if choice > 0
+                                else None)
+        return choice
