@@ -126,3 +126,24 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
               for r in rows({5: 8.0, 6: 9.0, 8: 12.0}, {}, {})]
     one = [dict(r, tokens_per_program=1) for r in rows({5: 8.0, 6: 9.0, 8: 12.0}, {5: 10.0, 6: 10.0, 8: 10.0}, {})]
     assert fused_tokens.thresholds(slower + one)["SPECPILOT_FMA_MAX_TOKENS"] == 6
+
+
+def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path):
+    """train_head --run-dir --call-minutes: a run stopped at the call's limit reports where it stopped and keeps its
+    folder; the same command again resumes it (train-drafter --resume) to a head (smoke sizes, CPU)."""
+    import json
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    common = [sys.executable, str(BENCHMARKS / "run.py"), "train_head", "--smoke", "--no-bench", "--run-dir",
+              str(run_dir)]
+    first = subprocess.run(common + ["--out", str(tmp_path / "a"), "--call-minutes", "0.15"], capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    stopped = json.loads((tmp_path / "a" / "train_head.json").read_text())["results"]
+    assert stopped["stopped"] is True and not stopped["resumed"] and (run_dir / "run.json").is_file()
+    second = subprocess.run(common + ["--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    done = json.loads((tmp_path / "b" / "train_head.json").read_text())
+    assert len(done["results"]["head_sha256"]) == 64 and (run_dir / "model.safetensors").is_file()
+    assert "--resume" in " ".join(done["steps"][0]["command"])

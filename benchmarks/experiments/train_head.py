@@ -12,7 +12,13 @@ as that system's error; the head is kept either way.
 Backs docs/BENCHMARKS.md, "What is not yet fast" (the first trained EAGLE-3 head, twelfth lease B), and
 docs/TRAINING.md's "First run on the H200".
 
-Device minutes: about 1 to build the data, `--minutes` to train, 1-2 for the bench.
+Longer than a device call (10 minutes at most): `--run-dir DIR --call-minutes 8` keeps the run in DIR (on the warm
+machine) and stops the training step after 8 minutes; the same command in the next call resumes it (`train-drafter
+--resume`: the data is not built again, the step count and the optimizer state carry over; at most a checkpoint's
+steps are lost, --checkpoint-every), and the call in which it finishes benchmarks the head. A call that stops it
+reports the steps reached and the latest held-out acceptance.
+
+Device minutes: about 4 to build the data, `--minutes` to train, 1-2 for the bench.
 """
 from __future__ import annotations
 
@@ -46,22 +52,49 @@ def arguments(p) -> None:
     p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
     p.add_argument("--bench-limit", type=int, default=2)
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--run-dir", default=None, help="train-drafter's --out, kept across calls of a warm machine "
+                                                   "(default: a fresh one in the scratch folder); a run there is "
+                                                   "resumed")
+    p.add_argument("--call-minutes", type=float, default=None,
+                   help="stop the training step after this many minutes (with --run-dir): the next call resumes it")
+    p.add_argument("--checkpoint-every", type=int, default=1000)
+
+
+def stopped(head: Path, train, resumed: bool) -> tuple[dict, str]:
+    """A run stopped by --call-minutes: how far it got (the log's latest progress line, the checkpoint kept)."""
+    progress = [line for line in train.tail if " step " in line and "held-out acceptance" in line]
+    checkpoint = head / "checkpoint.pt"
+    found = {"stopped": True, "resumed": resumed, "run_dir": str(head), "train_seconds": train.seconds,
+             "last_progress": progress[-1] if progress else None, "checkpoint": checkpoint.is_file(),
+             "data_built": (head / "heldout.pt").is_file(), "train_tail": train.tail[-12:]}
+    data = "built" if found["data_built"] else "not yet built"
+    kept = "kept" if found["checkpoint"] else "none yet"
+    text = (f"Training stopped after {train.seconds:.0f} s ({'resumed' if resumed else 'a new run'}; data {data}; "
+            f"checkpoint {kept}): {found['last_progress'] or 'no progress line yet'}. Run the same command again to "
+            f"resume it.")
+    return found, text + "\n\n```\n" + "\n".join(train.tail[-12:]) + "\n```"
 
 
 def run(out_dir, args):
     from specpilot.tools.bench.engine_bench import SYSTEMS
 
     ctx = args.ctx
-    head = ctx.scratch / "head"
+    if args.call_minutes is not None and args.run_dir is None:
+        raise ValueError("--call-minutes needs --run-dir: the next call resumes the run kept there")
+    head = Path(args.run_dir) if args.run_dir else ctx.scratch / "head"
+    resume = ["--resume"] if (head / "run.json").is_file() else []
     if args.smoke:
         sizing = ["--samples", 4, "--max-new-tokens", 8, "--steps", 2, "--batch-size", 2, "--draft-vocab", 512]
     else:
         sizing = ["--samples", args.samples, "--max-new-tokens", args.max_new_tokens, "--minutes", args.minutes,
                   "--batch-size", args.batch_size, "--lr", args.lr, "--draft-vocab", args.draft_vocab,
-                  "--log-every", 100, "--checkpoint-every", 1000]
+                  "--log-every", 100, "--checkpoint-every", args.checkpoint_every]
+    limit = 60 * (args.call_minutes if args.call_minutes is not None else args.minutes + 6)
     train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
                                                   "--out", head, "--device", ctx.device, "--lm-head", "target",
-                                                  *sizing], timeout=60 * (args.minutes + 6))
+                                                  *sizing, *resume], timeout=limit)
+    if args.call_minutes is not None and not (head / "model.safetensors").is_file():
+        return stopped(head, train, bool(resume))
     ctx.need(head / "model.safetensors", train)
     kept = out_dir / "head"
     kept.mkdir(parents=True, exist_ok=True)
