@@ -821,24 +821,25 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), tokens_per_program=(None,)) -> list[dict]:
+              fma_max_tokens=(None,), tokens_per_program=(None,), batch: int = 1) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
-    of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), at B = 1 and T tokens at
-    position `filled` of an `n_slots` cache; for each of the `attention` settings (dicts over attention_setting(T);
+    of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
+    each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
+    nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens` and each FMA_TOKENS_PER_PROGRAM in `tokens_per_program`
     (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
     cfg, dev, dt = model.cfg, model.device, model.dtype
-    cache = model.new_cache(1, n_slots)
+    cache = model.new_cache(batch, n_slots)
     out = []
     for T in tokens:
-        positions = (filled + torch.arange(T, device=dev))[None]
-        x = torch.randn(1, T, cfg.hidden_size, device=dev, dtype=dt)
+        positions = (filled + torch.arange(T, device=dev))[None].expand(batch, T).contiguous()
+        x = torch.randn(batch, T, cfg.hidden_size, device=dev, dtype=dt)
         delta = torch.randn_like(x)
         cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
-        rows = torch.zeros(1, T, dtype=torch.long, device=dev)
+        rows = torch.arange(batch, device=dev)[:, None].expand(batch, T).contiguous()
         masks = attention_masks(cfg, positions, n_slots)
 
         def run(fn):
@@ -851,7 +852,7 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
         global FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM
-        current, fma_saved, per_saved = attention_setting(T), FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM
+        current, fma_saved, per_saved = attention_setting(batch * T), FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM
         saved = dict(current)
         for fma in fma_max_tokens:
             for per_program in tokens_per_program:
@@ -865,7 +866,7 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
                         current.clear()
                         current.update(saved)
                         FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM = fma_saved, per_saved
-                    out.append(dict(tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
+                    out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                                     tokens_per_program=per_program or per_saved, fused_us=fused_us,
                                     modular_us=modular_us, speedup=modular_us / fused_us))
     return out

@@ -420,3 +420,20 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
         assert [r.tokens for r in got] == [r.tokens for r in want], recipe
         assert [r.accepted for r in got] == [r.accepted for r in want], recipe
         assert bool(calls) == (recipe.get("k", 0) < 8), recipe  # fused steps ran, or the modular fallback did
+
+
+def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkeypatch):
+    """`benchmark(batch=2)` (fused_tokens --batch: issue #21's verify time against N at B > 1) builds a step of two
+    rows of T tokens each, in their own cache rows, and runs both layers on it: here with the timer replaced by one
+    call (the interpreter times nothing), one row a (T, tokens a program) setting."""
+    import triton.testing
+
+    monkeypatch.setattr(triton_fused_layer, "require_gpu_compiled", lambda fn: None)
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn: calls.append(fn()) or 1.0)
+    model = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu").model
+    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20,
+                                        tokens_per_program=(1, 2), batch=2)
+    assert [(r["batch"], r["tokens"], r["tokens_per_program"]) for r in rows] == [
+        (2, 1, 1), (2, 1, 2), (2, 3, 1), (2, 3, 2)]
+    assert len(calls) == 2 + 4  # the modular layer once a T, the fused layer once a setting

@@ -7,6 +7,9 @@ limit) with the FMA path ending at 8 tokens and at 4 (tensor cores above, in blo
 tokens are AR steps at B = T, verification of k = T / B - 1 drafts, and trees of T nodes at B = 1. (First run:
 thirteenth lease, which set FMA_MAX_TOKENS to 6 and kept the 16-token limit.)
 
+With `--batch 8`: 8 rows of T tokens each, a step verifying T - 1 drafts a row at B = 8 (issue #21's verify time
+against N at B = 8, for the layer).
+
 Why (twelfth lease, A): a B = 8 AR step (8 tokens, the FMA path) cost 1.08 ms in the loop where a k' = 1 step of 16
 tokens (tensor cores) cost 0.97 ms, and steps of 20-40 tokens (past the fused layer's 16-token limit, so modular)
 1.37-1.45 ms; tree steps of 17-64 nodes run the modular layer unless the limit rises. The table says where each
@@ -31,6 +34,9 @@ CUDA_ONLY = True
 
 def arguments(p) -> None:
     p.add_argument("--tokens", default="1,2,4,5,6,8,10,12,16,20,24,32,40,48,64")
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows of T tokens each (a step verifying T - 1 drafts a row at this batch size); the "
+                        "thresholds are derived at 1 only")
     p.add_argument("--tokens-per-program", default="1",
                    help="FMA_TOKENS_PER_PROGRAM values to time, e.g. 1,8 (the FMA path: tokens a program takes one "
                         "after another through one weight tile)")
@@ -73,16 +79,19 @@ def run(out_dir, args):
     modular = compiled(Block.forward)
     per_program = tuple(int(t) for t in args.tokens_per_program.split(","))
     rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        tokens_per_program=per_program)
+                                        tokens_per_program=per_program, batch=args.batch)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
-    chosen = thresholds(rows)
-    (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
+    chosen = thresholds(rows) if args.batch == 1 else {}
+    if chosen:
+        (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
                                      for k in keys] for r in rows])
-    summary = "\n\nThresholds these rows support (at the fewest tokens a program timed): " + ", ".join(
-        f"{k}={v}" for k, v in chosen.items())
+    summary = f"\n\n{args.batch} rows a step: no thresholds (B = 1 only)"
+    if chosen:
+        summary = "\n\nThresholds these rows support (at the fewest tokens a program timed): " + ", ".join(
+            f"{k}={v}" for k, v in chosen.items())
     if len(per_program) > 1:  # the FMA path (fma_max_tokens 8) by tokens a program, side by side
         fma = {(r["tokens"], r["tokens_per_program"]): r["fused_us"] for r in rows if r["fma_max_tokens"] == 8}
         lines = [[T] + [harness.fmt(fma.get((T, n)), ".2f") for n in per_program]
