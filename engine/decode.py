@@ -18,6 +18,7 @@ many drafts it verifies, down to an AR step) is the batch controller's choice (e
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unp
 from .batch_controller import BLIND_AR, SPECULATION_MARGIN, DraftLengthController
 from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
                    tree_positions)
-from .sampling import SamplingParams, accept_sampled, probabilities
+from .sampling import CounterRng, SamplingParams, accept_sampled, categorical, probabilities
 
 
 @dataclass
@@ -128,6 +129,12 @@ def cache_length(longest_prompt: int, max_new_tokens: int, k: int, overlap: bool
     return max(512, 1 << (need - 1).bit_length())
 
 
+def step_rng(st: "DecodeState") -> CounterRng:
+    """A step's random draws: functions of its rows' seed, salts and lengths (the state's buffers, read when the step
+    runs, a captured one at every replay)."""
+    return CounterRng(st.seed, st.salt, st.lengths)
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor copied to `device` without waiting for the device: on CUDA through pinned memory, enqueued on
     the stream (a copy from pageable memory synchronizes the stream, stalling the host behind a step in flight)."""
@@ -168,6 +175,9 @@ class DecodeState:
         #  drafts found]
         self.out = torch.zeros(batch, k + 4, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
+        # Sampling's random draws (CounterRng): the call's seed, and each row's salt (its request's index)
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)
+        self.salt = torch.zeros(batch, dtype=torch.long, device=device)
         self.batch = batch
         # two pinned buffers: the host reads one while the next step's copy lands
         self.host_out = [torch.empty_like(self.out, device="cpu").pin_memory() for _ in range(2)] \
@@ -274,6 +284,7 @@ class Prefilled:
     tokens: torch.Tensor  # [m, width] long, on the device
     lengths: torch.Tensor  # [m]
     first: torch.Tensor  # [m]
+    salts: torch.Tensor  # [m]: the requests' indices in the call (their sampling salts)
     first_host: tuple
 
 
@@ -396,12 +407,14 @@ class Decoder:
             self.phase_timer.mark(point)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def _step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int | None = None) -> None:
+    def _step(self, st: DecodeState, sampling: SamplingParams, drafts_k: int | None = None) -> None:
         """One decoding step of kind `drafts_k` (None: k): each row verifies up to that many drafts, or, ragged, the
         batch up to drafts_k x B packed. With 0 an AR step: the target sees one token; the drafter still searches
         (with k), so that ar_after_miss and the controller know what it finds. BLIND_AR: an AR step without the
-        search (found 0 for every row)."""
+        search (found 0 for every row). Sampled, its random draws are functions of each row's (seed, salt, length)
+        and of the draw's place in the step (CounterRng): so a captured step draws anew at each replay."""
         k = self.k
+        generator = None if sampling.greedy else step_rng(st)
         drafts_k = k if drafts_k is None else drafts_k
         search = drafts_k != BLIND_AR
         drafts_k = max(drafts_k, 0)
@@ -495,11 +508,9 @@ class Decoder:
         out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **kwargs)
         return out if self.aux_layers is not None else (out, None)
 
-    def _run_step(self, st: DecodeState, sampling: SamplingParams, generator, drafts_k: int) -> None:
-        if not sampling.greedy:
-            return self._step(st, sampling, generator, drafts_k)
+    def _run_step(self, st: DecodeState, sampling: SamplingParams, drafts_k: int) -> None:
         if self.phase_timer is not None:
-            return self._step(st, sampling, None, drafts_k)
+            return self._step(st, sampling, drafts_k)
         self._graph(st, sampling, drafts_k).replay()
 
     def _seen(self, key: tuple) -> None:
@@ -507,12 +518,20 @@ class Decoder:
         self.captured.append(key)
 
     def _graph(self, st: DecodeState, sampling: SamplingParams, drafts_k: int):
-        """The captured step verifying `drafts_k` drafts for this batch bucket (captured now if it is new)."""
-        key = (st.batch, drafts_k)
+        """The captured step verifying `drafts_k` drafts for this batch bucket (captured now if it is new); a sampled
+        step is a graph of its own for each setting (temperature, top-k, top-p are constants in it)."""
+        key = (st.batch, drafts_k) if sampling.greedy else (st.batch, drafts_k, sampling)
         graph = self._graphs.get(key)
         if graph is None:
             self._seen(("step",) + key)
-            graph = self._graphs[key] = self._capture(st, sampling, drafts_k)
+            try:
+                graph = self._capture(st, sampling, drafts_k)
+            except Exception as e:  # a sampled step that does not capture still runs, eagerly, and says why
+                if sampling.greedy or not self.cuda_graphs:
+                    raise
+                print(f"specpilot: sampled steps run without a CUDA graph ({type(e).__name__}: {e})", file=sys.stderr)
+                graph = EagerStep(lambda: self._step(st, sampling, drafts_k))
+            self._graphs[key] = graph
         return graph
 
     def _step_kinds(self) -> tuple[int, ...]:
@@ -526,7 +545,7 @@ class Decoder:
         """Capture every kind of step this decoder may launch for `st` before the first one runs, rather than when
         each is first needed (a capture takes tens of milliseconds and may compile): the verification step, with
         ar_after_miss the AR step, with the controller a step for each draft length."""
-        if not sampling.greedy or self.phase_timer is not None:
+        if self.phase_timer is not None:
             return
         for drafts_k in self._step_kinds():
             self._graph(st, sampling, drafts_k)
@@ -599,10 +618,10 @@ class Decoder:
         torch.cuda.synchronize()
         self._state.lengths.copy_(lengths)
 
-    def _launch(self, st: DecodeState, sampling: SamplingParams, generator, index: int, drafts_k: int):
+    def _launch(self, st: DecodeState, sampling: SamplingParams, index: int, drafts_k: int):
         """Enqueue one step and the copy of its outputs to the host; returns what `_read` waits on."""
         self._mark("begin")
-        self._run_step(st, sampling, generator, drafts_k)
+        self._run_step(st, sampling, drafts_k)
         if st.host_out is None:
             return st.out.clone(), None
         buf = st.host_out[index % 2]
@@ -620,7 +639,7 @@ class Decoder:
 
     def _capture(self, st: DecodeState, sampling: SamplingParams, drafts_k: int):
         if not self.cuda_graphs:
-            return EagerStep(lambda: self._step(st, sampling, None, drafts_k))
+            return EagerStep(lambda: self._step(st, sampling, drafts_k))
         # Warm up on a side stream (lazy library init must not happen during capture), restoring the state after
         # each run: a step only appends, so restoring history and lengths undoes it.
         saved = (st.history.clone(), st.lengths.clone())
@@ -629,7 +648,7 @@ class Decoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(st, sampling, None, drafts_k)
+                self._step(st, sampling, drafts_k)
                 st.history.copy_(saved[0])
                 st.lengths.copy_(saved[1])
                 if self.drafter is not None:
@@ -637,7 +656,7 @@ class Decoder:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with capture(graph):
-            self._step(st, sampling, None, drafts_k)
+            self._step(st, sampling, drafts_k)
         return graph
 
     def _prefill_forward(self, tokens, positions, lengths, cache):
@@ -738,8 +757,8 @@ class Decoder:
         at the narrowest width; eagerly this pays torch's lazy initialization), the prefill graph of every wider
         width, with continuous batching the prefill of every group of requests that may start in a running batch,
         and with the controller the price of each kind of step; with continuous batching also the steps (and prices)
-        of every smaller bucket, where a batch moves as its requests run out. Sampled steps run eagerly and are not
-        warmed."""
+        of every smaller bucket, where a batch moves as its requests run out. Sampled steps (a graph for each
+        sampling setting) are captured at their first call, not here."""
         buckets = sorted({batch_bucket(b) if self.bucketed else b for b in batch_sizes})
         widths = prefill_widths(max_prompt_tokens) if self.bucketed or not self.cuda_graphs else [max_prompt_tokens]
         need = cache_length(max_prompt_tokens, max_new_tokens, self.verify_width - 1, self.overlap)
@@ -804,9 +823,10 @@ class Decoder:
         need = cache_length(longest, stop.max_new_tokens, self.verify_width - 1, self.overlap)
         st = self._use(rows, max(need, prefill_width(longest) if self.bucketed else longest))
         max_len = self._cache.max_len
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=device).manual_seed(seed)
+        # Sampling's draws: this call's seed, and row b's salt the index of the request it decodes (dead rows: their
+        # own), so that no two requests draw alike and the same call draws the same again
+        st.seed.fill_(seed)
+        st.salt.copy_(to_device(torch.tensor(list(range(B)) + [-1 - b for b in range(B, rows)]), device))
         results = [RowResult(prompt=list(p)) for p in prompts]
         eos = set(self.eos_token_ids if stop.eos_token_ids is None else stop.eos_token_ids)
         controller = self.controller
@@ -831,7 +851,7 @@ class Decoder:
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
-                first = torch.multinomial(probabilities(logits, sampling), 1, generator=generator).squeeze(1)
+                first = categorical(probabilities(logits, sampling), CounterRng(st.seed, st.salt, lengths))
             if prompt_hidden is not None:
                 self.drafter.prefill(padded, positions, max_len, hidden=prompt_hidden, lengths=lengths)
             elif self.drafter is not None:
@@ -873,7 +893,7 @@ class Decoder:
                 while at < len(take):
                     if not ready:  # (the scratch cache is overwritten only once every request in it has moved out)
                         requests = [waiting.popleft() for _ in range(min(group, len(waiting)))]
-                        prefilled = self._prefill_requests([prompts[i] for i in requests], sampling, generator)
+                        prefilled = self._prefill_requests([prompts[i] for i in requests], sampling, requests)
                         ready.extend((i, prefilled, j) for j, i in enumerate(requests))
                     moving = [ready.popleft() for _ in range(min(len(ready), len(take) - at))]
                     self._move_in(st, take[at: at + len(moving)], moving[0][1], [j for _, _, j in moving])
@@ -893,7 +913,7 @@ class Decoder:
                 stats.ar_steps += drafts_k <= 0 and self.k > 0
                 stats.draft_lengths.append(drafts_k)
                 launched += 1
-                return launched - 1, self._launch(st, sampling, generator, launched - 1, drafts_k)
+                return launched - 1, self._launch(st, sampling, launched - 1, drafts_k)
 
             start([b for b in range(B) if not active[b]])  # requests that ended at their first token
             st.active.copy_(to_device(torch.tensor(active), device))
@@ -979,9 +999,9 @@ class Decoder:
         nothing), or None. Only a drafter without per-row state of its own can move with its rows (`continuous`)."""
         if not self.continuous:
             return None
-        kinds = self._step_kinds() if sampling.greedy else ()
+        extra = () if sampling.greedy else (sampling,)  # (a sampled step's graph is one of its setting)
         for bucket in sorted(b for b in self._states if live <= b < rows):
-            if all((bucket, kind) in self._graphs for kind in kinds) and (
+            if all((bucket, kind) + extra in self._graphs for kind in self._step_kinds()) and (
                     self.controller is None or bucket in self.prices):
                 return bucket
         return None
@@ -1008,11 +1028,15 @@ class Decoder:
         small.budget[n:] = self.k
         small.active[:n] = True
         small.active[n:] = False
+        small.seed.copy_(st.seed)
+        small.salt[:n] = st.salt[index]
         return small
 
-    def _prefill_requests(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> "Prefilled":
-        """Prefill waiting requests into the scratch cache (rows 0..len(prompts)-1; a graph per group bucket and
-        width, like the batch's prefill) and pick their first tokens, enqueued behind any step in flight."""
+    def _prefill_requests(self, prompts: list[list[int]], sampling: SamplingParams,
+                          ids: list[int]) -> "Prefilled":
+        """Prefill waiting requests (`ids`: their indices in the call, their sampling salts) into the scratch cache
+        (rows 0..len(prompts)-1; a graph per group bucket and width, like the batch's prefill) and pick their first
+        tokens, enqueued behind any step in flight."""
         device = self.model.device
         m = len(prompts)
         group = batch_bucket(m) if self.bucketed else m
@@ -1023,19 +1047,20 @@ class Decoder:
         for j, p in enumerate(prompts):
             padded[j, : len(p)], lengths[j] = torch.tensor(p), len(p)
         padded, lengths = to_device(padded, device), to_device(lengths, device)
+        salts = to_device(torch.tensor(ids), device)
         positions = torch.arange(width, device=device)[None].expand(group, width)
         logits = self._prefill(padded, positions, lengths, scratch=True)
         if sampling.greedy:
             first = logits.argmax(-1)[:m]
         else:
-            first = torch.multinomial(probabilities(logits[:m], sampling), 1, generator=generator).squeeze(1)
+            first = categorical(probabilities(logits[:m], sampling), CounterRng(self._state.seed, salts, lengths))
         if device.type != "cuda":
-            return Prefilled(padded[:m], lengths[:m], first, (first, None))
+            return Prefilled(padded[:m], lengths[:m], first, salts, (first, None))
         buf = torch.empty(m, dtype=torch.long, pin_memory=True)
         buf.copy_(first, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Prefilled(padded[:m], lengths[:m], first, (buf, done))
+        return Prefilled(padded[:m], lengths[:m], first, salts, (buf, done))
 
     def _move_in(self, st: DecodeState, rows: list[int], prefilled: "Prefilled", slots: list[int]) -> None:
         """Start prefilled requests (their rows `slots` of the scratch cache) in the finished `rows` of the running
@@ -1051,6 +1076,7 @@ class Decoder:
         history.scatter_(1, lengths[:, None], prefilled.first[src][:, None])
         st.history.index_copy_(0, index, history)
         st.lengths.index_copy_(0, index, lengths + 1)
+        st.salt.index_copy_(0, index, prefilled.salts[src])
         st.budget.index_fill_(0, index, self.k)
 
     def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:

@@ -14,7 +14,7 @@ import torch
 
 from ..kernels.builtin import attention_sdpa
 from .model import Block, KVCache, Transformer, compiled
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, categorical, probabilities
 
 
 def rows_of(cache: KVCache, rows: int) -> KVCache:
@@ -227,7 +227,7 @@ class ModelDrafter(Drafter):
                 tok = logits.argmax(-1)
             else:
                 q = probabilities(logits, sampling)
-                tok = torch.multinomial(q, 1, generator=generator).squeeze(1)
+                tok = categorical(q, generator)
                 probs.append(q)
             tokens.append(tok)
             if i + 1 < k:

@@ -104,7 +104,7 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, Proposal, rows_of
 from .errors import SpecPilotError
 from .model import KVCache, Transformer, compiled, rope_inv_freq, rope_tables, rotate
-from .sampling import probabilities
+from .sampling import categorical, probabilities
 from .tree import DynamicTree, TreeShape, grow_dynamic_tree, tree_mask, tree_positions
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -512,7 +512,7 @@ class Eagle3Drafter(Drafter):
                 tok = head.draft_to_target[logits.argmax(-1)]
             else:
                 q = probabilities(logits, sampling)  # over the draft vocabulary
-                tok = head.draft_to_target[torch.multinomial(q, 1, generator=generator).squeeze(1)]
+                tok = head.draft_to_target[categorical(q, generator)]
                 full = q.new_zeros(q.shape[0], head.cfg.vocab_size)
                 probs.append(full.scatter_(1, head.draft_to_target[None].expand_as(q), q))
             tokens.append(tok)

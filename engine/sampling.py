@@ -12,6 +12,63 @@ from dataclasses import dataclass
 
 import torch
 
+# splitmix64's constants (as signed int64: torch has no uint64 arithmetic; products wrap alike)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: every output bit depends on every input bit."""
+    z = z + _GOLDEN
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    return z ^ _shift(z, 31)
+
+
+class CounterRng:
+    """Random draws as a function of (seed, the row's salt, the row's length, the draw's stream, its index): no
+    generator state, only tensors read when the draw runs. So a sampled step captured in a CUDA graph draws anew at
+    every replay (the rows' lengths have moved on), a request's draws never repeat (its length grows every step; each
+    request its own salt), and the same seed gives the same tokens. One is made for each step (at capture: for the
+    graph): streams count the step's draws in the order the code makes them, the same at every replay. `seed` [1],
+    `salt` and `lengths` [rows], int64, on the device."""
+
+    def __init__(self, seed: torch.Tensor, salt: torch.Tensor, lengths: torch.Tensor):
+        self.seed, self.salt, self.lengths = seed, salt, lengths
+        self.stream = 0
+
+    def uniform(self, shape) -> torch.Tensor:
+        """[rows, n] uniform in (0, 1), float32 (24 random bits, never 0 or 1); a new stream each call."""
+        rows, n = shape
+        self.stream += 1
+        base = _mix(_mix(self.seed + self.salt[:rows] * _GOLDEN) + self.lengths[:rows])  # one per row and step
+        index = torch.arange(n, device=base.device) + (self.stream << 40)
+        z = _mix(base[:, None] ^ index[None, :])
+        return (_shift(z, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def uniform(shape, generator, device) -> torch.Tensor:
+    """Uniform draws of `shape` [rows, n]: from a CounterRng, or torch.rand with a torch.Generator (or the default)."""
+    if isinstance(generator, CounterRng):
+        return generator.uniform(shape)
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def categorical(weights: torch.Tensor, generator) -> torch.Tensor:
+    """One index a row of `weights` [rows, V] (non-negative, not normalized), drawn with probability weight / sum:
+    with a CounterRng as the race of exponential clocks, argmax w_i / E_i with E_i ~ Exp(1) (no host sync, no
+    generator state: capturable); else torch.multinomial."""
+    if isinstance(generator, CounterRng):
+        clocks = -torch.log(generator.uniform(tuple(weights.shape)))
+        return (weights / clocks).argmax(-1)
+    return torch.multinomial(weights, 1, generator=generator).squeeze(1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,8 +96,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def accept_sampled(drafts: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                   params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling. Returns (n_accepted [B], tokens [B, k+1]): the row emits tokens[:, : n_accepted + 1]."""
+                   params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling. Returns (n_accepted [B], tokens [B, k+1]): the row emits tokens[:, : n_accepted + 1].
+    `generator`: a CounterRng, a torch.Generator or None (torch's default)."""
     B, k = drafts.shape
     p = probabilities(logits, params)  # [B, k+1, V]
     ar = torch.arange(k, device=drafts.device)[None]
@@ -48,7 +106,7 @@ def accept_sampled(drafts: torch.Tensor, valid: torch.Tensor, draft_probs: torch
         draft_probs = torch.zeros_like(p[:, :k]).scatter_(-1, drafts[..., None], 1.0)
     p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     q_d = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand((B, k), generator=generator, device=drafts.device)
+    u = uniform((B, k), generator, drafts.device)
     ok = (u * q_d < p_d) & (ar < valid[:, None])  # u < p/q without dividing by a zero q
     n_accepted = ok.long().cumprod(1).sum(1)
     rows = torch.arange(B, device=drafts.device)
@@ -59,7 +117,7 @@ def accept_sampled(drafts: torch.Tensor, valid: torch.Tensor, draft_probs: torch
     # p == q at that token leaves no residual mass; the draft was then certain to be accepted, so this is unreachable
     # except through rounding: fall back to p.
     dist = torch.where(dist.sum(-1, keepdim=True) > 0, dist, p[rows, n_accepted])
-    last = torch.multinomial(dist, 1, generator=generator).squeeze(1)
+    last = categorical(dist, generator)
     tokens = torch.cat([drafts, drafts[:, :1]], 1) if k else last[:, None].clone()
     tokens[rows, n_accepted] = last
     return n_accepted, tokens

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, categorical, probabilities, uniform
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def _emit(tokens, best, bonus, depths, at_depth):
 
 def accept_tree_sampled(tokens: torch.Tensor, valid: torch.Tensor, logits: torch.Tensor, parents: torch.Tensor,
                         ancestors: torch.Tensor, depths: torch.Tensor, at_depth: torch.Tensor,
-                        sampling: SamplingParams, generator: torch.Generator | None):
+                        sampling: SamplingParams, generator):
     """Multi-draft speculative sampling over a tree step ("target-only" recursive rejection sampling, each draft a
     point mass as the n-gram drafter's and an EAGLE-3 head's top-k drafts are). Inputs (one tree or a tree per
     row) and outputs as `accept_tree`'s; the target's distribution at node
@@ -274,8 +274,8 @@ def accept_tree_sampled(tokens: torch.Tensor, valid: torch.Tensor, logits: torch
     Siblings with the same token stand for the same prefix, so once that token is accepted the children of all of
     them are tried (the first's p scoring them): the greedy limit (top_k=1) then keeps `accept_tree`'s path, the
     deepest match, rather than losing a duplicate sibling's subtree. Needs each parent before its children (as
-    `tree_from_paths` and `grow_dynamic_tree` number them). Random draws come from `generator`; no host
-    synchronization."""
+    `tree_from_paths` and `grow_dynamic_tree` number them). Random draws come from `generator` (a CounterRng, a
+    torch.Generator or None); no host synchronization."""
     if sampling.greedy:
         return accept_tree(tokens, valid, logits, parents, ancestors, depths, at_depth)
     B, N = tokens.shape
@@ -288,7 +288,7 @@ def accept_tree_sampled(tokens: torch.Tensor, valid: torch.Tensor, logits: torch
     here = torch.zeros(B, N, dtype=torch.bool, device=device)  # the nodes standing for the accepted prefix
     here[:, 0] = True
     residual = p[:, 0].clone()  # r, unnormalized: zeroing a refused token is its whole update
-    u = torch.rand((B, N), generator=generator, device=device)
+    u = uniform((B, N), generator, device)
     for n in range(1, N):  # index order: ranks within a parent, every parent before its children
         t = tokens[:, n : n + 1]
         offered = child[:, n] & here.gather(1, parent_of[:, n : n + 1]).squeeze(1)
@@ -303,7 +303,7 @@ def accept_tree_sampled(tokens: torch.Tensor, valid: torch.Tensor, logits: torch
     # An all-zero residual needs every token refused, which a sum of 1 makes impossible but for rounding: fall back
     # to the node's p, as accept_sampled does.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, node])
-    bonus = torch.multinomial(residual, 1, generator=generator)
+    bonus = categorical(residual, generator)[:, None]
     return _emit(tokens, node, bonus, depths, at_depth)
 
 

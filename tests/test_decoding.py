@@ -339,7 +339,7 @@ def test_every_kind_of_step_is_captured_before_the_first(tiny, tiny_reference, m
 
     class Recorded:
         def __init__(self, st, sampling, drafts_k):
-            self.run = lambda: dec._step(st, sampling, None, drafts_k)
+            self.run = lambda: dec._step(st, sampling, drafts_k)
             self.verify = drafts_k > 0
 
         def replay(self):
@@ -733,17 +733,17 @@ def test_distribution_test_has_power(sampling_models, monkeypatch):
     """The chi-square check detects a subtly wrong rule (after a rejection, resample from p instead of the residual
     norm(max(p - q, 0))): guards against the distribution tests above passing vacuously, e.g. with p == q."""
     import specpilot.engine.decode as decode
-    from specpilot.engine.sampling import probabilities
+    from specpilot.engine.sampling import categorical, probabilities, uniform
 
     def residual_is_p(drafts, valid, draft_probs, logits, params, generator):
         B, k = drafts.shape
         p = probabilities(logits, params)
         p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
         q_d = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-        u = torch.rand((B, k), generator=generator)
+        u = uniform((B, k), generator, drafts.device)
         n_acc = ((u * q_d < p_d) & (torch.arange(k)[None] < valid[:, None])).long().cumprod(1).sum(1)
         rows = torch.arange(B)
-        last = torch.multinomial(p[rows, n_acc], 1, generator=generator).squeeze(1)
+        last = categorical(p[rows, n_acc], generator)
         tokens = torch.cat([drafts, drafts[:, :1]], 1)
         tokens[rows, n_acc] = last
         return n_acc, tokens

@@ -377,7 +377,7 @@ def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
 
 
 def test_sampled_decoding_on_the_fused_layer_follows_its_seed(tiny_model_dir):
-    """Sampled steps (run without a graph) on the fused layer, as train-drafter's answers run on CUDA: every step
+    """Sampled steps on the fused layer (on the CPU without a graph), as train-drafter's answers run on CUDA: every step
     takes the fused layer, the tokens are the seed's (twice the same), and another seed draws others."""
     from specpilot.engine.sampling import SamplingParams
 
