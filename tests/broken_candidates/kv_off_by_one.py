@@ -10,9 +10,9 @@ from specpilot.engine.decode import Decoder
 _step = Decoder._step
 
 
-def step(self, st, sampling, generator, verify=True):
-    if not self.k or not verify:
-        return _step(self, st, sampling, generator, verify)
+def step(self, st, sampling, drafts_k=None):
+    if not self.k or (drafts_k is not None and drafts_k <= 0):  # a step that verifies nothing rejects nothing
+        return _step(self, st, sampling, drafts_k)
     seen = {}
     propose = self.drafter.propose
 
@@ -22,7 +22,7 @@ def step(self, st, sampling, generator, verify=True):
 
     self.drafter.propose = spy
     try:
-        _step(self, st, sampling, generator, verify)
+        _step(self, st, sampling, drafts_k)
     finally:
         del self.drafter.propose  # back to the class's method
     rejected = st.out[:, 0] < seen["proposal"].valid
