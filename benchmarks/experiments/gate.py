@@ -4,7 +4,8 @@ What it measures. `specpilot check` (docs/GATE.md; the candidate in its own proc
 subprocess), bf16, 4 questions x 128 new tokens a workload (`--limit 8` for the B = 8 recipes), for each recipe:
 `armiss` (B = 1: the adaptive min-2 n-gram with ar_after_miss on the fused layer, overlap on: verification with
 dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit weights and the 12-bit linear
-kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), or a recipe
+kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
+n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), or a recipe
 JSON file. Per run:
 PASS/FAIL, tokens checked, exact, ties forced. `--identity` adds token identity without forcing (4 prompts x 192
 tokens, 2 code and 2 summarization): fp32 against our modular AR, bf16 against the fused AR.
@@ -36,6 +37,11 @@ RECIPES = {
                   "batch": {"max_batch_size": 8, "controller": "cost", "ragged": True},
                   "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                               "ar_after_miss": True}},
+    # issue #21: the n-gram drafter's two latest matches as a two-branch tree of depth 4, on the fused layer
+    "ngram-tree": {"k": 4, "layer": "fused", "verification": "tree", "batch": {"max_batch_size": 1},
+                   "tree": {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
+                                                        [1], [1, 0], [1, 0, 0], [1, 0, 0, 0]]},
+                   "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4}},
 }
 
 
