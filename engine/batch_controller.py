@@ -4,14 +4,18 @@ batch's bucket (its graph replayed at warm-up, corrected by the decoding loop's 
 (engine/decode.py) asks it before each step and tells it each step's outcome and time; it holds no tensors."""
 from __future__ import annotations
 
+import statistics
 from collections import Counter, deque
 
 from .recipe import BatchSpec
 
-# The weight of each new measurement in the batch controller's moving average of a kind of step's loop time (the
-# first 1 / TIME_AVERAGING measurements are averaged alike), and how many a kind needs before its own average prices
-# it (fewer: priced like the kinds timed around it; a kind run a few times, a probe, is priced by noise otherwise)
-TIME_AVERAGING = 0.1
+# The loop times of a kind of step that price it: the median of the latest TIME_WINDOW (a median, since a single
+# step can take several times its cost: the host's garbage collection, requests started or a batch moved to a smaller
+# bucket while it ran; on the H200, summarize at B = 2, fifteenth lease, an AR step's moving average stood at 0.94 ms
+# in the loop against 0.44 replayed, and the controller verified drafts at a loss), and how many a kind needs before
+# its own median prices it (fewer: priced like the kinds timed around it; a kind run a few times, a probe, is priced
+# by noise otherwise)
+TIME_WINDOW = 15
 MIN_TIMED_STEPS = 4
 # How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
 # run it (the recipe's batch.margin). A step that the estimates put at a tie gains nothing on average and loses
@@ -109,11 +113,12 @@ class DraftLengthController:
     dropped.
 
     The prices are the steps' graphs replayed at warm-up, corrected by what the steps of each kind took in the
-    decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, a moving average per
-    kind). That time holds what a replay does not: the host's work where it is the bottleneck, attention over the
-    real context lengths. The steps that ran behind requests started in the batch are not timed (the decoder skips
-    them): every kind of step would pay that prefill alike, and charged to whichever kind followed it, it made that
-    kind look up to twice its cost. A kind not timed yet, or fewer than MIN_TIMED_STEPS times, is priced as its
+    decoding loop itself (`observe_time`: seconds between the host's reads of consecutive steps, the median of the
+    latest TIME_WINDOW per kind). That time holds what a replay does not: the host's work where it is the
+    bottleneck, attention over the real context lengths. The steps that ran behind requests started in the batch,
+    or while the host started them, are not timed (the decoder skips them): every kind of step would pay that
+    prefill alike, and charged to whichever kind followed it, it made that kind look up to twice its cost. A kind
+    not timed yet, or fewer than MIN_TIMED_STEPS times, is priced as its
     replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
@@ -123,13 +128,14 @@ class DraftLengthController:
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
         self.margin = margin
         self.seconds: dict[int, float] = {}
-        self.timed: dict[int, int] = {}
+        self.timed: dict[int, deque] = {}
         self.reset(bucket)
 
     def reset(self, bucket: int | None = None, seconds: dict[int, float] | None = None,
-              timed: dict[int, int] | None = None) -> None:
-        """A new batch: acceptance measured afresh; `seconds`, the loop's times of this bucket's kinds of step so
-        far, and `timed`, how many steps of each kind they average (both dicts updated in place), carry over."""
+              timed: dict[int, deque] | None = None) -> None:
+        """A new batch: acceptance measured afresh; `seconds`, the loop's time of each of this bucket's kinds of
+        step so far, and `timed`, the latest times of each kind it is the median of (both dicts updated in place),
+        carry over."""
         self.bucket = bucket or self.bucket
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
@@ -142,7 +148,7 @@ class DraftLengthController:
         self.seconds = {} if seconds is None else seconds
         self.timed = {} if timed is None else timed
 
-    def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, int]) -> None:
+    def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, deque]) -> None:
         """The batch moved to a smaller bucket (its rows ran out): that bucket's loop times price the steps from
         now on; what was measured of the acceptance stays."""
         self.bucket, self.seconds, self.timed = bucket, seconds, timed
@@ -177,19 +183,17 @@ class DraftLengthController:
         return (self.realized_gain[kind] + prior * overall) / (self.predicted_gain[kind] + prior)
 
     def observe_time(self, kind: int, seconds: float) -> None:
-        """The loop's time of a step of this kind (a moving average over about 1 / TIME_AVERAGING steps; the
-        plain mean of the first ones)."""
-        n = self.timed.get(kind, 0) + 1
-        self.timed[kind] = n
-        old = self.seconds.get(kind)
-        self.seconds[kind] = seconds if old is None else old + max(TIME_AVERAGING, 1 / n) * (seconds - old)
+        """The loop's time of a step of this kind: its price becomes the median of the kind's latest TIME_WINDOW."""
+        latest = self.timed.setdefault(kind, deque(maxlen=TIME_WINDOW))
+        latest.append(seconds)
+        self.seconds[kind] = statistics.median(latest)
 
     def priced(self, prices_by_k: dict[int, float]) -> dict[int, float]:
         """Each kind's price: its loop time where timed (MIN_TIMED_STEPS times at least), else its replay times the
         loop/replay ratio interpolated between the nearest timed kinds below and above it (the nearest one's
         beyond them)."""
         ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items()
-                 if prices_by_k.get(kind) and self.timed.get(kind, MIN_TIMED_STEPS) >= MIN_TIMED_STEPS}
+                 if prices_by_k.get(kind) and len(self.timed.get(kind, ())) >= MIN_TIMED_STEPS}
         if not ratio:
             return prices_by_k
         out = {}

@@ -350,7 +350,7 @@ class Decoder:
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
         # The batch controller's loop times of each kind of step, per bucket (DraftLengthController.observe_time)
         self.step_seconds: dict[int, dict[int, float]] = {}
-        self.step_timed: dict[int, dict[int, int]] = {}  # how many steps each of those averages
+        self.step_timed: dict[int, dict[int, deque]] = {}  # the latest loop times each of those is the median of
         self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Batch sizes and prompt widths padded to buckets: few shapes, each captured (and compiled) once, which a
         # warm-up can do ahead of time. Only worth it with graphs: eagerly, padding is pure cost.
@@ -877,9 +877,10 @@ class Decoder:
             launched = 0
 
             group = min(REFILL_GROUP, rows)  # waiting requests prefilled together, ahead of the rows they take
-            # Steps launched right after requests started: their read waits for the prefill and move-in too, work
-            # that every kind of step would pay alike (the same requests start whatever the steps verify), so their
-            # loop times are not a price of their kind. (Timed, the kind that tends to follow a refill, an AR step
+            # Steps launched right after requests started, and the step in flight while the host started them:
+            # their read waits for the prefill and move-in too (or the host's part of them), work that every kind of
+            # step would pay alike (the same requests start whatever the steps verify), so their loop times are not
+            # a price of their kind. (Timed, the kind that tends to follow a refill, an AR step
             # for the new rows, looked twice its cost at B = 64: the H200's chat cells, thirteenth lease.)
             behind_refill: set[int] = set()
             ready: deque = deque()  # (request, its prefill, its row there): prefilled, waiting for a free row
@@ -963,6 +964,8 @@ class Decoder:
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
                                        [kept[b] for b in stepped])
                 started = bool((waiting or ready) and finished) and start(finished)
+                if started and ahead is not None:  # the step in flight: its read's wait held the host's start
+                    behind_refill.add(ahead[0])
                 if finished:
                     st.active.copy_(to_device(torch.tensor(active), device))
                 if self.ar_after_miss:  # verify next only if the drafter found something for a live row

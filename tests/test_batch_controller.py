@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.engine.batch_controller import (BLIND_AR, DraftLengthController, choose_step, expected_tokens,
-                                               step_tokens)
+from specpilot.engine.batch_controller import (BLIND_AR, TIME_WINDOW, DraftLengthController, choose_step,
+                                               expected_tokens, step_tokens)
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -190,10 +190,10 @@ def test_the_recipes_margin_reaches_the_controller(tiny):
     assert controlled(tiny.loaded).decoder.controller.margin == 0.05
 
 
-def controlled(loaded, prices=None, k=4, loop_times=False, **batch) -> Engine:
+def controlled(loaded, prices=None, k=4, loop_times=False, overlap=False, **batch) -> Engine:
     """An n-gram engine with the cost controller at these step prices; without `loop_times` the controller keeps
     them as given (the CPU's own step times do not enter its choices)."""
-    eng = Engine(loaded, parse({"drafter": {"kind": "ngram"}, "k": k, "cuda_graphs": False,
+    eng = Engine(loaded, parse({"drafter": {"kind": "ngram"}, "k": k, "cuda_graphs": False, "overlap": overlap,
                                 "batch": {"controller": "cost", **batch}}))
     eng.decoder.prices = prices if prices is not None else {}
     if not loop_times:
@@ -306,8 +306,11 @@ def test_loop_times_correct_the_replayed_prices():
     tokens = c.expected()
     assert tokens[4] / priced[4] < tokens[0] / priced[0] < tokens[1] / priced[1]
     assert c.choose(replay) == 1
-    c.observe_time(4, 1.0)  # a moving average: one fast step moves it a tenth of the way
-    assert c.priced(replay)[4] == pytest.approx(1.9)
+    c.observe_time(4, 1.0)  # the median of the latest TIME_WINDOW: one fast step does not move it
+    assert c.priced(replay)[4] == pytest.approx(2.0)
+    for _ in range(TIME_WINDOW // 2 + 1):
+        c.observe_time(4, 1.0)  # most of the window: now it does
+    assert c.priced(replay)[4] == pytest.approx(1.0)
     assert DraftLengthController(4).priced(replay) == replay  # nothing timed: the replays
     shared = {}
     c.reset(1, shared)
@@ -316,15 +319,16 @@ def test_loop_times_correct_the_replayed_prices():
 
 
 def test_a_kind_timed_a_few_times_is_priced_like_its_neighbours():
-    """The first loop times of a kind are averaged alike (the first one does not weigh nine tenths of the tenth);
-    a kind timed fewer than MIN_TIMED_STEPS times (a probe, once) is priced from the kinds timed around it."""
+    """A kind's price is the median of its latest loop times (one slow step, a refill or the host's garbage
+    collection, does not move it); a kind timed fewer than MIN_TIMED_STEPS times (a probe, once) is priced from the
+    kinds timed around it."""
     from specpilot.engine.batch_controller import MIN_TIMED_STEPS
 
     replay = {0: 1.0, 1: 1.1, 2: 1.2}
     c = DraftLengthController(2, bucket=4)
-    for seconds in (3.0, 1.0, 1.0, 1.0):
+    for seconds in (1.5, 9.0, 1.5, 1.5):
         c.observe_time(0, seconds)
-    assert c.seconds[0] == pytest.approx(1.5)  # the mean of four, not 3.0 pulled a tenth of the way each time
+    assert c.seconds[0] == pytest.approx(1.5)  # the median: the 9.0 outlier does not count
     for _ in range(MIN_TIMED_STEPS - 1):
         c.observe_time(2, 6.0)  # a kind timed too few times: five times its replay, noise
     assert c.priced(replay)[2] == pytest.approx(1.2 * 1.5)  # priced like AR, the timed kind: x1.5
@@ -344,15 +348,18 @@ def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
     assert eng.decoder.controller.seconds is times
 
 
-def test_steps_behind_a_refill_are_not_timed(tiny_model_dir):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steps_behind_a_refill_are_not_timed(tiny_model_dir, overlap):
     """Requests started in a running batch are prefilled between two steps; the step launched behind them waits for
-    that too, which no kind of step costs by itself: its loop time is not fed to the controller. Here each prefill
-    sleeps 0.2 s (far above a step of the tiny model), and no time the controller saw holds one."""
+    that too, and with overlap so does the step in flight (its read comes after the host started them), which no
+    kind of step costs by itself: their loop times are not fed to the controller. Here each prefill sleeps 0.2 s
+    (far above a step of the tiny model), and no time the controller saw holds one."""
     import time as time_module
 
     from specpilot.engine.loader import load
 
-    eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2, loop_times=True, max_batch_size=2)
+    eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2, loop_times=True, overlap=overlap,
+                     max_batch_size=2)
     prefill, prefills = eng.decoder._prefill_requests, []
 
     def slow_prefill(*args, **kwargs):
