@@ -28,9 +28,7 @@ How the fusions work.
   few output rows, all of K in one tile where it fits, the weight tile loaded before the activations so that its
   DRAM round trip overlaps the norm. A row block's programs for the step's tokens are launched side by side: the
   first to ask brings the tile from DRAM, the others read it from L2, and each program's latency is a one-token
-  program's. Or (FMA_TOKENS_PER_PROGRAM) a program takes several tokens one after another through its tile, loaded
-  once, each token's sums as a one-token program's. More tokens (larger batches): tensor cores, W_tile @ H^T with
-  the tokens padded to 16.
+  program's. More tokens (larger batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
 * Kernel boundaries (FMA-path steps, Hopper): programmatic dependent launch. Each kernel starts while its
   predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
   outputs (`PDL` below).
@@ -84,12 +82,10 @@ FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "6"))
 # On the H200 (docs/BENCHMARKS.md, sixth lease, B) on: n-gram verification decoded the fused AR's bf16 tokens on 4/4
 # prompts (off: 1/4), for a 5-token step 2% slower (0.841 against 0.825 ms) when all its slots are live.
 FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1") != "0"
-
-# On the FMA path, tokens a program takes one after another (each through the one-token program's tile and sums, so
-# bit for bit what AR computes), where all of K fits one weight tile: the tile is then read once for all of them, and
-# a step of T tokens launches the programs of one token rather than T times as many, each rereading its tile from L2.
-# 1 (one token a program) until the H200 says otherwise: `fused_tokens --tokens-per-program 1,8` times both.
-FMA_TOKENS_PER_PROGRAM = int(os.environ.get("SPECPILOT_FMA_TOKENS_PER_PROGRAM", "1"))
+# (A program taking several tokens through its tile, read once, lost on the H200 twice: its tokens' activations
+# held at once, 16.2 against 18.4 µs a layer at two tokens (sixth lease, G); one token after another, 21.8 against
+# 31.1 at four (docs/benchmarks/2026-12-02-fifteenth-lease.md, C). The extra programs' L2 reads cost less than the
+# longer programs.)
 
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
 # as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
@@ -137,47 +133,22 @@ def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def _live(live_ptr, token, SKIP_DEAD: tl.constexpr):
-    """Whether `token` (a scalar) is to be computed: with SKIP_DEAD, its `live` flag."""
-    if SKIP_DEAD:
-        return tl.load(live_ptr + token) != 0
-    return token >= 0
-
-
-@triton.jit
-def _rope_inputs(cos_ptr, sin_ptr, positions_ptr, rows_ptr, tokens, token_ok, dims, out_ok,
-                 HEAD_DIM: tl.constexpr):
-    """A q/k/v program's per-token inputs: RoPE's tables for its dims (both halves), positions and cache rows."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    trig = tokens[:, None] * HEAD_DIM + dims[None, :]
-    cos_a = tl.load(cos_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
-    pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
-    row = tl.load(rows_ptr + tokens, mask=token_ok, other=0)  # the token's cache row (packed steps: any)
-    return cos_a, sin_a, cos_b, sin_b, pos, row
-
-
-@triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
-                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    TOKENS: tl.constexpr):
+                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
-    if SKIP_DEAD and DEAD_CHECK_FIRST and TOKENS == 1:  # one token a program: a dead token's program ends at once
+    if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     pairs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     pair_ok = pairs < n_pairs
     HALF: tl.constexpr = HEAD_DIM // 2
-    dims = pairs % HALF
-    head = pairs // HALF
     if MODE == ROPE_KV:  # pair j = (head j // HALF, dim j % HALF): rows d and d + HALF of that head
-        rows_a = head * HEAD_DIM + dims
+        head = pairs // HALF
+        rows_a = head * HEAD_DIM + pairs % HALF
         rows_b = rows_a + HALF
     else:  # SILU: gate row j and up row n_pairs + j
         rows_a = pairs
@@ -187,9 +158,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
 
     # Everything the program reads besides x is loaded first, so that all the round trips to memory overlap: with
     # all of K in one tile (SINGLE) the weight tiles and the norm weight; the bias; RoPE's tables, the positions and
-    # the q/k norm weights for the epilogue. (What a mode or setting does not use stays 0.)
-    wa, wb, nw, bias_a, bias_b, na, nb, hq = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    cos_a, sin_a, cos_b, sin_b, pos, row = 0.0, 0.0, 0.0, 0.0, 0, 0
+    # the q/k norm weights for the epilogue.
     if SINGLE:
         w_ok = pair_ok[:, None] & (cols < K)[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
@@ -199,58 +168,25 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     if MODE == ROPE_KV:
-        if TOKENS == 1:
-            cos_a, sin_a, cos_b, sin_b, pos, row = _rope_inputs(cos_ptr, sin_ptr, positions_ptr, rows_ptr, tokens,
-                                                                token_ok, dims, out_ok, HEAD_DIM)
+        dims = pairs % HALF
+        trig = tokens[:, None] * HEAD_DIM + dims[None, :]
+        cos_a = tl.load(cos_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+        pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
+        row = tl.load(rows_ptr + tokens, mask=token_ok, other=0)  # the token's cache row (packed steps: any)
         if QK_NORM:  # one head per program (BLOCK_P == HALF); q_norm then k_norm, stacked in qk_norm_ptr
             hq = tl.max(head, axis=0)
             which = tl.where(hq < n_heads, 0, HEAD_DIM)
             na = tl.load(qk_norm_ptr + which + dims, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
             nb = tl.load(qk_norm_ptr + which + dims + HALF, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-    if SKIP_DEAD and not DEAD_CHECK_FIRST and TOKENS == 1:  # after its constant loads
+    if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     if PDL:  # from here on: what the previous kernel wrote (x, delta) and what it may still read (our outputs)
         tl.extra.cuda.gdc_wait()
 
-    if TOKENS == 1:
-        _pair_tokens(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, out_ptr, kv_ptr, wa, wb, nw, bias_a, bias_b,
-                     cos_a, sin_a, cos_b, sin_b, pos, row, na, nb, hq, tokens, token_ok, pid, pairs, pair_ok, rows_a,
-                     rows_b, head, dims, cols, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h,
-                     stride_s, MODE, HAS_BIAS, QK_NORM, HEAD_DIM, DOT, DOT_PRECISION, SINGLE, BLOCK_M, BLOCK_P,
-                     BLOCK_K)
-    else:  # TOKENS tokens, one after another, each as a one-token program computes it (the tiles loaded once)
-        tl.static_assert(SINGLE and not DOT and not QK_NORM and BLOCK_M == 1)
-        for t in tl.static_range(TOKENS):
-            token = tl.program_id(0) * TOKENS + t
-            if token < M:
-                if _live(live_ptr, token, SKIP_DEAD):
-                    one = token + tl.arange(0, 1)
-                    one_ok = one < M
-                    one_out_ok = one_ok[:, None] & pair_ok[None, :]
-                    if MODE == ROPE_KV:  # (names of their own: a runtime branch may not retype outer ones)
-                        ca, sa, cb, sb, one_pos, one_row = _rope_inputs(cos_ptr, sin_ptr, positions_ptr, rows_ptr,
-                                                                        one, one_ok, dims, one_out_ok, HEAD_DIM)
-                    else:
-                        ca, sa, cb, sb, one_pos, one_row = cos_a, sin_a, cos_b, sin_b, pos, row
-                    _pair_tokens(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, out_ptr, kv_ptr, wa, wb, nw, bias_a,
-                                 bias_b, ca, sa, cb, sb, one_pos, one_row, na, nb, hq, one, one_ok, pid, pairs,
-                                 pair_ok, rows_a, rows_b, head, dims, cols, K, n_pairs, eps, n_heads, n_kv_heads,
-                                 stride_kv, stride_b, stride_h, stride_s, MODE, HAS_BIAS, QK_NORM, HEAD_DIM, DOT,
-                                 DOT_PRECISION, SINGLE, BLOCK_M, BLOCK_P, BLOCK_K)
-
-
-@triton.jit
-def _pair_tokens(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, out_ptr, kv_ptr, wa, wb, nw, bias_a, bias_b,
-                 cos_a, sin_a, cos_b, sin_b, pos, row, na, nb, hq, tokens, token_ok, pid, pairs, pair_ok, rows_a,
-                 rows_b, head, dims, cols, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h,
-                 stride_s, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A pair program's work for its `tokens`, after the PDL wait: the residual and norm, both row sets' dot
-    products, and the epilogue (SwiGLU; or q/k norm, RoPE and the q and cache stores)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    out_ok = token_ok[:, None] & pair_ok[None, :]
     # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
     # square.
     sq = tl.zeros((BLOCK_M,), tl.float32)
@@ -273,22 +209,20 @@ def _pair_tokens(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, out_ptr, kv_ptr, 
         yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         col_ok = k0 + cols < K
-        # (the tile's own names: reassigning the arguments in this loop would make them loop-carried on the GPU)
-        if SINGLE:
-            wa_k, wb_k, nw_k = wa, wb, nw
-        else:
+        if not SINGLE:
             w_ok = pair_ok[:, None] & col_ok[None, :]
-            wa_k = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-            wb_k = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-            nw_k = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+            wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+            wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+        if not SINGLE:
+            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
         if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
-            h = _normed(x_ptr, delta_ptr, nw_k, inv_rms, tokens, k0 + cols, col_ok, token_ok, K).to(wa_k.dtype)
-            ya_t += tl.dot(wa_k, tl.trans(h), input_precision=DOT_PRECISION)
-            yb_t += tl.dot(wb_k, tl.trans(h), input_precision=DOT_PRECISION)
+            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K).to(wa.dtype)
+            ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
+            yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
         else:  # one token: [rows, K] * [1, K] on the FMA units
-            h = _normed(x_ptr, delta_ptr, nw_k, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
-            ya += tl.sum(wa_k.to(tl.float32) * h, axis=1)[None, :]
-            yb += tl.sum(wb_k.to(tl.float32) * h, axis=1)[None, :]
+            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+            ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
+            yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
     if DOT:
         ya = tl.trans(ya_t)
         yb = tl.trans(yb_t)
@@ -409,11 +343,10 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
 def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, TOKENS: tl.constexpr = 1):
-    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units (TOKENS: that many, one after
-    another, through the tile loaded once), or all on tensor cores."""
+          BLOCK_K: tl.constexpr):
+    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
-    if SKIP_DEAD and DEAD_CHECK_FIRST and TOKENS == 1:  # one token a program: a dead token's program ends at once
+    if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -423,26 +356,11 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    if SKIP_DEAD and not DEAD_CHECK_FIRST and TOKENS == 1:  # after its constant loads
+    if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if TOKENS > 1:  # each token as a one-token program computes it
-        tl.static_assert(SINGLE and not DOT and BLOCK_M == 1)
-        for t in tl.static_range(TOKENS):
-            token = tl.program_id(0) * TOKENS + t
-            if token < M:
-                if _live(live_ptr, token, SKIP_DEAD):
-                    one = token + tl.arange(0, 1)
-                    x1 = tl.load(x_ptr + one[:, None] * K + cols[None, :], mask=(cols < K)[None, :], other=0.0)
-                    y1 = tl.zeros((1, BLOCK_N), tl.float32)
-                    y1 += tl.sum(w.to(tl.float32) * x1.to(tl.float32), axis=1)[None, :]
-                    if HAS_BIAS:
-                        y1 += bias
-                    tl.store(out_ptr + one[:, None] * N + rows[None, :], y1.to(out_ptr.dtype.element_ty),
-                             mask=row_ok[None, :])
-        return
     if DOT:
         y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
@@ -498,7 +416,7 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     more token blocks side by side)."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
-                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), TOKENS=1)
+                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
     block_k = triton.next_power_of_2(k)
     if block_k > TILE_VALUES:
         block_k = 1024
@@ -506,16 +424,14 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     programs_per_row_block = 1 if FMA_TILES_AS_ONE_TOKEN else n_tokens
     while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
         block_n //= 2
-    # Several tokens a program only where the tile holds all of K (loaded once for all of them)
-    tokens = max(1, min(n_tokens, FMA_TOKENS_PER_PROGRAM)) if block_k >= k else 1
-    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, TOKENS=tokens)
+    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
 
 
 def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:
-    """(token blocks, row blocks): the FMA path runs one program per token (or TOKENS tokens) and row block, the
-    tokens of a row block side by side in launch order, so that they read its weight tile at about the same time
-    (from L2 after the first); the tensor-core path takes DOT_TOKENS tokens a block."""
-    return triton.cdiv(n_tokens, cfg["BLOCK_M"] * cfg["TOKENS"]), triton.cdiv(n_rows, cfg["BLOCK_N"])
+    """(token blocks, row blocks): the FMA path runs one program per token and row block, the tokens of a row block
+    side by side in launch order, so that they read its weight tile at about the same time (from L2 after the first);
+    the tensor-core path takes DOT_TOKENS tokens a block."""
+    return triton.cdiv(n_tokens, cfg["BLOCK_M"]), triton.cdiv(n_rows, cfg["BLOCK_N"])
 
 
 def attention_setting(n_tokens: int) -> dict:
@@ -628,15 +544,15 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
     cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True)
-    if cfg.qk_norm:  # the per-head norm needs the whole head in one program (and a program's tokens side by side)
-        cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))), TOKENS=1)
+    if cfg.qk_norm:  # the per-head norm needs the whole head in one program
+        cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
     qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
         x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
         cos, sin, qk_norm, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], TOKENS=cfg1["TOKENS"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
 
     # 2. attention, split over the cache, merged by each (token, head)'s last split
     n_slots = kv_cache.shape[3]
@@ -671,7 +587,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         cos, sin, block.mlp_norm, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        TOKENS=cfg4["TOKENS"], num_warps=4, **pdl, **_token_skip(skip, cfg4))
+        num_warps=4, **pdl, **_token_skip(skip, cfg4))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
@@ -821,13 +737,12 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), tokens_per_program=(None,), batch: int = 1) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
-    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens` and each FMA_TOKENS_PER_PROGRAM in `tokens_per_program`
-    (None: as set). GPU only."""
+    None: as set) and each FMA_MAX_TOKENS in `fma_max_tokens` (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -851,22 +766,20 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM
-        current, fma_saved, per_saved = attention_setting(batch * T), FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM
+        global FMA_MAX_TOKENS
+        current, fma_saved = attention_setting(batch * T), FMA_MAX_TOKENS
         saved = dict(current)
         for fma in fma_max_tokens:
-            for per_program in tokens_per_program:
-                for setting in attention:
-                    current.update(setting or {})
-                    FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM = fma or fma_saved, per_program or per_saved
-                    try:
-                        run(fused_layer)()
-                        fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
-                    finally:
-                        current.clear()
-                        current.update(saved)
-                        FMA_MAX_TOKENS, FMA_TOKENS_PER_PROGRAM = fma_saved, per_saved
-                    out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
-                                    tokens_per_program=per_program or per_saved, fused_us=fused_us,
-                                    modular_us=modular_us, speedup=modular_us / fused_us))
+            for setting in attention:
+                current.update(setting or {})
+                FMA_MAX_TOKENS = fma or fma_saved
+                try:
+                    run(fused_layer)()
+                    fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+                finally:
+                    current.clear()
+                    current.update(saved)
+                    FMA_MAX_TOKENS = fma_saved
+                out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
+                                fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
     return out

@@ -12,6 +12,8 @@ import textwrap
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from specpilot.kernels.cross_compile import signature
 
@@ -26,7 +28,7 @@ def child(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
 
 def test_every_fused_layer_kernel_compiles_for_hopper():
     """Every kind of step the engine runs on the fused layer (one token, a verification step of five with and without
-    a dead-token mask, one or four tokens a program, ragged batches on tensor cores), on SmolLM2's, Llama-3-8B's, a
+    a dead-token mask, ragged batches on tensor cores), on SmolLM2's, Llama-3-8B's, a
     Qwen3-like (q/k norm) and a Qwen2-like (q/k/v bias) shape: each kernel compiles for sm_90, and reports its
     registers."""
     r = child(["-m", "specpilot.kernels.cross_compile"])
@@ -35,8 +37,7 @@ def test_every_fused_layer_kernel_compiles_for_hopper():
     kernels = {x["kernel"] for x in report}
     assert kernels == {"_norm_pair_gemv", "_decode_attention", "_gemv", "_add_rmsnorm"}
     assert all(0 < x["registers"] <= 255 for x in report)
-    several = [x for x in report if x["constexprs"].get("TOKENS", 1) > 1]
-    assert {x["kernel"] for x in several} == {"_norm_pair_gemv", "_gemv"}
+    assert {x["constexprs"]["DOT"] for x in report if x["kernel"] == "_gemv"} == {False, True}  # both paths
 
 
 BAD_KERNEL = textwrap.dedent('''
@@ -87,15 +88,29 @@ def test_signature_follows_the_launch_arguments():
 
     x = torch.empty(4, dtype=torch.bfloat16, device="meta")
     live = torch.empty(4, dtype=torch.int32, device="meta")
-    fn = getattr(F._gemv, "fn", F._gemv)  # (under the interpreter the kernel wraps the jit function)
-    if not hasattr(fn, "params"):
-        from triton.runtime.jit import JITFunction
-        fn = JITFunction(fn)
+    fn = jit_function(F._gemv)
     args = (x, x, x, x, live, 3, 2 ** 40, 576)
     sig, constexprs, options = signature(fn, args, dict(HAS_BIAS=False, DOT=False, DOT_PRECISION="tf32", SINGLE=True,
                                                         PDL=True, SKIP_DEAD=True, BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024,
                                                         num_warps=4))
     assert sig["x_ptr"] == "*bf16" and sig["live_ptr"] == "*i32"
     assert (sig["M"], sig["N"], sig["K"]) == ("i32", "i64", "i32")
-    assert constexprs["TOKENS"] == 1 and constexprs["BLOCK_K"] == 1024 and sig["TOKENS"] == "constexpr"
+    assert constexprs["BLOCK_K"] == 1024 and sig["BLOCK_K"] == "constexpr"
     assert options == {"num_warps": 4}
+    _, constexprs, _ = signature(jit_function(_with_default), (x, 4), {})
+    assert constexprs == {"SCALE": 2}  # the default, where the launch gives none
+
+
+@triton.jit
+def _with_default(x_ptr, n, SCALE: tl.constexpr = 2):
+    offs = tl.arange(0, 4)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * SCALE, mask=offs < n)
+
+
+def jit_function(kernel):
+    """The JITFunction behind `kernel` (under the interpreter the kernel wraps the jit function)."""
+    fn = getattr(kernel, "fn", kernel)
+    if not hasattr(fn, "params"):
+        from triton.runtime.jit import JITFunction
+        fn = JITFunction(fn)
+    return fn

@@ -217,16 +217,6 @@ def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
-def test_fused_layer_with_several_tokens_a_program(tiny_model_dir, monkeypatch):
-    """FMA_TOKENS_PER_PROGRAM = 4: steps of five tokens (two programs a row block, the second with one token) and a
-    ragged batch of three rows of two agree with the modular layer; Qwen3's per-head q/k norm keeps one token a
-    program in its q/k/v kernel."""
-    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", 4)
-    for family in ("llama", "qwen3"):
-        loaded = load(str(tiny_model_dir(family)), "fp32", "cpu")
-        assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5, family
-
-
 def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     """Hidden 48 and intermediate 96 (as SmolLM2's 576 and 1536): tiles padded to powers of two, masked, agree with
     the modular layer."""
@@ -266,14 +256,12 @@ def _five_token_step(model, first: int, seed: int):
     return positions, cos, sin, x, delta, cache
 
 
-@pytest.mark.parametrize("fma_max_tokens,per_program", [(8, 1), (8, 4), (1, 1)])
-def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens, per_program):
+@pytest.mark.parametrize("fma_max_tokens", [8, 1])
+def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
     """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
-    norm are bit for bit those of the full step. On the FMA path (one token a program, or several) every kernel skips
-    the dead tokens, so their cache slots are left as they were; on the tensor-core path none does: the whole step
-    is the full step's."""
+    norm are bit for bit those of the full step. On the FMA path every kernel skips the dead tokens, so their cache
+    slots are left as they were; on the tensor-core path none does: the whole step is the full step's."""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
-    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", per_program)
     model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=3)
@@ -338,25 +326,20 @@ def test_fused_layer_dead_tokens_leave_nothing_unwritten_behind(tiny_model_dir, 
             assert torch.isfinite(h).all() and torch.isfinite(d).all()
 
 
-@pytest.mark.parametrize("per_program", [1, 4])
-def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir, monkeypatch, per_program):
+def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
     """On the FMA path a step of five tokens runs each token through the program a one-token step runs, with the same
     tile (FMA_TILES_AS_ONE_TOKEN) and attention splits: its outputs and cache writes are bit for bit those of five
     one-token steps run in order (what AR decoding computes), so verification cannot change a token by rounding
     differently. (The interpreter sums a tile's rows in one order whatever the tile; on the GPU the tile fixes it.)
-    So with several tokens a program (FMA_TOKENS_PER_PROGRAM; 4 of 5: a program with a token past the step's end):
-    each runs through the same tile and sums. Qwen2: q/k/v biases."""
-    monkeypatch.setattr(triton_fused_layer, "FMA_TOKENS_PER_PROGRAM", per_program)
+    Qwen2: q/k/v biases."""
     model = load(str(tiny_model_dir("qwen2")), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=30, seed=4)
     block, ops = model.layers[0], model.default_ops
     for rows, k in ((cfg.hidden_size, cfg.hidden_size), (cfg.intermediate_size, cfg.hidden_size)):
         for width in (1, 256):  # the interpreter's and the GPU's least number of programs
-            step = triton_fused_layer.gemv_blocks(rows, k, 5, width)
-            one = triton_fused_layer.gemv_blocks(rows, k, 1, width)
-            assert step.pop("TOKENS") == per_program and one.pop("TOKENS") == 1
-            assert step == one, (rows, k, width)
+            assert (triton_fused_layer.gemv_blocks(rows, k, 5, width)
+                    == triton_fused_layer.gemv_blocks(rows, k, 1, width)), (rows, k, width)
     step_cache, token_cache = cache.clone(), cache.clone()
     step = triton_fused_layer.fused_layer(block, x, delta, cos, sin, step_cache, torch.zeros(1, 5, dtype=torch.long),
                                           positions, {}, ops)
@@ -425,15 +408,13 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
 def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkeypatch):
     """`benchmark(batch=2)` (fused_tokens --batch: issue #21's verify time against N at B > 1) builds a step of two
     rows of T tokens each, in their own cache rows, and runs both layers on it: here with the timer replaced by one
-    call (the interpreter times nothing), one row a (T, tokens a program) setting."""
+    call (the interpreter times nothing), one row a T."""
     import triton.testing
 
     monkeypatch.setattr(triton_fused_layer, "require_gpu_compiled", lambda fn: None)
     calls = []
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn: calls.append(fn()) or 1.0)
     model = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu").model
-    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20,
-                                        tokens_per_program=(1, 2), batch=2)
-    assert [(r["batch"], r["tokens"], r["tokens_per_program"]) for r in rows] == [
-        (2, 1, 1), (2, 1, 2), (2, 3, 1), (2, 3, 2)]
-    assert len(calls) == 2 + 4  # the modular layer once a T, the fused layer once a setting
+    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20, batch=2)
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(2, 1), (2, 3)]
+    assert len(calls) == 2 + 2  # the modular layer and the fused layer once a T

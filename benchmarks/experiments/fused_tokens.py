@@ -37,9 +37,6 @@ def arguments(p) -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="rows of T tokens each (a step verifying T - 1 drafts a row at this batch size); the "
                         "thresholds are derived at 1 only")
-    p.add_argument("--tokens-per-program", default="1",
-                   help="FMA_TOKENS_PER_PROGRAM values to time, e.g. 1,8 (the FMA path: tokens a program takes one "
-                        "after another through one weight tile)")
 
 
 def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
@@ -48,8 +45,7 @@ def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: 
     T, else fma_alt. The fused layer's limit: the largest multiple of `block` (at most `cap`) up to which the fused
     layer beat the modular one at every tested T above `block`; tensor-core steps cost by blocks of `block` tokens,
     so a limit between tested points would let untested widths run a whole extra block."""
-    per_program = min(r.get("tokens_per_program", 1) for r in rows)  # the thresholds at one setting of it
-    by = {(r["tokens"], r["fma_max_tokens"]): r for r in rows if r.get("tokens_per_program", 1) == per_program}
+    by = {(r["tokens"], r["fma_max_tokens"]): r for r in rows}
     fma = fma_alt
     for T in sorted({t for t, _ in by if fma_alt < t <= shipped_fma}):
         on, off = by.get((T, shipped_fma)), by.get((T, fma_alt))
@@ -77,9 +73,8 @@ def run(out_dir, args):
         tokens = tokens[:2]
     target = loader.load(args.ctx.target, "bf16", "cuda")
     modular = compiled(Block.forward)
-    per_program = tuple(int(t) for t in args.tokens_per_program.split(","))
     rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        tokens_per_program=per_program, batch=args.batch)
+                                        batch=args.batch)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
@@ -90,12 +85,5 @@ def run(out_dir, args):
                                      for k in keys] for r in rows])
     summary = f"\n\n{args.batch} rows a step: no thresholds (B = 1 only)"
     if chosen:
-        summary = "\n\nThresholds these rows support (at the fewest tokens a program timed): " + ", ".join(
-            f"{k}={v}" for k, v in chosen.items())
-    if len(per_program) > 1:  # the FMA path (fma_max_tokens 8) by tokens a program, side by side
-        fma = {(r["tokens"], r["tokens_per_program"]): r["fused_us"] for r in rows if r["fma_max_tokens"] == 8}
-        lines = [[T] + [harness.fmt(fma.get((T, n)), ".2f") for n in per_program]
-                 for T in tokens if T <= 8]
-        summary += "\n\nFMA path, µs a layer by tokens a program:\n\n" + harness.md_table(
-            ["tokens"] + [f"{n} a program" for n in per_program], lines)
+        summary = "\n\nThresholds these rows support: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
     return {"rows": rows, "thresholds": chosen}, table + summary
