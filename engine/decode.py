@@ -534,6 +534,10 @@ class Decoder:
             self._graphs[key] = graph
         return graph
 
+    def forget_steps(self) -> None:
+        """Drop every captured step (the next use captures it again): the drafter's tensors that they read moved."""
+        self._graphs = {}
+
     def _step_kinds(self) -> tuple[int, ...]:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
         and BLIND_AR."""

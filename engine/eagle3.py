@@ -152,15 +152,19 @@ def aux_layers_of(config: dict, n_target_layers: int, fail) -> tuple[int, ...]:
     return chosen
 
 
-def read_config(directory: Path, target: Transformer, fail) -> tuple[Eagle3Config, object]:
-    """The head's config checked against the target, and the HF LlamaConfig its rotary embedding comes from."""
+def read_config(directory: Path, fail) -> dict:
+    """The head's config.json as a dict."""
     path = directory / "config.json"
     if not path.is_file():
         fail("has no config.json")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         fail(f"config.json is not valid JSON: {e}")
+
+
+def check_config(raw: dict, target: Transformer, fail) -> tuple[Eagle3Config, object]:
+    """The head's config checked against the target, and the HF LlamaConfig its rotary embedding comes from."""
     arch = raw.get("architectures") or []
     if ARCHITECTURE not in arch:
         fail(f"config.json names architectures {arch}, not [{ARCHITECTURE!r}] (an EAGLE-3 head)")
@@ -219,6 +223,12 @@ def read_weights(directory: Path, fail) -> dict[str, torch.Tensor]:
     return weights
 
 
+def failing(source: str):
+    def fail(why: str):
+        raise SpecPilotError(f"EAGLE-3 head {source}: {why}")
+    return fail
+
+
 class Eagle3Head:
     """A loaded head in the target's dtype and device: q/k/v and gate/up fused into one matrix each (as Block does),
     the target's embeddings (and its LM-head rows of the draft vocabulary) where the head has none, and each draft
@@ -226,15 +236,22 @@ class Eagle3Head:
 
     def __init__(self, directory: str | Path, target: Transformer):
         directory = Path(directory)
-        source = str(directory)
-
-        def fail(why: str):
-            raise SpecPilotError(f"EAGLE-3 head {source}: {why}")
-
+        fail = failing(str(directory))
         if not directory.is_dir():
             fail("is not a directory")
-        cfg, hf = read_config(directory, target, fail)
-        weights = read_weights(directory, fail)
+        self._build(read_config(directory, fail), read_weights(directory, fail), target, str(directory))
+
+    @classmethod
+    def from_weights(cls, config: dict, weights: dict[str, torch.Tensor], target: Transformer,
+                     source: str) -> "Eagle3Head":
+        """A head from its config.json's dict and its tensors by name (as in the safetensors), checked the same."""
+        head = cls.__new__(cls)
+        head._build(config, weights, target, source)
+        return head
+
+    def _build(self, raw: dict, weights: dict[str, torch.Tensor], target: Transformer, source: str) -> None:
+        fail = failing(source)
+        cfg, hf = check_config(raw, target, fail)
         H, Ht, I, V, Vd = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.vocab_size,
                            cfg.draft_vocab_size)
         q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -609,8 +626,45 @@ class Eagle3Drafter(Drafter):
             self._new.copy_(state[1])
 
 
+RANDOM_HEAD = "random-eagle3"  # drafter.model of a replay recipe: a head of the target's shape, random weights
+
+
 def load_head(spec: str | Path, target: Transformer) -> Eagle3Head:
-    """The head in directory `spec` (or an alias / cached hub id of one: loader.source_dir) for this target."""
+    """The head in directory `spec` (or an alias / cached hub id of one: loader.source_dir) for this target;
+    RANDOM_HEAD: `random_head(target)`."""
     from . import loader
 
+    if str(spec) == RANDOM_HEAD:
+        return random_head(target)
     return Eagle3Head(loader.source_dir(str(spec)), target)
+
+
+@torch.no_grad()
+def random_head(target: Transformer, draft_vocab: int = 32000, seed: int = 0) -> Eagle3Head:
+    """An EAGLE-3 head of the shape SpecForge trains for this target (its hidden and MLP sizes, heads and head_dim, a
+    draft vocabulary of `draft_vocab` ids, the default aux layers), random weights drawn on the target's device:
+    what a head's forward costs there, with no checkpoint (the replay drafter's cost, issue #24)."""
+    c = target.cfg
+    H, I, V, L = c.hidden_size, c.intermediate_size, c.vocab_size, c.n_layers
+    Vd = min(draft_vocab, V)
+    q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    config = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "hidden_size": H,
+              "intermediate_size": I, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+              "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_eps, "rope_theta": 10000.0,
+              "max_position_embeddings": 4096, "vocab_size": V, "draft_vocab_size": Vd,
+              # the default layers (aux_layers_of), kept within a target of few layers
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(1, L - 1), max(0, L // 2 - 1), max(0, L - 4)]}}
+    g = torch.Generator(device=target.device).manual_seed(seed)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g, device=target.device, dtype=target.dtype) / cols ** 0.5
+
+    ones = lambda n: torch.ones(n, device=target.device, dtype=target.dtype)  # noqa: E731
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    weights = {"fc.weight": mat(H, 3 * H), "midlayer.input_layernorm.weight": ones(H),
+               "midlayer.hidden_norm.weight": ones(H), a + "q_proj.weight": mat(q_out, 2 * H),
+               a + "k_proj.weight": mat(kv_out, 2 * H), a + "v_proj.weight": mat(kv_out, 2 * H),
+               a + "o_proj.weight": mat(H, q_out), "midlayer.post_attention_layernorm.weight": ones(H),
+               m + "gate_proj.weight": mat(I, H), m + "up_proj.weight": mat(I, H), m + "down_proj.weight": mat(H, I),
+               "norm.weight": ones(H), "lm_head.weight": mat(Vd, H), "d2t": torch.zeros(Vd, dtype=torch.long)}
+    return Eagle3Head.from_weights(config, weights, target, f"{RANDOM_HEAD} (seed {seed})")

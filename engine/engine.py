@@ -11,6 +11,7 @@ from .eagle3 import Eagle3Drafter, load_head
 from .errors import SpecPilotError
 from .loader import LoadedModel
 from .recipe import Recipe
+from .replay import ReplayDrafter
 from .sampling import SamplingParams
 from .tree import DynamicTree, TreeShape, tree_from_paths
 from .weights import bind_weights, lossless12_weights
@@ -39,6 +40,9 @@ def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None
         return ModelDrafter(target.model, n_layers=spec.layers, name="layerskip")
     if spec.kind == "eagle3":
         return Eagle3Drafter(load_head(spec.model, target.model), recipe.k)
+    if spec.kind == "replay":  # its cost: a head's drafting, when drafter.model names one
+        cost = Eagle3Drafter(load_head(spec.model, target.model), recipe.k) if spec.model else None
+        return ReplayDrafter(spec.acceptance, target.model.cfg.vocab_size, target.model.device, cost)
     if draft is None:
         draft = loader.load(spec.model, spec.dtype or target.model.dtype, str(target.model.device))
     check_same_vocabulary(target, draft)
@@ -68,6 +72,7 @@ class Engine:
             # Uncompiled: torch.compile would specialize the shared layer on each matrix's identity and window
             # (docs/BENCHMARKS.md, eighth lease, K). CUDA graphs still apply.
             compile = False
+        self._ops, self._compile = ops, compile
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
@@ -96,11 +101,30 @@ class Engine:
             sizes |= {n % size for n in batch_sizes if n > size and n % size}
         self.decoder.warmup(sorted(sizes), max_prompt_tokens, max_new_tokens)
 
+    def prepare(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """What the drafter needs before these prompts decode, done outside any timed call: a replay drafter's
+        references, each prompt's greedy continuation of max_new_tokens tokens (EOS ignored) by AR on the recipe's
+        target, layer and kernels, computed once (`generate` calls it too: then inside its time). Other drafters
+        need nothing."""
+        drafter = self.decoder.drafter
+        if not isinstance(drafter, ReplayDrafter):
+            return
+        todo = drafter.missing(prompts, max_new_tokens)
+        if not todo:
+            return
+        r = self.recipe
+        ar = Decoder(self.target.model, None, 0, r.cuda_graphs, self.target.eos_token_ids, None, self._compile,
+                     self._ops, False, r.compile_mode, r.layer)
+        rows = ar.generate(todo, StopCondition(max_new_tokens, ()), max_batch=r.batch.max_batch_size)
+        if drafter.add_references({tuple(p): list(p) + row.tokens for p, row in zip(todo, rows)}):
+            self.decoder.forget_steps()  # they read the replaced table
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                  stop_strings: tuple[str, ...] = (), seed: int = 0, ignore_eos: bool = False,
                  max_batch: int | None = None) -> list[RowResult]:
         """Decode prompts, at most the recipe's max_batch_size (or `max_batch`, if smaller) at once, continuously
         batched where the drafter allows it (Decoder.generate); results in the prompts' order."""
+        self.prepare(prompts, max_new_tokens)
         stop = StopCondition(max_new_tokens, () if ignore_eos else None, tuple(stop_strings))
         size = self.recipe.batch.max_batch_size
         size = size if max_batch is None else min(max_batch, size)

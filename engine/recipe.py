@@ -17,7 +17,7 @@ from ..kernels import DEFAULTS as KERNEL_DEFAULTS, check_choice as check_kernel,
 from .errors import SpecPilotError
 
 SCHEMA_VERSION = 1
-DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3")
+DRAFTER_KINDS = ("none", "ngram", "layerskip", "model", "eagle3", "replay")
 VERIFICATION_KINDS = ("chain", "tree")
 TREE_KINDS = ("static", "dynamic")
 WEIGHT_FORMATS = ("native", "lossless12")
@@ -36,10 +36,11 @@ class DrafterSpec:
     max_ngram: int = 3  # ngram
     min_ngram: int = 1  # ngram
     layers: int = 0  # layerskip: how many of the target's first layers draft
-    model: str = ""  # model: path, alias or cached hub id of the draft model; eagle3: the head's directory
+    model: str = ""  # model: path, alias or cached hub id of the draft model; eagle3 (and replay's cost): a head
     dtype: str = ""  # model: its dtype ("" = the target's)
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
     ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
+    acceptance: list = field(default_factory=list)  # replay: a_i, the chance a step accepts >= i drafts, i = 1..k
 
 
 @dataclass
@@ -162,6 +163,10 @@ def _check(r: Recipe) -> Recipe:
         bad("drafter.model", "a model drafter needs the draft model's path or alias")
     if r.drafter.kind == "eagle3" and not r.drafter.model:
         bad("drafter.model", "an eagle3 drafter needs the head's directory (config.json + *.safetensors)")
+    if r.drafter.kind == "replay":
+        _check_replay(r, bad)
+    elif r.drafter.acceptance:
+        bad("drafter.acceptance", "is a replay drafter's profile (drafter.kind 'replay')")
     if r.drafter.kind == "eagle3" and r.drafter.dtype:
         bad("drafter.dtype", "an eagle3 head runs in the target's dtype (it reads the target's hidden states)")
     for slot, impl in r.kernels.items():
@@ -192,6 +197,21 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
                             "batch.controller 'cost'")
     return r
+
+
+def _check_replay(r: Recipe, bad) -> None:
+    """A replay drafter's profile: a_1..a_k, the chance that a step accepts at least i drafts (as the bench's
+    acceptance_by_position), each in [0, 1] and none above the one before."""
+    a = r.drafter.acceptance
+    if len(a) != r.k:
+        bad("drafter.acceptance", f"needs k = {r.k} values (a_i: the chance a step accepts at least i drafts), "
+                                  f"got {len(a)}")
+    for i, v in enumerate(a):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            bad("drafter.acceptance", f"value {i + 1} must be a number in [0, 1], got {v!r}")
+        if i and v > a[i - 1]:
+            bad("drafter.acceptance", f"value {i + 1} ({v}) is above value {i} ({a[i - 1]}): a step cannot accept "
+                                      f"{i + 1} drafts more often than {i}")
 
 
 def _check_tree(r: Recipe, bad) -> None:

@@ -107,6 +107,8 @@ def test_invalid_values_are_rejected(data, path, words):
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_drafter_kind_has_a_valid_recipe(kind):
     spec = {"kind": kind, "layers": 2, "model": "smollm2-135m"} if kind != "none" else {}
+    if kind == "replay":
+        spec["acceptance"] = [0.9, 0.7, 0.5, 0.3, 0.1]
     r = parse({"drafter": spec, "k": 0 if kind == "none" else 5})
     assert r.drafter.kind == kind
 

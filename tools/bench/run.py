@@ -132,16 +132,20 @@ def load_workloads(text: str, limit: int | None) -> dict[str, list[Question]]:
 
 
 def recipes_to_measure(specs: list[str]) -> list[tuple[str, Recipe]]:
-    """(system name, recipe): ar and stock always, then each --recipe; a repeated name gets a numeric suffix."""
+    """(system name, recipe): ar and stock always, then each --recipe; a repeated name gets a numeric suffix, and a
+    replay recipe's name says `replay` (its acceptance is replayed from a profile, engine/replay.py)."""
     chosen = [("ar", load_recipe("ar")), ("stock", load_recipe("stock"))]
     for spec in specs:
         if spec in BUILTIN_RECIPES:  # ar and stock are measured anyway
             continue
         recipe = load_recipe(spec)
         names = {name for name, _ in chosen}
-        name, n = recipe.name, 2
+        base = recipe.name
+        if recipe.drafter.kind == "replay" and "replay" not in base:
+            base = f"{base}-replay"
+        name, n = base, 2
         while name in names:
-            name, n = f"{recipe.name}-{n}", n + 1
+            name, n = f"{base}-{n}", n + 1
         chosen.append((name, recipe))
     return chosen
 

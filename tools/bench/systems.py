@@ -121,6 +121,7 @@ class EngineSystem(System):
 
     def prepare(self, batches, max_new_tokens) -> None:
         longest = max(len(p) for batch in batches for p in batch)
+        self.engine.prepare([p for batch in batches for p in batch], max_new_tokens)  # (a replay drafter's AR)
         self.engine.warmup(sorted({len(batch) for batch in batches}), longest, max_new_tokens)
 
     def decode(self, prompts, max_new_tokens, ignore_eos) -> BatchRun:

@@ -111,15 +111,18 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
     if recipe.drafter.kind in ("layerskip", "model") and draft_kernels:
         draft_kernels = max(1, round(draft_kernels / recipe.k) - 1)  # per draft forward, less its argmax
     drafter_model = None
-    if recipe.drafter.kind == "model":
+    kind = recipe.drafter.kind
+    if kind == "replay":  # priced as what it runs: its cost head's drafting, or (none) a search over the history
+        kind = "eagle3" if dec.drafter.cost is not None else "ngram"
+    if kind == "model":
         drafter_model = ModelShape.from_config(dec.drafter.model.cfg)
-    elif recipe.drafter.kind == "eagle3":
-        drafter_model = eagle3_shape(dec.drafter.head.cfg)
+    elif kind == "eagle3":
+        drafter_model = eagle3_shape((dec.drafter.cost or dec.drafter).head.cfg)
     elem = model.embed.element_size()
     book = (kernels.get("bookkeeping") or 0) + (kernels.get("launch") or 0)
     attention = "sdpa" if recipe.kernels.get("attention") == "builtin:sdpa" else "math"
     return Deployment(ModelShape.from_config(model.cfg), bytes_per_param=elem, dtype_bytes=elem, batch=batch,
-                      k=recipe.k, drafter_kind=recipe.drafter.kind, drafter_model=drafter_model,
+                      k=recipe.k, drafter_kind=kind, drafter_model=drafter_model,
                       drafter_layers=recipe.drafter.layers,
                       ngram_orders=recipe.drafter.max_ngram - recipe.drafter.min_ngram + 1,
                       context_len=dec._cache.max_len,
@@ -129,7 +132,7 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       controller=recipe.batch.controller, ragged=recipe.batch.ragged,
                       tree_nodes=dec.verify_width if recipe.verification == "tree" else None,
                       draft_widths=tree_draft_widths(dec.tree) if dec.tree is not None
-                      and recipe.drafter.kind == "eagle3" else None)
+                      and kind == "eagle3" else None)
 
 
 def _gap(component, measured, floor, step_s, agent, reason) -> dict:
@@ -244,6 +247,7 @@ def _profile_here(target, recipe: Recipe, questions, workload, limit, max_new_to
     prompts = (prompts * B)[: max(len(prompts), B)]
     batches = [prompts[i: i + B] for i in range(0, len(prompts) - B + 1, B)]
     stop = StopCondition(max_new_tokens)
+    engine.prepare(prompts, max_new_tokens)  # a replay drafter's references (the decoder's calls below need them)
     dec.generate(batches[0], stop)  # compile, capture
     if cuda:
         _timed_run(dec, batches[:1], StopCondition(4), PhaseTimer(device, k))  # the eager path's first use

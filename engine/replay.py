@@ -1,0 +1,135 @@
+"""The replay drafter (issue #24): acceptance replayed from a profile, for targets whose drafts cannot be measured.
+
+A synthetic target (engine/synthetic.py) has the shapes and the step costs of an 8B model and random weights: no
+drafter can predict it, so its acceptance would say nothing. The replay drafter proposes what the target itself will
+emit, its greedy continuation of the prompt computed once by AR (`Engine.prepare`), and corrupts each draft with a
+chance such that a step accepts at least i drafts with the probability the profile gives (`drafter.acceptance`, in
+the form the bench reports a real drafter's `acceptance_by_position`). Verification, the gate and every kernel are
+real: only the drafter's choice of tokens is replayed, and its cost, when `drafter.model` names an EAGLE-3 head (or
+`random-eagle3`, a head of the target's shape with random weights), is that head's real forwards, their drafts
+discarded. Every figure from it is marked `replay`.
+
+How a row finds its continuation: its whole history is compared with every reference sequence (prompt + AR
+continuation) up to the shorter of the two, on the device, at each step ([rows, references, positions]: cheap next
+to an 8B step, and it needs no per-row state, so rows may switch requests between steps). A row whose history has
+left its reference (the target emitted another token than AR did: a bf16 near-tie computed in another order) finds
+none and drafts nothing from then on; the bench's τ shows it.
+
+Corruption: draft i is kept with probability p_i = a_i / a_{i-1} (a_0 = 1), else replaced by another id. Draft i is
+accepted when it and every draft before it are kept, so a step verifying k drafts accepts at least i of them with
+probability a_i. The draws are a function of (seed, the reference's index, the row's length, the draft's index)
+(engine/sampling.py's CounterRng): the same run replays the same acceptance, and a captured step draws anew.
+"""
+from __future__ import annotations
+
+import torch
+
+from .drafters import Drafter, Proposal
+from .sampling import CounterRng, SamplingParams
+
+
+def kept_probabilities(acceptance: list[float]) -> list[float]:
+    """p_i, the chance that draft i is kept, from a_i, the chance that a step accepts at least i drafts (a_i
+    non-increasing in [0, 1]); a draft after one the profile never reaches is kept with 0."""
+    kept, before = [], 1.0
+    for a in acceptance:
+        kept.append(a / before if before > 0 else 0.0)
+        before = a
+    return kept
+
+
+def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor,
+                  table_lengths: torch.Tensor, kept: torch.Tensor, seed: torch.Tensor, vocab: int):
+    """[rows, k] drafts and [rows] valid counts: each row's continuation in the reference `table` [R, S] (prompt +
+    AR continuation, `table_lengths` [R] long), each draft replaced by another id unless a uniform draw falls below
+    its `kept` probability [k]."""
+    rows = history.shape[0]
+    width = min(history.shape[1], table.shape[1])
+    position = torch.arange(width, device=history.device)
+    compared = torch.minimum(lengths[:, None], table_lengths[None, :])  # [rows, R]
+    same = (history[:, None, :width] == table[None, :, :width]) | (position >= compared[..., None])
+    match = same.all(-1) & (table_lengths[None, :] > lengths[:, None])  # and the reference continues past the row
+    found = match.any(-1)
+    ref = match.to(torch.int8).argmax(-1)  # the first matching reference (argmax of a bool row: its first True)
+    at = (lengths[:, None] + torch.arange(k, device=history.device)).clamp(max=table.shape[1] - 1)
+    truth = table[ref].gather(1, at)
+    valid = torch.where(found, (table_lengths[ref] - lengths).clamp(0, k), torch.zeros_like(lengths))
+    draws = CounterRng(seed, ref, lengths)
+    keep = draws.uniform((rows, k)) < kept[None, :k]
+    other = (truth + 1 + (draws.uniform((rows, k)) * (vocab - 1)).long().clamp(max=vocab - 2)) % vocab
+    return torch.where(keep, truth, other), valid
+
+
+class ReplayDrafter(Drafter):
+    """Proposes each row's reference continuation, corrupted by the profile; with `cost` (a drafter, an EAGLE-3
+    head's), also runs that drafter's steps and discards its drafts."""
+
+    name = "replay"
+    variable_drafts = True  # a row past its reference's end, or off it, has fewer
+
+    def __init__(self, acceptance: list[float], vocab: int, device, cost: Drafter | None = None, seed: int = 0):
+        self.acceptance, self.vocab, self.device, self.cost = list(acceptance), vocab, device, cost
+        self.kept = torch.tensor(kept_probabilities(acceptance), dtype=torch.float32, device=device)
+        self.seed = torch.tensor([seed], dtype=torch.long, device=device)
+        self.needs_hidden_states = cost.needs_hidden_states if cost is not None else None
+        self.stateless = cost is None or cost.stateless
+        self.references: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + AR continuation
+        self.table = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.table_lengths = torch.zeros(1, dtype=torch.long, device=device)
+
+    def missing(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """The prompts (each once) whose reference is unknown or shorter than max_new_tokens new tokens."""
+        out = {}
+        for p in prompts:
+            have = self.references.get(tuple(p))
+            if have is None or len(have) - len(p) < max_new_tokens:
+                out[tuple(p)] = list(p)
+        return list(out.values())
+
+    def add_references(self, sequences: dict[tuple[int, ...], list[int]]) -> bool:
+        """Keep these references (prompt -> prompt + continuation); True when the table moved to new memory (steps
+        captured before read the old one: the caller drops them)."""
+        self.references.update(sequences)
+        seqs = list(self.references.values())
+        rows, width = len(seqs), max(len(s) for s in seqs)
+        moved = rows > self.table.shape[0] or width > self.table.shape[1]
+        if moved:
+            self.table = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+            self.table_lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.table.zero_()
+        self.table_lengths.zero_()
+        for i, s in enumerate(seqs):
+            self.table[i, : len(s)] = torch.tensor(s, device=self.device)
+            self.table_lengths[i] = len(s)
+        return moved
+
+    def propose(self, history, lengths, k: int, sampling: SamplingParams, generator) -> Proposal:
+        if self.cost is not None:
+            self.cost.propose(history, lengths, k, sampling, generator)
+        tokens, valid = replay_drafts(history, lengths, k, self.table, self.table_lengths, self.kept, self.seed,
+                                      self.vocab)
+        return Proposal(tokens, valid)
+
+    # The cost drafter's state follows the batch as its own would.
+    def reserve(self, rows, max_len):
+        if self.cost is not None:
+            self.cost.reserve(rows, max_len)
+
+    def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
+        if self.cost is not None:
+            self.cost.prefill(tokens, positions, max_len, hidden=hidden, lengths=lengths)
+
+    def update(self, accepted, hidden=None):
+        if self.cost is not None:
+            self.cost.update(accepted, hidden=hidden)
+
+    def snapshot(self):
+        return self.cost.snapshot() if self.cost is not None else None
+
+    def restore(self, state):
+        if self.cost is not None:
+            self.cost.restore(state)
+
+    def prepare(self, ops, layer_fn, compile):
+        if self.cost is not None:
+            self.cost.prepare(ops, layer_fn, compile)

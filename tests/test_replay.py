@@ -1,0 +1,172 @@
+"""The replay drafter (engine/replay.py, issue #24): it drafts the target's own AR continuation, corrupted so that a
+step accepts at least i drafts with the profile's probability a_i; decoding stays AR's, greedy, whatever the profile,
+and recipes with a bad profile are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from specpilot.engine.engine import Engine
+from specpilot.engine.recipe import RecipeError, parse
+from specpilot.engine.replay import kept_probabilities, replay_drafts
+
+
+def prompts(n: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, TINY_VOCAB, (3 + 2 * i,), generator=g).tolist() for i in range(n)]
+
+
+def replay(loaded, acceptance, rows: int = 8, **drafter) -> Engine:
+    return Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": list(acceptance), **drafter},
+                                 "k": len(acceptance), "cuda_graphs": False, "batch": {"max_batch_size": rows}}))
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    from specpilot.engine.loader import load
+
+    return load(str(tiny_model_dir("llama")), "fp32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(loaded):
+    ar = Engine(loaded, parse({"cuda_graphs": False}))
+    return [r.tokens for r in ar.generate(prompts(), 20, ignore_eos=True)]
+
+
+def test_a_sure_profile_drafts_exactly_what_ar_emits(loaded, ar_tokens):
+    """a = 1 everywhere: every step accepts all k drafts (but where the request ends first), and the tokens are
+    AR's."""
+    eng = replay(loaded, [1.0, 1.0, 1.0])
+    out = eng.generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    for r in out:  # 20 tokens: the first from the prefill, then 3 + 1 a step; the last step's drafts run past 20
+        assert r.accepted[:-1] == [3] * (len(r.accepted) - 1)
+
+
+@pytest.mark.parametrize("rows", (1, 2))
+def test_a_middle_profile_keeps_ar_tokens_and_accepts_between(loaded, ar_tokens, rows):
+    """a = (0.7, 0.4): tokens are still AR's (rows switch requests when rows < prompts: each finds its own
+    reference), and steps accept 0, 1 and 2 drafts."""
+    out = replay(loaded, [0.7, 0.4], rows=rows).generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    seen = {n for r in out for n in r.accepted}
+    assert seen == {0, 1, 2}
+
+
+def test_a_zero_profile_never_drafts_a_right_token(loaded, ar_tokens):
+    out = replay(loaded, [0.0, 0.0]).generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    assert all(n == 0 for r in out for n in r.accepted)
+
+
+def test_acceptance_follows_the_profile():
+    """Rows at many lengths of their references (the table's rows), drafts checked against the truth as greedy
+    verification does (the longest kept prefix): the share of steps accepting at least i drafts is a_i within 0.04
+    (4,000 steps: the binomial's standard deviation is below 0.008)."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 50, (40, 130), generator=g)
+    table_lengths = torch.full((40,), 130)
+    acceptance = [0.8, 0.5, 0.45, 0.1]
+    kept = torch.tensor(kept_probabilities(acceptance))
+    lengths = torch.arange(100).repeat(40) + 10  # 4,000 rows: each reference at 100 lengths
+    history = table.repeat_interleave(100, 0)
+    drafts, valid = replay_drafts(history, lengths, 4, table, table_lengths, kept, torch.tensor([7]), 50)
+    assert bool((valid == 4).all())
+    truth = history.gather(1, lengths[:, None] + torch.arange(4))
+    accepted = (drafts == truth).long().cumprod(1).sum(1)
+    for i, a in enumerate(acceptance, start=1):
+        assert float((accepted >= i).float().mean()) == pytest.approx(a, abs=0.04), i
+    wrong = drafts != truth
+    assert bool(((drafts >= 0) & (drafts < 50)).all()) and bool(wrong.any())
+
+
+def test_rows_find_their_own_reference_or_none():
+    """A row whose history is a prefix of a reference drafts its continuation (a shorter reference that the row
+    has outgrown is not it); a row off every reference, or at a reference's end, drafts nothing."""
+    table = torch.tensor([[1, 2, 3, 4, 5, 0, 0], [1, 2, 9, 9, 9, 9, 9]])
+    table_lengths = torch.tensor([5, 7])
+    history = torch.tensor([[1, 2, 3, 0, 0, 0, 0], [1, 2, 9, 9, 0, 0, 0], [1, 2, 7, 0, 0, 0, 0],
+                            [1, 2, 3, 4, 5, 0, 0]])
+    lengths = torch.tensor([3, 4, 3, 5])
+    sure = torch.ones(2)
+    drafts, valid = replay_drafts(history, lengths, 2, table, table_lengths, sure, torch.tensor([0]), 10)
+    assert valid.tolist() == [2, 2, 0, 0]
+    assert drafts[0].tolist() == [4, 5] and drafts[1].tolist() == [9, 9]
+
+
+def test_kept_probabilities_are_the_profiles_ratios():
+    assert kept_probabilities([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, 0.0])
+
+
+def test_the_cost_of_a_random_head_of_the_targets_shape(loaded, ar_tokens):
+    """drafter.model 'random-eagle3': a head of the target's shape with random weights runs its forwards each step
+    (static batches: its cache is per row), and the replayed drafts, not its own, are verified."""
+    eng = replay(loaded, [1.0, 1.0], rows=2, model="random-eagle3")
+    assert eng.decoder.drafter.cost.head.cfg.hidden_size == loaded.model.cfg.hidden_size
+    assert not eng.decoder.continuous
+    out = eng.generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    assert all(n == 2 for r in out for n in r.accepted[:-1])
+
+
+def test_prepare_computes_the_references_once(loaded, monkeypatch):
+    """Engine.prepare (the bench calls it before timing) decodes the references; generate then decodes no AR of its
+    own for the same prompts, and new prompts are added (the table grows, the captured steps are dropped)."""
+    from specpilot.engine import decode
+
+    eng = replay(loaded, [0.9, 0.6])
+    calls = []
+    real = decode.Decoder.generate
+    monkeypatch.setattr(decode.Decoder, "generate", lambda self, p, *a, **kw: (calls.append(self.drafter),
+                                                                                 real(self, p, *a, **kw))[1])
+    eng.prepare(prompts(3), 12)
+    assert calls == [None]  # one AR decode
+    eng.generate(prompts(3), 12, ignore_eos=True)
+    assert calls == [None, eng.decoder.drafter]
+    eng.generate(prompts(4), 12, ignore_eos=True)  # one new prompt: its reference first
+    assert calls[2:] == [None, eng.decoder.drafter] and len(eng.decoder.drafter.references) == 4
+
+
+@pytest.mark.parametrize("drafter, k, why", [
+    ({"kind": "replay", "acceptance": [0.9]}, 2, "needs k = 2 values"),
+    ({"kind": "replay", "acceptance": [0.5, 0.7]}, 2, "above value 1"),
+    ({"kind": "replay", "acceptance": [1.2, 0.5]}, 2, "in [0, 1]"),
+    ({"kind": "ngram", "acceptance": [0.5]}, 1, "a replay drafter's profile"),
+])
+def test_bad_profiles_are_refused(drafter, k, why):
+    with pytest.raises(RecipeError, match="drafter.acceptance") as e:
+        parse({"drafter": drafter, "k": k})
+    assert why in str(e.value)
+
+
+def test_the_bench_names_replay_and_prepares_its_references(loaded, tmp_path):
+    """A replay recipe's system says `replay` in its name, and the bench's warm-up (EngineSystem.prepare) computes
+    its references before anything is timed."""
+    import json
+
+    from specpilot.tools.bench.run import recipes_to_measure
+    from specpilot.tools.bench.systems import EngineSystem
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"name": "eagle-profile", "drafter": {"kind": "replay", "acceptance": [0.9, 0.5]},
+                                "k": 2, "cuda_graphs": False}))
+    (name, recipe), = recipes_to_measure([str(path)])[2:]
+    assert name == "eagle-profile-replay"
+    system = EngineSystem(name, loaded, recipe)
+    system.prepare([prompts(2), prompts(3)[2:]], 8)
+    assert sorted(map(len, system.engine.decoder.drafter.references)) == [3, 5, 7]
+
+
+@pytest.mark.parametrize("model", ["", "random-eagle3"])
+def test_the_profiler_prices_a_replay_recipe_by_what_it_runs(loaded, model):
+    """The profiler prepares the references (its decoder's calls bypass Engine.generate) and prices the drafter as
+    what it runs: the head's drafting with one, a search over the history without."""
+    from specpilot.tools.profile.profiler import profile
+
+    recipe = parse({"drafter": {"kind": "replay", "acceptance": [0.9, 0.6], "model": model}, "k": 2,
+                    "cuda_graphs": False})
+    p = profile(loaded, recipe, prompts=prompts(2), max_new_tokens=12, repeats=1)
+    assert p.prediction["deployment"]["drafter_kind"] == ("eagle3" if model else "ngram")
+    assert p.acceptance["tau"] > 1.0  # the references were there: drafts were accepted
