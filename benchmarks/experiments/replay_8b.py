@@ -1,0 +1,102 @@
+"""An 8B deployment with replayed acceptance: AR against its weight-read floor, 12-bit AR, chain recipes at two profiles.
+
+What it measures (issue #24 items 1-3, B = 1 by default). One `specpilot bench` run on `synthetic:llama-3.1-8b`
+(engine/synthetic.py: Llama-3.1-8B's architecture and shapes, weights drawn on the device; `--target` names another),
+bf16, code and chat prompts (4 each, the packaged SmolLM2 tokenizer), 128 new tokens, no EOS. Systems: `ar`, `stock`
+(whose n-gram drafts of a random model's text mean nothing), our fastest AR (`ar-fused-overlap`), 12-bit AR
+(`ar-lossless12`), and two replay recipes (engine/replay.py: the target's own AR continuation, corrupted to a
+profile, drafted at the cost of an EAGLE-3 head of the target's shape with random weights), chained, k = 4, on the
+fused layer with overlap:
+- `replay-head-code`: the profile our trained SmolLM2 head reached on code at B = 1 (the fourteenth lease's
+  `train_head` bench, eagle3-k4: a = 0.346, 0.145, 0.063, 0.044; docs/benchmarks/2026-12-02-fourteenth-lease.md, B);
+- `replay-bar`: the acceptance issue #22 aims at, τ = 3.5 with k = 4 (a constant keep rate of 0.82: a = 0.82,
+  0.672, 0.551, 0.452). A target, not a measurement; the report says so.
+Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
+the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
+against it.
+
+Backs docs/BENCHMARKS.md's 8B figures (issue #24), every one marked `replay` or `synthetic`.
+
+Device minutes: about 6 (the 8B target is drawn once; each system compiles and captures its steps).
+"""
+from __future__ import annotations
+
+import harness
+
+MINUTES = 6
+FASTEST_AR = "ar-fused-overlap"
+TARGET = "synthetic:llama-3.1-8b"
+HEAD_CODE = [0.346, 0.145, 0.063, 0.044]  # fourteenth lease, train_head's bench: eagle3-k4 on code, B = 1
+BAR = [round(0.82 ** i, 3) for i in range(1, 5)]  # issue #22's bar: tau 1 + sum(a) = 3.5 at k = 4
+
+
+def arguments(p) -> None:
+    p.add_argument("--workloads", default="code,chat")
+    p.add_argument("--limit", type=int, default=4, help="prompts a workload")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="1")
+
+
+def recipes(ctx) -> list:
+    """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights."""
+    fast = {"layer": "fused", "overlap": True}
+    twelve = [] if ctx.smoke else [ctx.recipe("ar-lossless12", {"weights": {"format": "lossless12"},
+                                                                 "kernels": {"linear": "builtin:lossless12"}})]
+    return [ctx.recipe(FASTEST_AR, fast), *twelve,
+            ctx.recipe("replay-head-code", {"drafter": {"kind": "replay", "model": "random-eagle3",
+                                                        "acceptance": HEAD_CODE}, "k": 4, **fast}),
+            ctx.recipe("replay-bar", {"drafter": {"kind": "replay", "model": "random-eagle3", "acceptance": BAR},
+                                      "k": 4, **fast})]
+
+
+def weight_bytes(target: str) -> int | None:
+    """Bytes of the weights an AR step reads (bf16): every layer's matrices and norms, the final norm, the LM head
+    (the embedding table's one row is left out), from the synthetic target's published config; None for others."""
+    from specpilot.engine import synthetic
+
+    name = target[len(synthetic.PREFIX):] if synthetic.is_synthetic(target) else None
+    c = synthetic.CONFIGS.get(name) if name else None
+    if c is None:
+        return None
+    H, inter, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    D = c.get("head_dim") or H // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    per_layer = H * (q + 2 * kv) + q * H + 3 * H * inter + 2 * H
+    return 2 * (L * per_layer + H + V * H)
+
+
+def run(out_dir, args):
+    import torch
+
+    ctx = args.ctx
+    if not (args.target or args.smoke):
+        ctx.target = TARGET
+    workloads, limit, tokens = harness.smoke_sized(args, args.workloads, args.limit, args.max_new_tokens)
+    argv = ["--workload", ",".join(workloads), "--batch-sizes", args.batch_sizes, "--max-new-tokens", tokens,
+            "--limit", limit, "--baselines", "none"]
+    for r in recipes(ctx):
+        argv += ["--recipe", r]
+    floor = None
+    weights = weight_bytes(ctx.target)
+    if weights and torch.cuda.is_available():
+        from specpilot.tools.bench.engine_bench import copy_bandwidth
+
+        bandwidth = copy_bandwidth("cuda")  # bytes moved a second, read and written alike
+        floor = {"weight_bytes": weights, "read_bytes_per_s": bandwidth, "tokens_per_s": bandwidth / weights}
+        torch.cuda.empty_cache()
+    results = harness.specpilot_bench(ctx, "bench", argv, timeout=560)
+    table = harness.bench_table(results, FASTEST_AR)
+    from specpilot.engine.synthetic import is_synthetic
+
+    what = "random weights, timing only" if is_synthetic(ctx.target) else "real weights"
+    notes = [f"Target {ctx.target} ({what}); `replay-head-code` replays the trained SmolLM2 head's measured profile "
+             f"{HEAD_CODE}, `replay-bar` issue #22's aim {BAR} (a target, not a measurement)."]
+    if floor:
+        ar = {(r["workload"], r["batch_size"]): r["tokens_per_s"] for r in results["runs"]
+              if r["system"] == FASTEST_AR}
+        notes.append(f"Weight-read floor of an AR step: {weights / 1e9:.2f} GB at {floor['read_bytes_per_s'] / 1e12:.2f} "
+                     f"TB/s (the measured copy bandwidth), {floor['tokens_per_s']:.1f} tok/s at B = 1; "
+                     + "; ".join(f"{FASTEST_AR} {wl}: {v:.1f} tok/s, {v / floor['tokens_per_s']:.0%} of it"
+                                 for (wl, b), v in ar.items() if b == 1))
+    return {"bench": results, "floor": floor, "profiles": {"replay-head-code": HEAD_CODE, "replay-bar": BAR}}, \
+        table + "\n\n" + "\n\n".join(notes)
