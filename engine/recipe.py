@@ -251,8 +251,8 @@ def _check_tree(r: Recipe, bad) -> None:
             bad("tree.paths", str(e))
     if r.k != depth:
         bad("k", f"must equal the tree's depth {depth} with verification 'tree', got {r.k}")
-    if r.drafter.kind not in ("ngram", "eagle3"):
-        bad("verification", f"'tree' is drafted by the n-gram drafter or an EAGLE-3 head; "
+    if r.drafter.kind not in ("ngram", "eagle3", "replay"):
+        bad("verification", f"'tree' is drafted by the n-gram drafter, an EAGLE-3 head or the replay drafter; "
                             f"drafter.kind {r.drafter.kind!r} drafts chains")
     for key, on in (("drafter.adaptive", r.drafter.adaptive), ("batch.controller", r.batch.controller != "none")):
         if on:

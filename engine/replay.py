@@ -15,6 +15,10 @@ to an 8B step, and it needs no per-row state, so rows may switch requests betwee
 left its reference (the target emitted another token than AR did: a bf16 near-tie computed in another order) finds
 none and drafts nothing from then on; the bench's τ shows it.
 
+Trees (static, `propose_tree`): the first-child chain holds the replayed drafts and every other node a wrong id of
+its depth, so a tree step verifies all N nodes (its real cost) and accepts a path as deep as the profile says: the
+profile is then per depth of the accepted path, as a tree drafter's measured one is.
+
 Corruption: draft i is kept with probability p_i = a_i / a_{i-1} (a_0 = 1), else replaced by another id. Draft i is
 accepted when it and every draft before it are kept, so a step verifying k drafts accepts at least i of them with
 probability a_i. The draws are a function of (seed, the reference's index, the row's length, the draft's index)
@@ -40,9 +44,9 @@ def kept_probabilities(acceptance: list[float]) -> list[float]:
 
 def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor,
                   table_lengths: torch.Tensor, kept: torch.Tensor, seed: torch.Tensor, vocab: int):
-    """[rows, k] drafts and [rows] valid counts: each row's continuation in the reference `table` [R, S] (prompt +
-    AR continuation, `table_lengths` [R] long), each draft replaced by another id unless a uniform draw falls below
-    its `kept` probability [k]."""
+    """[rows, k] drafts, [rows] valid counts and the [rows, k] true continuation: each row's continuation in the
+    reference `table` [R, S] (prompt + AR continuation, `table_lengths` [R] long), each draft replaced by another id
+    unless a uniform draw falls below its `kept` probability [k]."""
     rows = history.shape[0]
     width = min(history.shape[1], table.shape[1])
     position = torch.arange(width, device=history.device)
@@ -57,7 +61,7 @@ def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: t
     draws = CounterRng(seed, ref, lengths)
     keep = draws.uniform((rows, k)) < kept[None, :k]
     other = (truth + 1 + (draws.uniform((rows, k)) * (vocab - 1)).long().clamp(max=vocab - 2)) % vocab
-    return torch.where(keep, truth, other), valid
+    return torch.where(keep, truth, other), valid, truth
 
 
 class ReplayDrafter(Drafter):
@@ -106,9 +110,36 @@ class ReplayDrafter(Drafter):
     def propose(self, history, lengths, k: int, sampling: SamplingParams, generator) -> Proposal:
         if self.cost is not None:
             self.cost.propose(history, lengths, k, sampling, generator)
-        tokens, valid = replay_drafts(history, lengths, k, self.table, self.table_lengths, self.kept, self.seed,
-                                      self.vocab)
+        tokens, valid, _ = replay_drafts(history, lengths, k, self.table, self.table_lengths, self.kept, self.seed,
+                                         self.vocab)
         return Proposal(tokens, valid)
+
+    def propose_tree(self, history, lengths, shape):
+        """A static tree's nodes [rows, N - 1] and valid flags: the first-child chain ([0], [0, 0], ...) holds the
+        replayed drafts, so the accepted path is as deep as a chain's would be (the profile is per depth of the
+        accepted path, e.g. a tree drafter's measured one); every other node holds a wrong id of its depth, so its
+        verification costs what a real node's does and is never accepted. With a cost head, the head drafts the
+        same tree shape (its nodes discarded)."""
+        if self.cost is not None:
+            self.cost.propose_tree(history, lengths, shape)
+        chain, valid, truth = replay_drafts(history, lengths, shape.depth, self.table, self.table_lengths, self.kept,
+                                            self.seed, self.vocab)
+        index, on_chain, depth = self._tree_index(shape, history.device)
+        wrong = (truth.gather(1, (depth - 1)[None].expand(truth.shape[0], -1)) + index[None]) % self.vocab
+        tokens = torch.where(on_chain[None], chain.gather(1, (depth - 1)[None].expand(chain.shape[0], -1)), wrong)
+        return tokens, valid[:, None] >= depth[None]
+
+    def _tree_index(self, shape, device):
+        """Per node 1..N-1: its index (1..N-1, a wrong id's offset), whether it is on the first-child chain, its
+        depth."""
+        cached = getattr(self, "_tree_cache", None)
+        if cached is None or cached[0] != (shape, device):
+            paths = shape.paths[1:]
+            cached = ((shape, device), (torch.arange(1, len(paths) + 1, device=device),
+                                        torch.tensor([all(c == 0 for c in p) for p in paths], device=device),
+                                        torch.tensor([len(p) for p in paths], device=device)))
+            self._tree_cache = cached
+        return cached[1]
 
     # The cost drafter's state follows the batch as its own would.
     def reserve(self, rows, max_len):

@@ -72,7 +72,7 @@ def test_acceptance_follows_the_profile():
     kept = torch.tensor(kept_probabilities(acceptance))
     lengths = torch.arange(100).repeat(40) + 10  # 4,000 rows: each reference at 100 lengths
     history = table.repeat_interleave(100, 0)
-    drafts, valid = replay_drafts(history, lengths, 4, table, table_lengths, kept, torch.tensor([7]), 50)
+    drafts, valid, _ = replay_drafts(history, lengths, 4, table, table_lengths, kept, torch.tensor([7]), 50)
     assert bool((valid == 4).all())
     truth = history.gather(1, lengths[:, None] + torch.arange(4))
     accepted = (drafts == truth).long().cumprod(1).sum(1)
@@ -91,7 +91,7 @@ def test_rows_find_their_own_reference_or_none():
                             [1, 2, 3, 4, 5, 0, 0]])
     lengths = torch.tensor([3, 4, 3, 5])
     sure = torch.ones(2)
-    drafts, valid = replay_drafts(history, lengths, 2, table, table_lengths, sure, torch.tensor([0]), 10)
+    drafts, valid, _ = replay_drafts(history, lengths, 2, table, table_lengths, sure, torch.tensor([0]), 10)
     assert valid.tolist() == [2, 2, 0, 0]
     assert drafts[0].tolist() == [4, 5] and drafts[1].tolist() == [9, 9]
 
@@ -170,3 +170,29 @@ def test_the_profiler_prices_a_replay_recipe_by_what_it_runs(loaded, model):
     p = profile(loaded, recipe, prompts=prompts(2), max_new_tokens=12, repeats=1)
     assert p.prediction["deployment"]["drafter_kind"] == ("eagle3" if model else "ngram")
     assert p.acceptance["tau"] > 1.0  # the references were there: drafts were accepted
+
+
+@pytest.mark.parametrize("acceptance, accepted", [([1.0, 1.0], 2), ([0.0, 0.0], 0), ([0.7, 0.4], None)])
+def test_a_replayed_tree_accepts_along_its_first_chain(loaded, ar_tokens, acceptance, accepted):
+    """A static tree of two branches: the first-child chain holds the replayed drafts, every other node a wrong id
+    (verified, never accepted): the accepted depth follows the profile, and the tokens are AR's."""
+    eng = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": acceptance}, "k": 2,
+                                "verification": "tree", "cuda_graphs": False,
+                                "tree": {"kind": "static", "paths": [[0], [0, 0], [1], [1, 0], [0, 1]]}}))
+    out = eng.generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    steps = [n for r in out for n in r.accepted[:-1]]
+    assert set(steps) == ({accepted} if accepted is not None else {0, 1, 2})
+
+
+def test_a_replayed_tree_at_a_heads_cost(loaded, ar_tokens):
+    """With drafter.model the head drafts the same tree shape each step (its cost), the replay fills it."""
+    eng = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": [1.0, 1.0], "model": "random-eagle3"},
+                                "k": 2, "verification": "tree", "cuda_graphs": False,
+                                "tree": {"kind": "static", "paths": [[0], [0, 0], [1], [1, 0]]}}))
+    calls = []
+    real = eng.decoder.drafter.cost.propose_tree
+    eng.decoder.drafter.cost.propose_tree = lambda *a: calls.append(1) or real(*a)
+    out = eng.generate(prompts(2), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens[:2] and calls
+    assert all(n == 2 for r in out for n in r.accepted[:-1])

@@ -2,7 +2,7 @@
 
 What it measures (issue #24 items 1-3, B = 1 by default). One `specpilot bench` run on `synthetic:llama-3.1-8b`
 (engine/synthetic.py: Llama-3.1-8B's architecture and shapes, weights drawn on the device; `--target` names another),
-bf16, code and chat prompts (4 each, the packaged SmolLM2 tokenizer), 128 new tokens, no EOS. Systems: `ar`, `stock`
+bf16, code and chat prompts (2 each, the packaged SmolLM2 tokenizer), 128 new tokens, no EOS. Systems: `ar`, `stock`
 (whose n-gram drafts of a random model's text mean nothing), our fastest AR (`ar-fused-overlap`), 12-bit AR
 (`ar-lossless12`), and two replay recipes (engine/replay.py: the target's own AR continuation, corrupted to a
 profile, drafted at the cost of an EAGLE-3 head of the target's shape with random weights), chained, k = 4, on the
@@ -11,28 +11,34 @@ fused layer with overlap:
   `train_head` bench, eagle3-k4: a = 0.346, 0.145, 0.063, 0.044; docs/benchmarks/2026-12-02-fourteenth-lease.md, B);
 - `replay-bar`: the acceptance issue #22 aims at, τ = 3.5 with k = 4 (a constant keep rate of 0.82: a = 0.82,
   0.672, 0.551, 0.452). A target, not a measurement; the report says so.
+and the same two profiles on a static tree of 16 nodes, depth 4 (`replay-tree-*`: three branches at the first level,
+each a chain, plus a second child below each first-level node: the nodes a tree verifies cost what they cost; the
+accepted depth follows the profile).
 Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
 the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
 against it.
 
 Backs docs/BENCHMARKS.md's 8B figures (issue #24), every one marked `replay` or `synthetic`.
 
-Device minutes: about 6 (the 8B target is drawn once; each system compiles and captures its steps).
+Device minutes: about 8, not yet measured (the 8B target is drawn once; each system compiles and captures its steps).
 """
 from __future__ import annotations
 
 import harness
 
-MINUTES = 6
+MINUTES = 8
 FASTEST_AR = "ar-fused-overlap"
 TARGET = "synthetic:llama-3.1-8b"
 HEAD_CODE = [0.346, 0.145, 0.063, 0.044]  # fourteenth lease, train_head's bench: eagle3-k4 on code, B = 1
 BAR = [round(0.82 ** i, 3) for i in range(1, 5)]  # issue #22's bar: tau 1 + sum(a) = 3.5 at k = 4
+# 16 nodes, depth 4: three first-level branches of four drafts each, and a second child under each first-level node
+TREE = ([[b] + [0] * d for b in range(3) for d in range(4)] + [[b, 1] for b in range(3)])
 
 
 def arguments(p) -> None:
     p.add_argument("--workloads", default="code,chat")
-    p.add_argument("--limit", type=int, default=4, help="prompts a workload")
+    p.add_argument("--limit", type=int, default=2,
+                   help="prompts a workload (random weights, no EOS: they differ only in length)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1")
 
@@ -46,7 +52,11 @@ def recipes(ctx) -> list:
             ctx.recipe("replay-head-code", {"drafter": {"kind": "replay", "model": "random-eagle3",
                                                         "acceptance": HEAD_CODE}, "k": 4, **fast}),
             ctx.recipe("replay-bar", {"drafter": {"kind": "replay", "model": "random-eagle3", "acceptance": BAR},
-                                      "k": 4, **fast})]
+                                      "k": 4, **fast}),
+            *(ctx.recipe(f"replay-tree-{name}", {"drafter": {"kind": "replay", "model": "random-eagle3",
+                                                            "acceptance": profile}, "k": 4, "layer": "fused",
+                                                 "verification": "tree", "tree": {"kind": "static", "paths": TREE}})
+              for name, profile in (("head-code", HEAD_CODE), ("bar", BAR)))]
 
 
 def weight_bytes(target: str) -> int | None:
