@@ -4,6 +4,8 @@ What it measures: `python -m specpilot.tools.profile.costmodel_validate --batch-
 bf16: the device's ceilings (copy bandwidth, matmul, launch, graph node, GEMM node; calibrated anew with
 `--recalibrate`), then for each (B, k) the engine's captured step replayed between CUDA events and its real loop,
 against the cost model's prediction from the step's kernel count and bytes; how many predictions fall within 25%.
+`--trees 2x4,4x4` adds static n-gram tree steps (issue #21); `--target synthetic:llama-3.1-8b` the bandwidth-bound
+regime (issue #24 item 4).
 
 Backs docs/BENCHMARKS.md (cost model, issue #4's 25% bound): the third lease's validation table (12 of 12 within
 25%; then bench_costmodel.sh), docs/benchmarks/2026-11-29-third-lease.md.
@@ -21,6 +23,8 @@ CUDA_ONLY = True
 def arguments(p) -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--ks", default="0,1,4,16", help="0 = AR, else chain verification with the n-gram drafter")
+    p.add_argument("--trees", default="", help="also static n-gram trees, BxD each (B branches of D drafts), e.g. "
+                                               "2x4,4x4 (issue #21: tree steps predicted within 25%%)")
     p.add_argument("--recalibrate", action="store_true", help="measure the device's ceilings again")
 
 
@@ -29,7 +33,8 @@ def run(out_dir, args):
     sizes, ks = ("1", "0,4") if args.smoke else (args.batch_sizes, args.ks)
     out = ctx.scratch / "costmodel_validate.json"
     step = ctx.module("costmodel_validate", "specpilot.tools.profile.costmodel_validate", [
-        "--target", ctx.target, "--batch-sizes", sizes, "--ks", ks, "--out", out,
+        "--target", ctx.target, "--batch-sizes", sizes, "--ks", ks, "--trees", "" if args.smoke else args.trees,
+        "--out", out,
         *(["--recalibrate"] if args.recalibrate else [])], timeout=300)
     result = json.loads(ctx.need(out, step).read_text())
     table = "\n".join(line for line in step.tail if line.startswith(("|", "<!--")) or " predictions within " in line)

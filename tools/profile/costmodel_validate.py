@@ -1,9 +1,10 @@
 """The cost model's predicted step time against the engine's measured one on a GPU, as one markdown table.
 
     python -m specpilot.tools.profile.costmodel_validate [--target smollm2-135m] [--batch-sizes 1,8,32]
-        [--ks 0,1,2,4,8,16] [--max-new-tokens 128] [--recalibrate] [--out FILE.json]
+        [--ks 0,1,2,4,8,16] [--trees 2x4,4x4] [--max-new-tokens 128] [--recalibrate] [--out FILE.json]
 
-For each batch size B and k (0 = AR; k >= 1 = chain verification with the n-gram drafter) it builds the engine
+For each batch size B and k (0 = AR; k >= 1 = chain verification with the n-gram drafter), and each static n-gram
+tree of `--trees` (BxD: B branches of D drafts, N = B x D + 1 nodes verified a row), it builds the engine
 with the default recipe settings (compiled, CUDA graphs, math attention), decodes B distinct prompts twice with
 EOS ignored (the first run compiles and captures), then measures `replay`: the device time of one captured step
 (the graph replayed 20 times between CUDA events), and `loop`: decode time per step of the real loop, host
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
     add_target_argument(ap, default="smollm2-135m")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--ks", default="0,1,2,4,8,16", help="0 = AR, else chain verification with the n-gram drafter")
+    ap.add_argument("--trees", default="", help="static n-gram trees, BxD each (B branches of D drafts), e.g. 2x4,4x4")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--workload", default="code")
     ap.add_argument("--recalibrate", action="store_true", help="measure the ceilings again")
@@ -62,7 +64,12 @@ def main(argv=None) -> int:
     dev = load_or_measure("cuda", force=args.recalibrate)
     target = loader.load(args.target, "bf16", "cuda")
     shape = ModelShape.from_config(target.model.cfg)
-    ks = [int(k) for k in args.ks.split(",")]
+    cases = [(int(k), None) for k in args.ks.split(",")]
+    if 0 not in [k for k, _ in cases]:
+        cases.insert(0, (0, None))  # AR first: the drafter's kernels are counted against it
+    for tree in filter(None, args.trees.split(",")):
+        branches, depth = (int(v) for v in tree.split("x"))
+        cases.append((depth, [[b] + [0] * d for b in range(branches) for d in range(depth)]))
     questions = load_workload(args.workload)
     print(f"<!-- {' '.join(['python -m specpilot.tools.profile.costmodel_validate'] + (argv or sys.argv[1:]))} -->")
     print(f"<!-- {time.strftime('%Y-%m-%d')}, torch {torch.__version__}; {dev.name}: copy "
@@ -83,14 +90,17 @@ def main(argv=None) -> int:
     for B in map(int, args.batch_sizes.split(",")):
         ar_kernels = None
         prompts = None
-        for k in ks:
+        for k, paths in cases:
             spec = {"name": f"ngram-k{k}" if k else "ar"} | ({"drafter": {"kind": "ngram"}, "k": k} if k else {})
+            if paths:
+                spec |= {"name": f"ngram-tree-{len(paths) // k}x{k}", "verification": "tree",
+                         "tree": {"kind": "static", "paths": paths}}
             try:
                 engine = Engine(target, parse(spec))
                 prompts = prompts or [engine.encode(questions[i % len(questions)].turns[0]) for i in range(B)]
                 m = measure(engine, prompts, args.max_new_tokens)
             except Exception as e:  # one failed step shape is that row's error; the others are still measured
-                failed.append({"batch": B, "k": k, "error": f"{type(e).__name__}: {e}"})
+                failed.append({"batch": B, "k": k, "recipe": spec["name"], "error": f"{type(e).__name__}: {e}"})
                 print(f"| {B} | {spec['name']} | {k} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
                 write(rows, failed)
                 continue
@@ -99,14 +109,15 @@ def main(argv=None) -> int:
             dep = Deployment(shape, 2, 2, B, k, "ngram" if k else "none", context_len=m["context_len"],
                              kernels_per_target_forward=ar_kernels - KERNELS_BOOKKEEPING if ar_kernels else None,
                              kernels_per_draft_forward=m["kernels"] - ar_kernels if k and ar_kernels else None,
-                             kernels_bookkeeping=KERNELS_BOOKKEEPING, cuda_graphs=True)
+                             kernels_bookkeeping=KERNELS_BOOKKEEPING, cuda_graphs=True,
+                             tree_nodes=len(paths) + 1 if paths else None)
             p = predict(dep, dev)
             est = predict(replace(dep, kernels_per_target_forward=None, kernels_per_draft_forward=None), dev)
             err, est_err = p.step_s / m["replay_s"] - 1, est.step_s / m["replay_s"] - 1
-            rows.append({"batch": B, "k": k, **m, "predicted_s": p.step_s, "error": err, "estimated_s": est.step_s,
+            rows.append({"batch": B, "k": k, "recipe": spec["name"], **m, "predicted_s": p.step_s, "error": err, "estimated_s": est.step_s,
                          "estimated_error": est_err, "memory_floor_s": p.memory_floor_s,
                          "launch_floor_s": p.launch_floor_s, "deployment": asdict(dep)})
-            print(f"| {B} | {spec['name'] if k else 'ar'} | {k} | {m['kernels']} | {m['replay_s'] * 1e3:.3f} | "
+            print(f"| {B} | {spec['name']} | {k} | {m['kernels']} | {m['replay_s'] * 1e3:.3f} | "
                   f"{m['loop_s'] * 1e3:.3f} | {p.step_s * 1e3:.3f} | {err:+.0%} | {est.step_s * 1e3:.3f} | "
                   f"{est_err:+.0%} | {p.memory_floor_s * 1e3:.3f} | {p.launch_floor_s * 1e3:.3f} |", flush=True)
             del engine
