@@ -203,7 +203,7 @@ def cmd_optimize(args) -> int:
 
     keys = ("target", "workload", "device", "dtype", "batch_size", "max_new_tokens", "limit", "budget_rounds",
             "budget_minutes", "budget_gpu_minutes", "provider", "model", "base_url", "memory", "interactive",
-            "max_candidates", "salt")
+            "max_candidates", "salt", "heads")
     return optimize({k: getattr(args, k) for k in keys} | {"out_dir": args.out})
 
 
@@ -249,6 +249,8 @@ def add_optimize_parsers(sub) -> None:
                         "or http://HOST:PORT of a Chroma server (default: $SPECPILOT_MEMORY or "
                         "~/.local/share/specpilot/memory)")
     o.add_argument("--salt", default=None, help="the gate's prompt nonce for the run (default: a fresh one)")
+    o.add_argument("--head", action="append", dest="heads", default=None, metavar="DIR",
+                   help="an EAGLE-3 head for the target (repeatable): the algorithm agent may draft with it")
     o.add_argument("--interactive", action="store_true",
                    help="stop at each decision: [a]pprove [e]dit [s]kip [r]edirect [q]stop")
     o.add_argument("--out", default=None, help="run directory (default: runs/optimize-<timestamp>)")

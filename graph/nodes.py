@@ -138,7 +138,8 @@ def profiler(state: dict) -> dict:
     deployment = deployment_from_profile(prof, architecture=_architecture(s["target"]),
                                          weight_format=best["recipe"]["weights"]["format"],
                                          workload_mix=s["workload"])
-    deployment |= {"workload": s["workload"], "max_new_tokens": s["max_new_tokens"], "limit": s["limit"]}
+    deployment |= {"workload": s["workload"], "max_new_tokens": s["max_new_tokens"], "limit": s["limit"],
+                   "drafter_heads": [str(Path(h).resolve()) if Path(h).exists() else h for h in s.get("heads") or []]}
     return update | {"profile": prof, "gaps": prof["gaps"], "deployment": deployment,
                      "device_s": update["device_s"] + sec, "elapsed_s": time.perf_counter() - t0}
 

@@ -145,3 +145,14 @@ def test_validators_accept_what_they_should():
                             (argtypes.positive_float, "-inf")):
         with pytest.raises(argparse.ArgumentTypeError):
             validator(text)
+
+
+def test_optimize_takes_heads_for_the_algorithm_agent(monkeypatch):
+    """`optimize --head DIR` (repeatable) reaches the run's settings, whence the deployment's drafter_heads."""
+    seen = {}
+    monkeypatch.setattr("specpilot.graph.run.optimize", lambda settings: seen.update(settings) or 0)
+    args = cli.build_parser().parse_args(["optimize", "--head", "heads/a", "--head", "heads/b"])
+    assert args.func(args) == 0 and seen["heads"] == ["heads/a", "heads/b"]
+    from specpilot.graph.state import make_settings
+
+    assert make_settings(heads=seen["heads"], device="cpu")["heads"] == ["heads/a", "heads/b"]

@@ -156,7 +156,7 @@ def test_tree_after_partial_acceptance_and_other_branches(bigram_target, tmp_pat
 def test_tree_recipe_with_an_eagle3_head(tmp_path):
     r = tree_recipe(tmp_path / "head")
     assert r.verification == "tree" and r.drafter.kind == "eagle3"
-    with pytest.raises(RecipeError, match="n-gram drafter or an EAGLE-3 head") as err:
+    with pytest.raises(RecipeError, match="n-gram drafter, an EAGLE-3 head or the replay drafter") as err:
         parse({"drafter": {"kind": "layerskip", "layers": 1}, "k": 1, "verification": "tree",
                "tree": {"paths": [[0]]}})
     assert "\n" not in str(err.value)

@@ -88,3 +88,36 @@ def test_proposing_something_adds_no_note():
     policy = PolicyProvider()
     assert policy.propose(context("algorithm", cpu_profile(per_position=(0.9, 0.9, 0.9, 0.9))))
     assert not [n for n in policy.trail if n["source"] == "policy"]
+
+
+def test_the_algorithm_agent_drafts_with_a_head_the_deployment_has(tmp_path, tiny_model_dir):
+    """With a head given (optimize --head DIR; the deployment's drafter_heads), the algorithm agent proposes an EAGLE-3
+    chain of k = 3 with it first, its break-even acceptance from the head's own shape in the reason; without one, no
+    EAGLE-3 candidate; a head directory without a config.json is named among what was left out."""
+    import json
+
+    from specpilot.graph.providers.policy import CostView, Skips, algorithm_options
+
+    from eagle3_head import head_config
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.from_pretrained(tiny_model_dir("llama"))
+    cfg = head_config(target_config) | {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                                        "num_key_value_heads": 3, "head_dim": 64, "draft_vocab_size": 8192}
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(cfg))
+    prof = cpu_profile()
+    recipe = load_recipe("stock")
+    deployment = {"device": "cpu", "dtype": "fp32", "batch_size": 1, "ceilings": prof["ceilings"]}
+    plain = algorithm_options(recipe, CostView.from_context(deployment, prof))
+    assert not [o for o in plain if o.patch.get("drafter", {}).get("kind") == "eagle3"]
+    skipped = Skips()
+    view = CostView.from_context(deployment | {"drafter_heads": [str(head), str(tmp_path / "none")]}, prof)
+    options = sorted(algorithm_options(recipe, view, skipped), key=lambda o: o.rank)
+    eagle = [o for o in options if o.patch.get("drafter", {}).get("kind") == "eagle3"]
+    assert len(eagle) == 1 and eagle[0].patch["drafter"]["model"] == str(head) and eagle[0].patch["k"] == 3
+    assert "per-token rate above" in eagle[0].reason
+    untried = [o for o in options if o.rank[0] == 2]
+    assert untried and untried[0] is eagle[0]  # the head the user gave first, before unmeasured n-gram settings
+    assert any("no readable config.json" in why for why in skipped)

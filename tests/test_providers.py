@@ -658,3 +658,27 @@ def test_a_short_api_key_is_scrubbed_too(profiles, monkeypatch):
         provider.propose(ctx)
     trail = json.dumps(provider.trail)
     assert "k3y" not in trail and "***" in trail
+
+
+def test_the_algorithm_schema_offers_trees_and_no_replay():
+    """The algorithm agent's schema: trees (`tree`, its paths typed for strict mode) are its lever; the replay drafter
+    and its acceptance profile are not (an agent never makes up a deployment's acceptance); every object closed."""
+    patch = candidates_schema("algorithm")["properties"]["candidates"]["items"]["properties"]["recipe_patch"]
+    drafter = patch["properties"]["drafter"]["anyOf"][0]
+    assert "replay" not in drafter["properties"]["kind"]["anyOf"][0]["enum"]
+    assert "eagle3" in drafter["properties"]["kind"]["anyOf"][0]["enum"]
+    assert "acceptance" not in drafter["properties"]
+    tree = patch["properties"]["tree"]["anyOf"][0]
+    assert tree["properties"]["paths"]["anyOf"][0] == {"type": "array",
+                                                       "items": {"type": "array", "items": {"type": "integer"}}}
+
+    def closed(s):
+        if isinstance(s, dict):
+            if s.get("type") == "object":
+                assert s["additionalProperties"] is False and set(s["required"]) == set(s["properties"])
+            for v in s.values():
+                closed(v)
+        elif isinstance(s, list):
+            for v in s:
+                closed(v)
+    closed(patch)

@@ -27,7 +27,7 @@ import typing
 
 import openai
 
-from ...engine.recipe import COMPILE_MODES, DRAFTER_KINDS, VERIFICATION_KINDS, WEIGHT_FORMATS, Recipe
+from ...engine.recipe import COMPILE_MODES, DRAFTER_KINDS, TREE_KINDS, VERIFICATION_KINDS, WEIGHT_FORMATS, Recipe
 from ...kernels import IMPLEMENTATIONS, SLOTS
 from ...prompts import profile_summary, render, tool_list
 from ...tools.scrub import scrub, scrub_messages
@@ -56,8 +56,12 @@ def api_key_from_env() -> str:
 
 # ---------------------------------------------------------------------------------------------------------- schemas
 
-_ENUMS = {"drafter.kind": DRAFTER_KINDS, "verification": VERIFICATION_KINDS, "weights.format": WEIGHT_FORMATS,
-          "compile_mode": COMPILE_MODES}
+# An agent tunes a deployment's decoding; it never makes up its acceptance: the replay drafter (and its profile), a
+# measurement's stand-in for a drafter on a synthetic target (engine/replay.py), is no lever of theirs.
+AGENT_DRAFTER_KINDS = tuple(k for k in DRAFTER_KINDS if k != "replay")
+NOT_LEVERS = {"drafter.acceptance"}
+_ENUMS = {"drafter.kind": AGENT_DRAFTER_KINDS, "verification": VERIFICATION_KINDS, "tree.kind": TREE_KINDS,
+          "weights.format": WEIGHT_FORMATS, "compile_mode": COMPILE_MODES}
 _JSON_TYPES = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
 
@@ -76,7 +80,9 @@ def _field_schema(hint, path: str) -> dict:
     if dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
         return _closed({f.name: _nullable(_field_schema(hints[f.name], f"{path}.{f.name}"))
-                        for f in dataclasses.fields(hint)})
+                        for f in dataclasses.fields(hint) if f"{path}.{f.name}" not in NOT_LEVERS})
+    if path == "tree.paths":  # child-rank paths from the root
+        return {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}
     schema = {"type": _JSON_TYPES[hint]}
     if path in _ENUMS:
         schema["enum"] = list(_ENUMS[path])

@@ -12,6 +12,7 @@ import json
 import math
 import threading
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
 from ...engine.tree import chains
@@ -33,13 +34,16 @@ LOSSLESS12_BYTES_PER_PARAM = 1.5
 # cost model puts the wider verification at most TREE_MAX_STEP_COST above the chain's step (a launch-bound step).
 TREE_BRANCHES = 3
 TREE_MAX_STEP_COST = 0.15
+# An EAGLE-3 head's chain as serving engines deploy it: 3 draft steps, top-1 (SGLang --speculative-num-steps 3
+# --speculative-eagle-topk 1 --speculative-num-draft-tokens 4).
+HEAD_K = 3
 # Ragged verification is proposed only when at most this fraction of rows have drafts a step: above it few draft
 # slots of a padded step are left empty, so there is little for packing to hand to other rows.
 RAGGED_MAX_AVAILABILITY = 0.8
 
 # The recipe fields each agent may change (the prompts say the same; the OpenAI provider enforces it).
 AGENT_FIELDS = {
-    "algorithm": ("drafter", "k", "verification"),
+    "algorithm": ("drafter", "k", "verification", "tree"),
     "scheduler": ("cuda_graphs", "compile", "compile_mode", "overlap", "batch"),
     "kernel_writer": ("kernels", "weights", "layer"),
 }
@@ -215,6 +219,7 @@ class CostView:
     # measured fraction of row-steps whose drafter found at least one draft (acceptance.draft_availability); None
     # when the profile does not record it (a_1 then only bounds it below: a row accepts a draft only if it had one)
     availability: float | None = None
+    heads: tuple[str, ...] = ()       # EAGLE-3 heads the deployment has for its target (optimize --head)
 
     @classmethod
     def from_context(cls, deployment: dict, profile: dict) -> "CostView | None":
@@ -234,7 +239,8 @@ class CostView:
         batch = int((deployment or {}).get("batch_size") or meta.get("batch_size") or dep.batch)
         availability = acc.get("draft_availability")
         return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch,
-                   None if availability is None else float(availability))
+                   None if availability is None else float(availability),
+                   tuple((deployment or {}).get("drafter_heads") or ()))
 
     @property
     def cuda(self) -> bool:
@@ -414,6 +420,7 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
         skipped.add(f"{unreachable} n-gram option(s) would not beat {cur_tps:.0f} tok/s even with every draft accepted "
                     f"(the calibrated cost model's draft and verify cost more than the extra tokens bring)")
     options += _layerskip_options(recipe, view, cur, now, skipped)
+    options += _head_options(recipe, view, cur, now, skipped)
     if recipe.drafter.kind != "none" and not recipe.drafter.adaptive and view.per_position:
         # Not priced by the cost model (it verifies k drafts a step): after every option it predicts a gain for.
         options.append(Option({"drafter": {"adaptive": True}}, (
@@ -462,6 +469,50 @@ def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, mea
         f"as further branches in the same step, which the calibrated cost model puts at {ms(tree.step_s)} against "
         f"{ms(cur.step_s)} ({cost:+.0%}); it accepts at least what the chain does, and its gain is the evaluation's "
         f"to measure"), (2, 1))]
+
+
+def head_shape(directory: str) -> ModelShape | None:
+    """An EAGLE-3 head's shape for the cost model (its one layer over the draft vocabulary), from its config.json;
+    None when there is none to read."""
+    try:
+        raw = json.loads((Path(directory) / "config.json").read_text())
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        return ModelShape(int(raw.get("draft_vocab_size") or raw["vocab_size"]), hidden, int(raw["intermediate_size"]),
+                          1, heads, int(raw.get("num_key_value_heads") or heads),
+                          int(raw.get("head_dim") or hidden // heads), tied_embeddings=False)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _head_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
+    """Each EAGLE-3 head the deployment has (optimize --head): a chain of HEAD_K drafts, the configuration serving
+    engines deploy a head with, ranked by the per-token acceptance at which the cost model puts it level with the
+    current recipe (a head's acceptance is measured only once it has drafted: the evaluation measures it)."""
+    out = []
+    for head in view.heads:
+        if recipe.drafter.kind == "eagle3" and recipe.drafter.model == head:
+            continue
+        shape = head_shape(head)
+        if shape is None:
+            skipped.add(f"EAGLE-3 head {head}: no readable config.json")
+            continue
+        hdep = replace(view.dep, k=HEAD_K, drafter_kind="eagle3", drafter_model=shape, drafter_layers=0,
+                       kernels_per_draft_forward=None, tree_nodes=None, draft_widths=None)
+        p = view.predict(hdep, 0.0)
+        need = cur.tokens_per_s * p.step_s / p.batch
+        rate = break_even_rate(HEAD_K, need)
+        if rate is None or rate >= 1.0:
+            skipped.add(f"EAGLE-3 head {head}, k={HEAD_K}: would not beat {cur.tokens_per_s:.0f} tok/s even with every "
+                        f"draft accepted ({_phases(p)})")
+            continue
+        patch = {"drafter": {"kind": "eagle3", "model": head, "adaptive": False, "ar_after_miss": False},
+                 "k": HEAD_K, "verification": "chain"}
+        out.append(Option(patch, (
+            f"EAGLE-3 head {head}, a chain of k={HEAD_K} (SGLang's num_steps 3, topk 1): the drafter serving engines "
+            f"deploy with a head; the calibrated cost model's {_phases(p)} against {ms(cur.step_s)} now, so it beats "
+            f"the current {cur.tokens_per_s:.0f} tok/s with {now} once drafts are accepted at a per-token rate above "
+            f"{rate:.2f} (tau above {need:.2f}); its acceptance is the evaluation's to measure"), (2, -2, rate)))
+    return out
 
 
 def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
