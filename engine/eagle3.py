@@ -223,6 +223,24 @@ def read_weights(directory: Path, fail) -> dict[str, torch.Tensor]:
     return weights
 
 
+def weight_shapes(cfg: Eagle3Config) -> tuple[dict, dict]:
+    """The shapes of a head's weights by name (module docstring): those it must have, those it may have."""
+    H, Ht, I, V, Vd = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                       cfg.draft_vocab_size)
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    required = {"fc.weight": (H, 3 * Ht), "midlayer.input_layernorm.weight": (H,),
+                "midlayer.hidden_norm.weight": (H,), a + "q_proj.weight": (q_out, 2 * H),
+                a + "k_proj.weight": (kv_out, 2 * H), a + "v_proj.weight": (kv_out, 2 * H),
+                a + "o_proj.weight": (H, q_out), "midlayer.post_attention_layernorm.weight": (H,),
+                m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H), m + "down_proj.weight": (H, I),
+                "norm.weight": (H,)}
+    optional = {"fc.bias": (H,), a + "q_proj.bias": (q_out,), a + "k_proj.bias": (kv_out,),
+                a + "v_proj.bias": (kv_out,), a + "o_proj.bias": (H,), "lm_head.weight": (Vd, H),
+                "embed_tokens.weight": (V, H), "d2t": (Vd,), "t2d": (V,)}
+    return required, optional
+
+
 def failing(source: str):
     def fail(why: str):
         raise SpecPilotError(f"EAGLE-3 head {source}: {why}")
@@ -252,19 +270,9 @@ class Eagle3Head:
     def _build(self, raw: dict, weights: dict[str, torch.Tensor], target: Transformer, source: str) -> None:
         fail = failing(source)
         cfg, hf = check_config(raw, target, fail)
-        H, Ht, I, V, Vd = (cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size, cfg.vocab_size,
-                           cfg.draft_vocab_size)
-        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        H, V = cfg.hidden_size, cfg.vocab_size
         a, m = "midlayer.self_attn.", "midlayer.mlp."
-        required = {"fc.weight": (H, 3 * Ht), "midlayer.input_layernorm.weight": (H,),
-                    "midlayer.hidden_norm.weight": (H,), a + "q_proj.weight": (q_out, 2 * H),
-                    a + "k_proj.weight": (kv_out, 2 * H), a + "v_proj.weight": (kv_out, 2 * H),
-                    a + "o_proj.weight": (H, q_out), "midlayer.post_attention_layernorm.weight": (H,),
-                    m + "gate_proj.weight": (I, H), m + "up_proj.weight": (I, H), m + "down_proj.weight": (H, I),
-                    "norm.weight": (H,)}
-        optional = {"fc.bias": (H,), a + "q_proj.bias": (q_out,), a + "k_proj.bias": (kv_out,),
-                    a + "v_proj.bias": (kv_out,), a + "o_proj.bias": (H,), "lm_head.weight": (Vd, H),
-                    "embed_tokens.weight": (V, H), "d2t": (Vd,), "t2d": (V,)}
+        required, optional = weight_shapes(cfg)
         for name in weights:
             if name not in required and name not in optional:
                 fail(f"has a weight {name!r} that an EAGLE-3 head of one decoder layer does not have")
@@ -647,7 +655,6 @@ def random_head(target: Transformer, draft_vocab: int = 32000, seed: int = 0) ->
     c = target.cfg
     H, I, V, L = c.hidden_size, c.intermediate_size, c.vocab_size, c.n_layers
     Vd = min(draft_vocab, V)
-    q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     config = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "hidden_size": H,
               "intermediate_size": I, "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
               "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_eps, "rope_theta": 10000.0,
@@ -655,16 +662,10 @@ def random_head(target: Transformer, draft_vocab: int = 32000, seed: int = 0) ->
               # the default layers (aux_layers_of), kept within a target of few layers
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(1, L - 1), max(0, L // 2 - 1), max(0, L - 4)]}}
     g = torch.Generator(device=target.device).manual_seed(seed)
-
-    def mat(rows, cols):
-        return torch.randn(rows, cols, generator=g, device=target.device, dtype=target.dtype) / cols ** 0.5
-
-    ones = lambda n: torch.ones(n, device=target.device, dtype=target.dtype)  # noqa: E731
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
-    weights = {"fc.weight": mat(H, 3 * H), "midlayer.input_layernorm.weight": ones(H),
-               "midlayer.hidden_norm.weight": ones(H), a + "q_proj.weight": mat(q_out, 2 * H),
-               a + "k_proj.weight": mat(kv_out, 2 * H), a + "v_proj.weight": mat(kv_out, 2 * H),
-               a + "o_proj.weight": mat(H, q_out), "midlayer.post_attention_layernorm.weight": ones(H),
-               m + "gate_proj.weight": mat(I, H), m + "up_proj.weight": mat(I, H), m + "down_proj.weight": mat(H, I),
-               "norm.weight": ones(H), "lm_head.weight": mat(Vd, H), "d2t": torch.zeros(Vd, dtype=torch.long)}
+    shapes = weight_shapes(Eagle3Config(H, H, I, c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps, V, Vd, (), False))
+    weights = {}
+    for name, shape in {**shapes[0], "lm_head.weight": (Vd, H)}.items():  # norms 1, matrices N(0, 1 / fan-in)
+        weights[name] = (torch.ones(shape, device=target.device, dtype=target.dtype) if len(shape) == 1 else
+                         torch.randn(shape, generator=g, device=target.device, dtype=target.dtype) / shape[1] ** 0.5)
+    weights["d2t"] = torch.zeros(Vd, dtype=torch.long)  # the draft vocabulary: the target's first Vd ids
     return Eagle3Head.from_weights(config, weights, target, f"{RANDOM_HEAD} (seed {seed})")
