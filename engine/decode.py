@@ -71,6 +71,7 @@ class BatchStats:
     refills: int = 0  # requests started in a row another request had finished (continuous batching)
     shrinks: int = 0  # times the batch moved to a smaller bucket as its requests ran out (`Decoder._shrink`)
     bucket: int = 0  # the rows (bucket) the batch started in
+    row_steps: int = 0  # live rows summed over the steps (over steps: the batch's mean occupancy)
 
     def add(self, other: "BatchStats") -> None:
         """Count another batch's steps and times in (prompts decoded in several batches, one after another)."""
@@ -81,6 +82,7 @@ class BatchStats:
         self.draft_lengths += other.draft_lengths
         self.refills += other.refills
         self.shrinks += other.shrinks
+        self.row_steps += other.row_steps
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
@@ -963,6 +965,7 @@ class Decoder:
                         active[b] = False
                         finished.append(b)
                     kept[b] = max(0, min(n, len(r.tokens) - before - 1))  # accepted drafts past the end dropped
+                stats.row_steps += len(stepped)
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,

@@ -53,6 +53,8 @@ def check_consistent(results: dict) -> None:
             tau = sum((a + 1) * c for a, c in enumerate(hist)) / sum(hist)
             assert run["mean_accepted"] == pytest.approx(tau, rel=1e-9)
         assert sum(run["finish_reasons"].values()) == run["requests"]
+        if run["live_rows_per_step"] is not None:  # our engine: at most the cell's rows, at least one
+            assert 1 <= run["live_rows_per_step"] <= b
         assert run["p50_token_ms"] <= run["p99_token_ms"]
         assert run["ttft_ms"] <= run["p99_request_ms"]
     assert all(runs[("ar", w, b)]["identical_to_ar"] == 1.0 for _, w, b in runs)

@@ -130,3 +130,15 @@ def test_a_batch_does_not_move_to_a_bucket_that_never_ran(tiny, alone):
     got = eng.decoder.generate(prompts(), StopCondition(N_NEW, eos), max_batch=4)
     assert [r.tokens for r in got] == want
     assert eng.decoder.last_stats.shrinks == 0 and eng.decoder.batch_rows == 4
+
+
+@pytest.mark.parametrize("name", ["ar", "controller"])
+def test_occupancy_counts_every_live_row_of_every_step(tiny, name):
+    """BatchStats.row_steps (the bench's live_rows_per_step x steps) is the live rows summed over the steps: each row
+    of each step that emitted tokens for a request, so exactly the requests' step records together; a mean of at
+    most the rows, and below them as requests end at different steps."""
+    eng = engine(tiny, RECIPES[name], 3)
+    out = eng.generate(prompts(), N_NEW, ignore_eos=False)
+    stats = eng.decoder.last_stats
+    assert stats.row_steps == sum(len(r.accepted) for r in out)
+    assert 0 < stats.row_steps / stats.steps <= 3

@@ -50,7 +50,7 @@ def arguments(p) -> None:
 
 def table(results: dict, reference: str) -> str:
     """The bench's table, then what the batch controller chose (steps of each kind k', 0: AR, where a run mixed
-    them) and the shapes captured while timed (none after the cells' warm-ups)."""
+    them), the shapes captured while timed (none after the cells' warm-ups) and each cell's live rows a step."""
     kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: {r['step_kinds']}"
              + (" at ms " + ", ".join(f"{k}: {v:.3f}" for k, v in r["step_prices_ms"].items())
                 if r.get("step_prices_ms") else "")
@@ -63,6 +63,14 @@ def table(results: dict, reference: str) -> str:
     if kinds:
         text += ("\n\nSteps by kind k' (0: AR), where a run had more than one kind, and the controller's price of "
                  "each kind (replayed at warm-up; then as the loop timed it):\n\n" + "\n".join(kinds))
+    occupancy = {}
+    for r in results["runs"]:
+        if r.get("live_rows_per_step") is not None:
+            occupancy.setdefault((r["workload"], r["batch_size"]), []).append(
+                f"{r['system']} {r['live_rows_per_step']:.1f}")
+    if occupancy:
+        text += ("\n\nLive rows a step (a batch's occupancy):\n\n"
+                 + "\n".join(f"- {wl} B={b}: {', '.join(v)}" for (wl, b), v in occupancy.items()))
     return text
 
 

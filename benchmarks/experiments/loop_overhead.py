@@ -6,8 +6,9 @@ continuously batched. For each system (our fastest AR; the n-gram drafter at k =
 every step verifying; the same with the batch controller) after a warm-up call: the call's wall time and steps; each
 kind of step's graph replayed at warm-up (the controller's price) and again at the state the call left (real
 lengths and history); and the host time inside the call's phases: waiting for a step's output (`_read`), launching
-steps (`_launch`), prefilling requests to start in finished rows (`_prefill_requests`) and moving them in
-(`_move_in`), the rest (the row loop). Device-bound,
+steps (`_launch`), prefilling requests to start in finished rows (`_prefill_requests`), moving them in
+(`_move_in`), moving a draining batch to a smaller bucket (`_shrink`), the rest (the row loop); and the batch's mean
+occupancy (live rows a step). Device-bound,
 the waits dominate; host-bound, they vanish.
 
 Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry). With `--workload
@@ -26,6 +27,8 @@ import time
 
 MINUTES = 2
 CUDA_ONLY = True
+# The decoder's methods whose host time is measured, in the table's order
+PHASES = ("_read", "_launch", "_prefill_requests", "_move_in", "_shrink")
 SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
           "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
           "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
@@ -100,7 +103,7 @@ def run(out_dir, args):
         eng.warmup([rows], max(map(len, prompts)), new)
         eng.generate(prompts, new, ignore_eos=True, max_batch=rows)  # the first real call: caches, allocator
         phases = {}
-        for method in ("_read", "_launch", "_prefill_requests", "_move_in"):
+        for method in PHASES:
             setattr(dec, method, timed(phases, method, getattr(dec, method)))
         torch.cuda.synchronize() if device == "cuda" else None
         t0 = time.perf_counter()
@@ -117,18 +120,19 @@ def run(out_dir, args):
         tokens = sum(len(r.tokens) for r in out)
         rest = wall - sum(phases.values())
         found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
+                       "live_rows_per_step": stats.row_steps / max(1, stats.steps), "shrinks": stats.shrinks,
                        "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
                        "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest}
-        lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {wall / stats.steps * 1e3:.3f} | "
+        lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {stats.row_steps / max(1, stats.steps):.1f} | "
+                     f"{wall / stats.steps * 1e3:.3f} | "
                      + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
-                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}"
-                                  for m in ("_read", "_launch", "_prefill_requests", "_move_in"))
+                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in PHASES)
                      + f" / {rest * 1e3:.0f} | {stats.refills} |")
         del eng, dec
         torch.cuda.empty_cache() if device == "cuda" else None
-    head = ("| system | tok/s | steps | wall ms/step | replay ms at the end, by kind | at warm-up | in the loop | host "
-            "ms: wait / launch / prefill requests / move them in / rest | requests started |\n"
-            "|---|---:|---:|---:|---|---|---|---|---:|")
+    head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
+            "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
+            "| requests started |\n|---|---:|---:|---:|---:|---|---|---|---|---:|")
     return found, head + "\n" + "\n".join(lines)

@@ -88,6 +88,10 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         # times a batch moved to a smaller bucket as its requests ran out (its last steps then cost what the rows
         # left cost)
         "batch_shrinks": sum(r.shrinks for r in runs),
+        # our engine: live rows a decoding step, on average (null for HF): a batch's occupancy, below B where its rows
+        # end at different steps and wait for the next request, or drain at the end
+        "live_rows_per_step": (sum(r.row_steps for r in runs) / sum(r.steps for r in runs)
+                               if sum(r.steps for r in runs) else None),
     }
 
 

@@ -39,6 +39,8 @@ class BatchRun:
     step_loop_seconds: dict[int, float] = field(default_factory=dict)  # and as the decoding loop timed them (the
     # moving average the controller decided with at the end of the call)
     shrinks: int = 0  # our engine: times the batch moved to a smaller bucket as its requests ran out
+    steps: int = 0  # our engine: decoding steps, and live rows summed over them (the batch's occupancy)
+    row_steps: int = 0
 
 
 class BenchSkip(Exception):
@@ -72,6 +74,8 @@ class System(ABC):
             run.captures += part.captures
             run.step_kinds = dict(Counter(run.step_kinds) + Counter(part.step_kinds))
             run.shrinks += part.shrinks
+            run.steps += part.steps
+            run.row_steps += part.row_steps
         return run
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
@@ -141,6 +145,7 @@ class EngineSystem(System):
         run.step_prices = dict(decoder.prices.get(bucket, {}))
         run.step_loop_seconds = dict(decoder.step_seconds.get(bucket, {}))
         run.shrinks = decoder.last_stats.shrinks
+        run.steps, run.row_steps = decoder.last_stats.steps, decoder.last_stats.row_steps
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
