@@ -132,34 +132,32 @@ def _meta_block(hidden, heads, kv_heads, head_dim, inter, qk_norm, bias):
 
 def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[str, tuple]]:
     """The launches of a fused layer for each shape, (B, T) step and dead-token mask or none, as on the GPU (PDL on,
-    the GPU's program counts), the tensor-core steps also with TC_PDL: [(what, (kernel, args, kwargs))]."""
+    the GPU's program counts): [(what, (kernel, args, kwargs))]."""
     from . import triton_fused_layer as F
 
     out = []
     names = ["_norm_pair_gemv", "_decode_attention", "_gemv", "_add_rmsnorm"]
-    saved = F._pdl, F.TC_PDL
+    saved = F._pdl
     try:
         F._pdl = lambda device: True
         for shape, dims in SHAPES.items():
             block = _meta_block(*dims)
             hidden, head_dim = dims[0], dims[3]
             for B, T in steps:
-                for tc_pdl in (False, True) if B * T > F.FMA_MAX_TOKENS else (False,):
-                    F.TC_PDL = tc_pdl
-                    for live in (False, True):
-                        x = torch.empty(B, T, hidden, dtype=torch.bfloat16, device="meta")
-                        cos = torch.empty(B, T, 1, head_dim, dtype=torch.bfloat16, device="meta")
-                        cache = torch.empty(2, B, dims[2], 512, head_dim, dtype=torch.bfloat16, device="meta")
-                        rows = torch.empty(B, T, dtype=torch.long, device="meta")
-                        mask = torch.empty(B * T, dtype=torch.int32, device="meta") if live else None
-                        with record(F, names) as calls:
-                            _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
-                                                                   live=mask))
-                            F.final_norm(x, x, block.attn_norm, 1e-5, mask)
-                        what = f"{shape} B={B} T={T}{' TC_PDL' if tc_pdl else ''}{' live mask' if live else ''}"
-                        out += [(what, call) for call in calls]
+                for live in (False, True):
+                    x = torch.empty(B, T, hidden, dtype=torch.bfloat16, device="meta")
+                    cos = torch.empty(B, T, 1, head_dim, dtype=torch.bfloat16, device="meta")
+                    cache = torch.empty(2, B, dims[2], 512, head_dim, dtype=torch.bfloat16, device="meta")
+                    rows = torch.empty(B, T, dtype=torch.long, device="meta")
+                    mask = torch.empty(B * T, dtype=torch.int32, device="meta") if live else None
+                    with record(F, names) as calls:
+                        _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
+                                                               live=mask))
+                        F.final_norm(x, x, block.attn_norm, 1e-5, mask)
+                    what = f"{shape} B={B} T={T}{' live mask' if live else ''}"
+                    out += [(what, call) for call in calls]
     finally:
-        F._pdl, F.TC_PDL = saved
+        F._pdl = saved
     return out
 
 

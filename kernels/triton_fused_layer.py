@@ -94,11 +94,6 @@ FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1")
 # 0.453 ms, while the five-token step (tensor-core path, weights loaded after the wait) went from 0.962 to 1.020 ms:
 # so multi-token steps launch without it. SPECPILOT_PDL=0 turns it off (for A/B timing).
 PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
-# The tensor-core path with PDL too (SPECPILOT_TC_PDL=1; off until the H200 says it pays: `fused_tokens --tc-pdl`):
-# each GEMV loads its first weight tile (and norm tile) before the wait, and the next tile while the tensor cores
-# multiply the current one, so PDL overlaps a weight load as well as the launch. Same tiles, same order of sums: the
-# outputs are bit for bit those without it. (The fourth lease's multi-token PDL, weights loaded after the wait, lost.)
-TC_PDL = os.environ.get("SPECPILOT_TC_PDL", "0") == "1"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -138,23 +133,12 @@ def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
-def _pair_tiles(w_ptr, norm_ptr, rows_a, rows_b, pair_ok, cols, K):
-    """A pair program's weight tiles of both row sets and the norm weight's tile, at columns `cols` (masked past K)."""
-    col_ok = cols < K
-    w_ok = pair_ok[:, None] & col_ok[None, :]
-    wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
-    wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
-    return wa, wb, tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
-                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -180,8 +164,6 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
         wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
         nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    if PREFETCH:  # (tensor cores, K in tiles) the first tiles; each next one while the current one multiplies
-        wa, wb, nw = _pair_tiles(w_ptr, norm_ptr, rows_a, rows_b, pair_ok, cols, K)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
@@ -227,14 +209,16 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         col_ok = k0 + cols < K
-        if not SINGLE and not PREFETCH:
-            wa, wb, nw = _pair_tiles(w_ptr, norm_ptr, rows_a, rows_b, pair_ok, k0 + cols, K)
+        if not SINGLE:
+            w_ok = pair_ok[:, None] & col_ok[None, :]
+            wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+            wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+        if not SINGLE:
+            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
         if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
             h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K).to(wa.dtype)
             ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
             yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
-            if PREFETCH:
-                wa, wb, nw = _pair_tiles(w_ptr, norm_ptr, rows_a, rows_b, pair_ok, k0 + BLOCK_K + cols, K)
         else:  # one token: [rows, K] * [1, K] on the FMA units
             h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
             ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
@@ -359,7 +343,7 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
 def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+          BLOCK_K: tl.constexpr):
     """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
@@ -369,8 +353,6 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     if SINGLE:  # all of K in one tile: the weights before the wait
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    if PREFETCH:  # (tensor cores, K in tiles) the first tile; each next one while the current one multiplies
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -385,17 +367,13 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
         y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         col_ok = k0 + cols < K
-        if not SINGLE and not PREFETCH:
+        if not SINGLE:
             w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
         x = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
                     other=0.0)
         if DOT:
             y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
-            if PREFETCH:
-                nxt = k0 + BLOCK_K + cols
-                w = tl.load(w_ptr + rows[:, None] * K + nxt[None, :], mask=row_ok[:, None] & (nxt < K)[None, :],
-                            other=0.0)
         else:  # one token
             y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
     if DOT:
@@ -549,8 +527,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         raise ValueError("fused layer: rows must be contiguous (one cache row per token)")
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    # PDL with the FMA path, whose weights load before the wait; with TC_PDL the tensor-core path's too
-    on = (M <= FMA_MAX_TOKENS or TC_PDL) and _pdl(dev)
+    on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
     pdl = dict(PDL=on, launch_pdl=on)
     # Dead tokens are skipped by every kernel of the layer or by none: only the FMA path (a program a token) can
     # skip them in its GEMVs, so only there. A token that one kernel skips and the next reads is read from
@@ -574,9 +551,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
         cos, sin, qk_norm, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
-        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, PREFETCH=prefetch(cfg1, hidden),
-        BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl,
-        **_token_skip(skip, cfg1))
+        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
 
     # 2. attention, split over the cache, merged by each (token, head)'s last split
     n_slots = kv_cache.shape[3]
@@ -599,8 +575,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg3 = gemv_blocks(hidden, H * D, M, width)
     _gemv[grid(cfg3, hidden, M)](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D,
-        PREFETCH=prefetch(cfg3, H * D), **cfg3, num_warps=4, **pdl, **_token_skip(skip, cfg3))
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3,
+        num_warps=4, **pdl, **_token_skip(skip, cfg3))
 
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
@@ -610,22 +586,16 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, block.mlp_norm, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
-        SINGLE=cfg4["BLOCK_K"] >= hidden, PREFETCH=prefetch(cfg4, hidden), BLOCK_M=cfg4["BLOCK_M"],
-        BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg4))
+        SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
+        num_warps=4, **pdl, **_token_skip(skip, cfg4))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
     cfg5 = gemv_blocks(hidden, inter, M, width)
     _gemv[grid(cfg5, hidden, M)](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=cfg5["BLOCK_K"] >= inter, PREFETCH=prefetch(cfg5, inter), **cfg5, num_warps=4, **pdl,
-        **_token_skip(skip, cfg5))
+        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, num_warps=4, **pdl, **_token_skip(skip, cfg5))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
-
-
-def prefetch(cfg: dict, k: int) -> bool:
-    """Whether a GEMV of this launch configuration loads its weight tiles ahead (TC_PDL: tensor cores, K in tiles)."""
-    return TC_PDL and cfg["DOT"] and cfg["BLOCK_K"] < k
 
 
 def skips_dead_tokens(n_tokens: int) -> bool:
@@ -645,7 +615,7 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
-    pdl = (x2.shape[0] <= FMA_MAX_TOKENS or TC_PDL) and _pdl(x.device)
+    pdl = x2.shape[0] <= FMA_MAX_TOKENS and _pdl(x.device)
     skip = live is not None and skips_dead_tokens(x2.shape[0])
     _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, live if skip else x2, hidden, eps,
                                   BLOCK_K=triton.next_power_of_2(hidden), num_warps=4, PDL=pdl, launch_pdl=pdl,
@@ -767,12 +737,12 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), batch: int = 1, tc_pdl=(None,)) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
-    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens` and each TC_PDL in `tc_pdl` (None: as set). GPU only."""
+    None: as set) and each FMA_MAX_TOKENS in `fma_max_tokens` (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -796,23 +766,20 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TC_PDL
-        current, fma_saved, tc_saved = attention_setting(batch * T), FMA_MAX_TOKENS, TC_PDL
+        global FMA_MAX_TOKENS
+        current, fma_saved = attention_setting(batch * T), FMA_MAX_TOKENS
         saved = dict(current)
         for fma in fma_max_tokens:
-            for ahead in tc_pdl:
-                for setting in attention:
-                    current.update(setting or {})
-                    FMA_MAX_TOKENS = fma or fma_saved
-                    TC_PDL = tc_saved if ahead is None else ahead
-                    try:
-                        run(fused_layer)()
-                        fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
-                    finally:
-                        current.clear()
-                        current.update(saved)
-                        FMA_MAX_TOKENS, TC_PDL = fma_saved, tc_saved
-                    out.append(dict(batch=batch, tokens=T, attention=setting or saved,
-                                    fma_max_tokens=fma or fma_saved, tc_pdl=tc_saved if ahead is None else ahead,
-                                    fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
+            for setting in attention:
+                current.update(setting or {})
+                FMA_MAX_TOKENS = fma or fma_saved
+                try:
+                    run(fused_layer)()
+                    fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+                finally:
+                    current.clear()
+                    current.update(saved)
+                    FMA_MAX_TOKENS = fma_saved
+                out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
+                                fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
     return out

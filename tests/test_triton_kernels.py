@@ -352,29 +352,6 @@ def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
     assert torch.equal(token_cache, step_cache)
 
 
-def test_tensor_core_tiles_loaded_ahead_compute_the_same(tiny_model_dir, monkeypatch):
-    """TC_PDL (the tensor-core path with PDL, each GEMV's weight tiles loaded one ahead): the same tiles in the same
-    order of sums, so a five-token step on the tensor cores (FMA_MAX_TOKENS 1) gives bit for bit the outputs and cache
-    writes it gives without. Hidden size 512 and MLP 1024: the pair and down-projection GEMVs take K in two tiles."""
-    monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", 1)
-    model = load(str(tiny_model_dir("llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                                    num_key_value_heads=4)), "fp32", "cpu").model
-    positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=5)
-    cfg = model.cfg
-    outs = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(triton_fused_layer, "TC_PDL", ahead)
-        blocks = [triton_fused_layer.gemv_blocks(n, k, 5, 1, pairs=p) for n, k, p in
-                  ((cfg.intermediate_size, cfg.hidden_size, True), (cfg.hidden_size, cfg.intermediate_size, False))]
-        assert [triton_fused_layer.prefetch(b, k) for b, k in zip(blocks, (cfg.hidden_size, cfg.intermediate_size))] \
-            == [ahead, ahead]
-        written = cache.clone()
-        out = triton_fused_layer.fused_layer(model.layers[0], x, delta, cos, sin, written,
-                                             torch.zeros(1, 5, dtype=torch.long), positions, {}, model.default_ops)
-        outs[ahead] = (*out, written)
-    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
-
-
 def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
     cpu = torch.device("cpu")
@@ -431,15 +408,13 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
 def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkeypatch):
     """`benchmark(batch=2)` (fused_tokens --batch: issue #21's verify time against N at B > 1) builds a step of two
     rows of T tokens each, in their own cache rows, and runs both layers on it: here with the timer replaced by one
-    call (the interpreter times nothing), one row a (T, TC_PDL) setting, the flag put back after."""
+    call (the interpreter times nothing), one row a T."""
     import triton.testing
 
     monkeypatch.setattr(triton_fused_layer, "require_gpu_compiled", lambda fn: None)
     calls = []
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn: calls.append(fn()) or 1.0)
     model = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu").model
-    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20, batch=2,
-                                        tc_pdl=(False, True))
-    assert [(r["batch"], r["tokens"], r["tc_pdl"]) for r in rows] == [
-        (2, 1, False), (2, 1, True), (2, 3, False), (2, 3, True)]
-    assert len(calls) == 2 + 4 and triton_fused_layer.TC_PDL is False  # the modular layer once a T
+    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20, batch=2)
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(2, 1), (2, 3)]
+    assert len(calls) == 2 + 2  # the modular layer and the fused layer once a T

@@ -8,8 +8,7 @@ tokens are AR steps at B = T, verification of k = T / B - 1 drafts, and trees of
 thirteenth lease, which set FMA_MAX_TOKENS to 6 and kept the 16-token limit.)
 
 With `--batch 8`: 8 rows of T tokens each, a step verifying T - 1 drafts a row at B = 8 (issue #21's verify time
-against N at B = 8, for the layer). With `--tc-pdl`: every setting also with SPECPILOT_TC_PDL (the tensor-core path
-with PDL, each GEMV's weight tiles loaded one ahead), side by side.
+against N at B = 8, for the layer).
 
 Why (twelfth lease, A): a B = 8 AR step (8 tokens, the FMA path) cost 1.08 ms in the loop where a k' = 1 step of 16
 tokens (tensor cores) cost 0.97 ms, and steps of 20-40 tokens (past the fused layer's 16-token limit, so modular)
@@ -20,7 +19,8 @@ The thresholds the rows give (`thresholds`) are in the results and in WORK/fused
 SPECPILOT_FMA_MAX_TOKENS and SPECPILOT_FUSED_MAX_TOKENS), so a later call of the same warm machine can run a bench at
 them (`. /tmp/fused_tokens.env`) before they become the defaults.
 
-Backs docs/BENCHMARKS.md, the fused layer at B = 8 (fifteenth lease, C) and the thresholds (thirteenth lease, A).
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the step prices by width behind the batch controller's
+choices) once run; not run yet.
 
 Device minutes: about 2.
 """
@@ -37,8 +37,6 @@ def arguments(p) -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="rows of T tokens each (a step verifying T - 1 drafts a row at this batch size); the "
                         "thresholds are derived at 1 only")
-    p.add_argument("--tc-pdl", action="store_true",
-                   help="also the tensor-core path with PDL and weight tiles loaded ahead (SPECPILOT_TC_PDL=1)")
 
 
 def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
@@ -76,11 +74,11 @@ def run(out_dir, args):
     target = loader.load(args.ctx.target, "bf16", "cuda")
     modular = compiled(Block.forward)
     rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        batch=args.batch, tc_pdl=(False, True) if args.tc_pdl else (None,))
+                                        batch=args.batch)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
-    chosen = thresholds([r for r in rows if not r["tc_pdl"]]) if args.batch == 1 else {}
+    chosen = thresholds(rows) if args.batch == 1 else {}
     if chosen:
         (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
@@ -88,10 +86,4 @@ def run(out_dir, args):
     summary = f"\n\n{args.batch} rows a step: no thresholds (B = 1 only)"
     if chosen:
         summary = "\n\nThresholds these rows support: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
-    if args.tc_pdl:  # the tensor-core path (FMA path up to 4 tokens) with and without TC_PDL, side by side
-        tc = {(r["tokens"], r["tc_pdl"]): r["fused_us"] for r in rows if r["fma_max_tokens"] == 4}
-        summary += "\n\nTensor-core path (FMA up to 4 tokens), µs a layer:\n\n" + harness.md_table(
-            ["tokens a step", "TC_PDL off", "TC_PDL on"],
-            [[T * args.batch, harness.fmt(tc.get((T, False)), ".2f"), harness.fmt(tc.get((T, True)), ".2f")]
-             for T in tokens])
     return {"rows": rows, "thresholds": chosen}, table + summary

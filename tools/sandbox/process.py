@@ -52,7 +52,7 @@ ALLOWED = frozenset({
     "TRITON_INTERPRET",
     "SPECPILOT_CACHE", "SPECPILOT_MODELS",
     "SPECPILOT_FMA_MAX_TOKENS", "SPECPILOT_FUSED_MAX_TOKENS", "SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "SPECPILOT_PDL",
-    "SPECPILOT_DEAD_CHECK_FIRST", "SPECPILOT_TC_PDL",
+    "SPECPILOT_DEAD_CHECK_FIRST",
 })
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: refused at once, when no network namespace is available
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
