@@ -60,6 +60,18 @@ class RowResult:
         return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else 1.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One decoding step as the loop read it: what a continuously batched call's time went to, step by step
+    (`tools.bench.metrics.time_budget` sums them up)."""
+    seconds: float  # from the previous step's read (the first step: from the end of the first prefill) to this one's
+    kind: int  # drafts a row verified at most (0, BLIND_AR: an AR step)
+    rows: int  # the bucket it ran at
+    live: int  # rows that decoded a request in it
+    behind_refill: bool  # its read also waited for host work before it: requests started, or a move to a smaller bucket
+    queue_empty: bool  # no request was waiting to start when it was read: the batch was draining
+
+
 @dataclass
 class BatchStats:
     prefill_s: float = 0.0
@@ -72,6 +84,7 @@ class BatchStats:
     shrinks: int = 0  # times the batch moved to a smaller bucket as its requests ran out (`Decoder._shrink`)
     bucket: int = 0  # the rows (bucket) the batch started in
     row_steps: int = 0  # live rows summed over the steps (over steps: the batch's mean occupancy)
+    step_log: list[StepRecord] = field(default_factory=list)  # every step, in the order read
 
     def add(self, other: "BatchStats") -> None:
         """Count another batch's steps and times in (prompts decoded in several batches, one after another)."""
@@ -83,6 +96,7 @@ class BatchStats:
         self.refills += other.refills
         self.shrinks += other.shrinks
         self.row_steps += other.row_steps
+        self.step_log += other.step_log
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
@@ -939,11 +953,13 @@ class Decoder:
                 out = self._read(handle)  # the step's one host sync
                 self._mark("synced")
                 now = time.perf_counter() - t0
-                if controller is not None and stats.steps and index not in behind_refill:
+                waited = index in behind_refill
+                if controller is not None and stats.steps and not waited:
                     # (the first read also waited for the prefill)
                     controller.observe_time(stats.draft_lengths[index], now - last_read)
                 behind_refill.discard(index)
-                last_read = now
+                interval, last_read = now - (last_read if stats.steps else t_first), now
+                queue_empty = not (waiting or ready)
                 stats.steps += 1
                 stepped, finished = [], []
                 for b in range(rows):
@@ -966,6 +982,8 @@ class Decoder:
                         finished.append(b)
                     kept[b] = max(0, min(n, len(r.tokens) - before - 1))  # accepted drafts past the end dropped
                 stats.row_steps += len(stepped)
+                stats.step_log.append(StepRecord(interval, stats.draft_lengths[index], rows, len(stepped), waited,
+                                                 queue_empty))
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,

@@ -55,6 +55,12 @@ def check_consistent(results: dict) -> None:
         assert sum(run["finish_reasons"].values()) == run["requests"]
         if run["live_rows_per_step"] is not None:  # our engine: at most the cell's rows, at least one
             assert 1 <= run["live_rows_per_step"] <= b
+        budget = run["time_budget"]
+        if budget is not None:  # our engine: its steps' time within the cell's wall time, the drain within them
+            assert 0 < budget["steps_s"] <= run["seconds"]
+            assert budget["drain_s"] <= budget["steps_s"] and budget["drain_steps"] >= 1
+        else:
+            assert run["live_rows_per_step"] is None  # only an HF baseline has neither
         assert run["p50_token_ms"] <= run["p99_token_ms"]
         assert run["ttft_ms"] <= run["p99_request_ms"]
     assert all(runs[("ar", w, b)]["identical_to_ar"] == 1.0 for _, w, b in runs)

@@ -142,3 +142,50 @@ def test_occupancy_counts_every_live_row_of_every_step(tiny, name):
     stats = eng.decoder.last_stats
     assert stats.row_steps == sum(len(r.accepted) for r in out)
     assert 0 < stats.row_steps / stats.steps <= 3
+
+
+@pytest.mark.parametrize("name", ["ar", "controller"])
+def test_step_log_accounts_for_every_step_and_the_time_between_reads(tiny, name):
+    """BatchStats.step_log: one record a step read, its kind the step's, its live rows summing to row_steps, the
+    intervals summing to the decode's time but for the last read's sync; the queue is empty from some step on (a
+    suffix: requests only start, never arrive), and the steps behind a refill are those right after requests
+    started in finished rows (more requests than rows: there are some). The bench's time_budget adds them up."""
+    from specpilot.tools.bench.metrics import time_budget
+
+    eng = engine(tiny, RECIPES[name], 3)
+    eng.generate(prompts(), N_NEW, ignore_eos=False)
+    stats = eng.decoder.last_stats
+    log = stats.step_log
+    assert len(log) == stats.steps
+    assert [s.kind for s in log] == stats.draft_lengths[: len(log)]
+    assert sum(s.live for s in log) == stats.row_steps
+    assert all(s.rows == 3 and 0 <= s.live <= 3 and s.seconds > 0 for s in log)
+    assert 0 < sum(s.seconds for s in log) <= stats.decode_s
+    empty = [s.queue_empty for s in log]
+    assert empty == sorted(empty) and empty[-1] and not empty[0]  # 7 requests in 3 rows: some waited
+    assert 0 < sum(s.behind_refill for s in log) <= stats.refills
+    budget = time_budget(log)
+    assert budget["refill_steps"] == sum(s.behind_refill for s in log)
+    assert budget["drain_steps"] == sum(empty) and budget["drain_s"] <= budget["steps_s"]
+    assert 0 < budget["drain_live_rows"] <= 3
+
+
+def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_bucket():
+    """refill_extra_s: a refilled step's time beyond the median of the unrefilled steps of its own kind and bucket
+    (never another kind's or bucket's); a kind and bucket seen only behind refills adds nothing."""
+    from specpilot.engine.decode import StepRecord
+    from specpilot.tools.bench.metrics import time_budget
+
+    def step(seconds, kind=0, rows=4, live=4, refill=False, empty=False):
+        return StepRecord(seconds, kind, rows, live, refill, empty)
+
+    log = [step(1.0), step(1.2), step(1.1), step(2.0, kind=3), step(2.2, kind=3),
+           step(1.6, refill=True), step(2.5, kind=3, refill=True), step(9.0, kind=4, refill=True),
+           step(0.5, rows=2, live=1, empty=True), step(0.7, rows=2, live=2, empty=True, refill=True)]
+    b = time_budget(log)
+    assert b["refill_steps"] == 4
+    # 1.6 - median(1.0, 1.2, 1.1) + 2.5 - median(2.0, 2.2) + 0.7 - 0.5 (bucket 2's own) + (kind 4: nothing typical)
+    assert b["refill_extra_s"] == pytest.approx(0.5 + 0.4 + 0.2)
+    assert b["drain_steps"] == 2 and b["drain_s"] == pytest.approx(1.2) and b["drain_live_rows"] == 1.5
+    assert b["steps_s"] == pytest.approx(sum(s.seconds for s in log))
+    assert time_budget([]) is None

@@ -71,7 +71,23 @@ def table(results: dict, reference: str) -> str:
     if occupancy:
         text += ("\n\nLive rows a step (a batch's occupancy):\n\n"
                  + "\n".join(f"- {wl} B={b}: {', '.join(v)}" for (wl, b), v in occupancy.items()))
+    budgets = [r for r in results["runs"] if r.get("time_budget") and r["batch_size"] > 1]
+    if budgets:
+        text += ("\n\nWhere the steps' time went (ms; the bench's time_budget): the cell's wall time, its steps' "
+                 "reads summed; requests started (steps behind a refill, their time beyond a typical step of their "
+                 "kind); the drain (steps once no request waited, their live rows):\n\n"
+                 "| workload | B | system | wall | steps | refill steps | refill extra | drain steps | drain | "
+                 "drain live rows |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+                 + "\n".join(budget_row(r) for r in budgets))
     return text
+
+
+def budget_row(r: dict) -> str:
+    b = r["time_budget"]
+    live = "-" if b["drain_live_rows"] is None else f"{b['drain_live_rows']:.1f}"
+    return (f"| {r['workload']} | {r['batch_size']} | {r['system']} | {r['seconds'] * 1e3:.0f} | "
+            f"{b['steps_s'] * 1e3:.0f} | {b['refill_steps']} | {b['refill_extra_s'] * 1e3:.0f} | "
+            f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} |")
 
 
 def run(out_dir, args):

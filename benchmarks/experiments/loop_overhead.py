@@ -19,10 +19,13 @@ the n-gram drafter finds what it finds on real text (on random tokens, nothing):
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
 large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md.
 
-Device minutes: about 2.
+Device minutes: about 2 with random weights. With `--workload`, give the call 8: warming the staged target's
+buckets and prices for real prompts outlasted a call of 175 s on the H200 (2026-12-02); the log says when each
+system is warm.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 MINUTES = 2
@@ -78,6 +81,7 @@ def run(out_dir, args):
 
     from specpilot.engine.engine import Engine
     from specpilot.engine.recipe import parse
+    from specpilot.tools.bench.metrics import time_budget
 
     ctx = args.ctx
     device = "cuda" if torch.cuda.is_available() and not ctx.smoke else "cpu"
@@ -100,7 +104,10 @@ def run(out_dir, args):
         spec = SYSTEMS[name]
         eng = Engine(target, parse({**spec, **({"cuda_graphs": False} if device == "cpu" else {})}))
         dec = eng.decoder
+        t_warm = time.perf_counter()
+        print(f"loop_overhead: {name}: warming up", file=sys.stderr, flush=True)  # (minutes on a real workload)
         eng.warmup([rows], max(map(len, prompts)), new)
+        print(f"loop_overhead: {name}: warm in {time.perf_counter() - t_warm:.0f} s", file=sys.stderr, flush=True)
         eng.generate(prompts, new, ignore_eos=True, max_batch=rows)  # the first real call: caches, allocator
         phases = {}
         for method in PHASES:
@@ -119,20 +126,25 @@ def run(out_dir, args):
         loop = {k: v * 1e3 for k, v in dec.step_seconds.get(dec._state.batch, {}).items()}
         tokens = sum(len(r.tokens) for r in out)
         rest = wall - sum(phases.values())
+        budget = time_budget(stats.step_log)
         found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
                        "live_rows_per_step": stats.row_steps / max(1, stats.steps), "shrinks": stats.shrinks,
                        "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
-                       "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest}
+                       "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
+                       "time_budget": budget}
         lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {stats.row_steps / max(1, stats.steps):.1f} | "
                      f"{wall / stats.steps * 1e3:.3f} | "
                      + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
                      + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in PHASES)
-                     + f" / {rest * 1e3:.0f} | {stats.refills} |")
+                     + f" / {rest * 1e3:.0f} | {stats.refills} | {budget['refill_steps']} | "
+                     f"{budget['refill_extra_s'] * 1e3:.0f} | {budget['drain_steps']} | {budget['drain_s'] * 1e3:.0f} |")
+        print(f"loop_overhead: {name}: {tokens / wall:,.0f} tok/s", file=sys.stderr, flush=True)
         del eng, dec
         torch.cuda.empty_cache() if device == "cuda" else None
     head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
             "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
-            "| requests started |\n|---|---:|---:|---:|---:|---|---|---|---|---:|")
+            "| requests started | steps behind a refill | their ms beyond a typical step | drain steps | drain ms |\n"
+            "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|")
     return found, head + "\n" + "\n".join(lines)

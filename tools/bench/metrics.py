@@ -44,6 +44,37 @@ def accepted_histogram(accepted: list[list[int]], k: int) -> list[int]:
     return counts
 
 
+def time_budget(steps) -> dict | None:
+    """Where a continuously batched decode's step time went, from its steps as the loop read them
+    (engine.decode.StepRecord), or None for a system without them (HF):
+    - steps_s: the reads' intervals summed (the decode's wall time but for the first prefill and the last sync);
+    - refill_steps, refill_extra_s: steps whose read also waited for host work before them (requests started in
+      finished rows: their prefill and move-in; a move to a smaller bucket), and what they took beyond the median step
+      of their kind and bucket not behind such work (signed: noise cancels). It grows with how often rows start, not
+      with how many: a batch whose rows end together starts them in a few large groups, one that drains unevenly
+      (speculation: rows accept different numbers of drafts) in many small ones;
+    - drain_steps, drain_s, drain_live_rows: steps read once no request was waiting (the batch running out), their
+      time and their live rows on average: the part of a finite run where the batch cannot be kept full."""
+    if not steps:
+        return None
+    plain: dict[tuple[int, int], list[float]] = {}
+    for s in steps:
+        if not s.behind_refill:
+            plain.setdefault((s.kind, s.rows), []).append(s.seconds)
+    typical = {key: float(np.median(v)) for key, v in plain.items()}
+    refill = [s for s in steps if s.behind_refill]
+    drain = [s for s in steps if s.queue_empty]
+    return {
+        "steps_s": sum(s.seconds for s in steps),
+        "refill_steps": len(refill),
+        # (a refilled step of a kind and bucket that never ran without a refill has no typical time: not counted)
+        "refill_extra_s": sum(s.seconds - typical[s.kind, s.rows] for s in refill if (s.kind, s.rows) in typical),
+        "drain_steps": len(drain),
+        "drain_s": sum(s.seconds for s in drain),
+        "drain_live_rows": sum(s.live for s in drain) / len(drain) if drain else None,
+    }
+
+
 def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun], k: int, memory_kind: str,
               device_is_cpu: bool, repeats: int) -> dict:
     """A results.json run without the fields that need AR's run of the same cell (filled by compare_to_ar)."""
@@ -92,6 +123,8 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         # end at different steps and wait for the next request, or drain at the end
         "live_rows_per_step": (sum(r.row_steps for r in runs) / sum(r.steps for r in runs)
                                if sum(r.steps for r in runs) else None),
+        # our engine: where its step time went (time_budget; null for HF)
+        "time_budget": time_budget([s for r in runs for s in r.step_log]),
     }
 
 

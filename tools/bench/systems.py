@@ -41,6 +41,7 @@ class BatchRun:
     shrinks: int = 0  # our engine: times the batch moved to a smaller bucket as its requests ran out
     steps: int = 0  # our engine: decoding steps, and live rows summed over them (the batch's occupancy)
     row_steps: int = 0
+    step_log: list = field(default_factory=list)  # our engine: every step as its loop read it (engine.decode.StepRecord)
 
 
 class BenchSkip(Exception):
@@ -76,6 +77,7 @@ class System(ABC):
             run.shrinks += part.shrinks
             run.steps += part.steps
             run.row_steps += part.row_steps
+            run.step_log += part.step_log
         return run
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
@@ -146,6 +148,7 @@ class EngineSystem(System):
         run.step_loop_seconds = dict(decoder.step_seconds.get(bucket, {}))
         run.shrinks = decoder.last_stats.shrinks
         run.steps, run.row_steps = decoder.last_stats.steps, decoder.last_stats.row_steps
+        run.step_log = list(decoder.last_stats.step_log)
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
