@@ -68,6 +68,7 @@ class StepRecord:
     kind: int  # drafts a row verified at most (0, BLIND_AR: an AR step)
     rows: int  # the bucket it ran at
     live: int  # rows that decoded a request in it
+    tokens: int  # tokens it gave requests (with those of requests started before it, whose first tokens it read)
     behind_refill: bool  # its read also waited for host work before it: requests started, or a move to a smaller bucket
     queue_empty: bool  # no request was waiting to start when it was read: the batch was draining
 
@@ -961,29 +962,32 @@ class Decoder:
                 interval, last_read = now - (last_read if stats.steps else t_first), now
                 queue_empty = not (waiting or ready)
                 stats.steps += 1
-                stepped, finished = [], []
+                stepped, finished, emitted = [], [], 0
                 for b in range(rows):
                     if not active[b] or index < since[b]:
                         continue
                     r = results[owner[b]]
+                    before = len(r.tokens)
                     if b in firsts:  # a started request's first token, prefilled before this step
                         first_handle, j = firsts.pop(b)
                         if not self._append(r, [self._read(first_handle)[j]], now, stop, eos):
                             active[b] = False
                             finished.append(b)
+                            emitted += 1
                             continue
                     stepped.append(b)
                     n = out[b][0]
                     r.accepted.append(n)
                     r.found.append(out[b][-1])
-                    before = len(r.tokens)
+                    had = len(r.tokens)
                     if not self._append(r, out[b][1: n + 2], now, stop, eos):
                         active[b] = False
                         finished.append(b)
-                    kept[b] = max(0, min(n, len(r.tokens) - before - 1))  # accepted drafts past the end dropped
+                    kept[b] = max(0, min(n, len(r.tokens) - had - 1))  # accepted drafts past the end dropped
+                    emitted += len(r.tokens) - before
                 stats.row_steps += len(stepped)
-                stats.step_log.append(StepRecord(interval, stats.draft_lengths[index], rows, len(stepped), waited,
-                                                 queue_empty))
+                stats.step_log.append(StepRecord(interval, stats.draft_lengths[index], rows, len(stepped),
+                                                 emitted, waited, queue_empty))
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,

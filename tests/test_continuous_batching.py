@@ -149,13 +149,16 @@ def test_step_log_accounts_for_every_step_and_the_time_between_reads(tiny, name)
     """BatchStats.step_log: one record a step read, its kind the step's, its live rows summing to row_steps, the
     intervals summing to the decode's time but for the last read's sync; the queue is empty from some step on (a
     suffix: requests only start, never arrive), and the steps behind a refill are those right after requests
-    started in finished rows (more requests than rows: there are some). The bench's time_budget adds them up."""
+    started in finished rows (more requests than rows: there are some); its tokens are the requests'. The bench's
+    time_budget adds them up."""
     from specpilot.tools.bench.metrics import time_budget
 
     eng = engine(tiny, RECIPES[name], 3)
-    eng.generate(prompts(), N_NEW, ignore_eos=False)
+    out = eng.generate(prompts(), N_NEW, ignore_eos=False)
     stats = eng.decoder.last_stats
     log = stats.step_log
+    # every token but the first tokens of the requests the batch began with (read with their prefill) came with a step
+    assert sum(s.tokens for s in log) == sum(len(r.tokens) for r in out) - 3
     assert len(log) == stats.steps
     assert [s.kind for s in log] == stats.draft_lengths[: len(log)]
     assert sum(s.live for s in log) == stats.row_steps
@@ -177,7 +180,7 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     from specpilot.tools.bench.metrics import time_budget
 
     def step(seconds, kind=0, rows=4, live=4, refill=False, empty=False):
-        return StepRecord(seconds, kind, rows, live, refill, empty)
+        return StepRecord(seconds, kind, rows, live, 2 * live, refill, empty)
 
     log = [step(1.0), step(1.2), step(1.1), step(2.0, kind=3), step(2.2, kind=3),
            step(1.6, refill=True), step(2.5, kind=3, refill=True), step(9.0, kind=4, refill=True),
@@ -188,4 +191,5 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     assert b["refill_extra_s"] == pytest.approx(0.5 + 0.4 + 0.2)
     assert b["drain_steps"] == 2 and b["drain_s"] == pytest.approx(1.2) and b["drain_live_rows"] == 1.5
     assert b["steps_s"] == pytest.approx(sum(s.seconds for s in log))
+    assert b["steady_tokens_per_s"] == pytest.approx(8 * 8 / (1.0 + 1.2 + 1.1 + 2.0 + 2.2 + 1.6 + 2.5 + 9.0))
     assert time_budget([]) is None

@@ -75,9 +75,9 @@ def table(results: dict, reference: str) -> str:
     if budgets:
         text += ("\n\nWhere the steps' time went (ms; the bench's time_budget): the cell's wall time, its steps' "
                  "reads summed; requests started (steps behind a refill, their time beyond a typical step of their "
-                 "kind); the drain (steps once no request waited, their live rows):\n\n"
+                 "kind); the drain (steps once no request waited, their live rows); tok/s before the drain:\n\n"
                  "| workload | B | system | wall | steps | refill steps | refill extra | drain steps | drain | "
-                 "drain live rows |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+                 "drain live rows | steady tok/s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
                  + "\n".join(budget_row(r) for r in budgets))
     return text
 
@@ -85,9 +85,10 @@ def table(results: dict, reference: str) -> str:
 def budget_row(r: dict) -> str:
     b = r["time_budget"]
     live = "-" if b["drain_live_rows"] is None else f"{b['drain_live_rows']:.1f}"
+    steady = "-" if b["steady_tokens_per_s"] is None else f"{b['steady_tokens_per_s']:,.0f}"
     return (f"| {r['workload']} | {r['batch_size']} | {r['system']} | {r['seconds'] * 1e3:.0f} | "
             f"{b['steps_s'] * 1e3:.0f} | {b['refill_steps']} | {b['refill_extra_s'] * 1e3:.0f} | "
-            f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} |")
+            f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} | {steady} |")
 
 
 def run(out_dir, args):

@@ -54,7 +54,10 @@ def time_budget(steps) -> dict | None:
       with how many: a batch whose rows end together starts them in a few large groups, one that drains unevenly
       (speculation: rows accept different numbers of drafts) in many small ones;
     - drain_steps, drain_s, drain_live_rows: steps read once no request was waiting (the batch running out), their
-      time and their live rows on average: the part of a finite run where the batch cannot be kept full."""
+      time and their live rows on average: the part of a finite run where the batch cannot be kept full;
+    - steady_tokens_per_s: tokens a second before the drain (what a server at this concurrency sustains while
+      requests keep arriving; None without such steps). A speculative batch drains longer than AR's whose rows of
+      equal length end together: a finite run of few waves pays it in full, a stream never."""
     if not steps:
         return None
     plain: dict[tuple[int, int], list[float]] = {}
@@ -64,6 +67,8 @@ def time_budget(steps) -> dict | None:
     typical = {key: float(np.median(v)) for key, v in plain.items()}
     refill = [s for s in steps if s.behind_refill]
     drain = [s for s in steps if s.queue_empty]
+    steady = [s for s in steps if not s.queue_empty]
+    steady_s = sum(s.seconds for s in steady)
     return {
         "steps_s": sum(s.seconds for s in steps),
         "refill_steps": len(refill),
@@ -72,6 +77,7 @@ def time_budget(steps) -> dict | None:
         "drain_steps": len(drain),
         "drain_s": sum(s.seconds for s in drain),
         "drain_live_rows": sum(s.live for s in drain) / len(drain) if drain else None,
+        "steady_tokens_per_s": sum(s.tokens for s in steady) / steady_s if steady_s > 0 else None,
     }
 
 
