@@ -18,6 +18,7 @@ many drafts it verifies, down to an AR step) is the batch controller's choice (e
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -322,7 +323,7 @@ class Decoder:
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
                  ragged: bool = False, tree: TreeShape | DynamicTree | None = None,
-                 margin: float = SPECULATION_MARGIN):
+                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -336,6 +337,9 @@ class Decoder:
         # Continuous batching (`generate`): a row may switch requests between steps unless the drafter keeps per-row
         # state of its own that would have to switch with it (a draft model's cache, an EAGLE-3 head's states)
         self.continuous = drafter is None or drafter.stateless
+        # ... and with this share of a batch's rows free before waiting requests start in them: each start is host
+        # work and a step that waits for it, paid per start, whatever the number of requests started
+        self.refill_at = refill_at
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
@@ -905,6 +909,8 @@ class Decoder:
             # for the new rows, looked twice its cost at B = 64: the H200's chat cells, thirteenth lease.)
             behind_refill: set[int] = set()
             ready: deque = deque()  # (request, its prefill, its row there): prefilled, waiting for a free row
+            free: list[int] = []  # rows whose requests ended, not yet given waiting ones
+            refill_rows = max(1, math.ceil(self.refill_at * rows))  # (batch.refill_at)
 
             def start(free: list[int]) -> bool:
                 """Start waiting requests in the rows of `free` (behind any step in flight); True when any did. They
@@ -992,7 +998,12 @@ class Decoder:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
                                        [kept[b] for b in stepped])
-                started = bool((waiting or ready) and finished) and start(finished)
+                free += finished
+                # Requests start once enough rows are free, or all of them fit, or nothing else would run
+                started = bool(waiting or ready) and bool(free) and (
+                    len(free) >= min(refill_rows, len(waiting) + len(ready)) or not any(active)) and start(free)
+                if started or not (waiting or ready):
+                    free = []
                 if started and ahead is not None:  # the step in flight: its read's wait held the host's start
                     behind_refill.add(ahead[0])
                 if finished:

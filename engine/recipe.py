@@ -64,6 +64,8 @@ class BatchSpec:
     probe_every: int = 16  # cost: after this many AR steps in a row, one step verifies k drafts
     margin: float = 0.05  # cost: how much more a verifying step must be expected to yield a second than an AR step
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
+    refill_at: float = 0.0  # continuous batching: waiting requests start once this share of the rows is free (0: as
+    # soon as one is), so that rows ending at different steps start their next requests in fewer, larger groups
 
 
 @dataclass
@@ -193,6 +195,8 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.probe_every", "must be >= 1")
     if not 0 <= r.batch.margin <= 1:
         bad("batch.margin", f"{r.batch.margin} must be between 0 and 1 (a share of an AR step's rate)")
+    if not 0 <= r.batch.refill_at <= 0.5:
+        bad("batch.refill_at", f"{r.batch.refill_at} must be between 0 and 0.5 (a share of the batch's rows)")
     if r.batch.ragged and r.batch.controller != "cost":
         bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
                             "batch.controller 'cost'")

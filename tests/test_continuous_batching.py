@@ -33,6 +33,8 @@ RECIPES = {
     "controller": {"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost"}},
     "ragged": {"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost", "ragged": True},
                "overlap": True},
+    "refill-half": {"drafter": {"kind": "ngram"}, "k": 4, "overlap": True,
+                    "batch": {"controller": "cost", "refill_at": 0.5}},
     "tree": {"drafter": {"kind": "ngram"}, "k": 2, "verification": "tree",
              "tree": {"kind": "static", "paths": [[0], [0, 0], [1], [1, 0]]}},
 }
@@ -193,3 +195,29 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     assert b["steps_s"] == pytest.approx(sum(s.seconds for s in log))
     assert b["steady_tokens_per_s"] == pytest.approx(8 * 8 / (1.0 + 1.2 + 1.1 + 2.0 + 2.2 + 1.6 + 2.5 + 9.0))
     assert time_budget([]) is None
+
+
+def test_refill_at_starts_requests_in_fewer_larger_groups_with_the_same_tokens(tiny, alone):
+    """batch.refill_at: waiting requests start once that share of the rows is free (or all of them fit, or no row
+    is live), so a batch whose rows end at different steps starts them in fewer groups; every request still decodes
+    what it decodes alone, and every request after the first rows still starts in a finished row."""
+    eos, _ = alone
+    stop, ps = StopCondition(N_NEW, eos), prompts(16)
+    ar = Engine(tiny.loaded, parse({"cuda_graphs": False})).decoder
+    want = [ar.generate([p], stop)[0].tokens for p in ps]
+    groups = {}
+    for share in (0.0, 0.5):
+        eng = engine(tiny, {"drafter": {"kind": "ngram"}, "k": 4, "batch": {"refill_at": share}}, 4)
+        got = eng.decoder.generate(ps, stop, max_batch=4)
+        assert [r.tokens for r in got] == want
+        stats = eng.decoder.last_stats
+        assert stats.refills == len(ps) - 4
+        groups[share] = sum(s.behind_refill for s in stats.step_log)
+    assert 0 < groups[0.5] < groups[0.0]
+
+
+def test_refill_at_out_of_range_is_refused():
+    from specpilot.engine.errors import SpecPilotError
+
+    with pytest.raises(SpecPilotError, match="batch.refill_at"):
+        parse({"batch": {"refill_at": 0.75}})

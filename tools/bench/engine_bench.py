@@ -73,6 +73,11 @@ SYSTEMS = {
                                      "overlap": True, "batch": {"controller": "cost"},
                                      "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                                                  "ar_after_miss": True}},
+    # ... and with requests started in groups of a sixteenth of the rows (batch.refill_at; issue #20's chat B = 64)
+    "ngram2-k4-cost-refill-fused-overlap": {"name": "ngram2-k4-cost-refill-fused-overlap", "k": 4, "layer": "fused",
+                                            "overlap": True, "batch": {"controller": "cost", "refill_at": 0.0625},
+                                            "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4,
+                                                        "adaptive": True, "ar_after_miss": True}},
     "ngram2-k4-ragged-fused-overlap": {"name": "ngram2-k4-ragged-fused-overlap", "k": 4, "layer": "fused",
                                        "overlap": True, "batch": {"controller": "cost", "ragged": True},
                                        "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,

@@ -31,7 +31,7 @@ RESERVED_NAMES = ("ar", "stock", "ar-fused-overlap")  # the bench's own systems 
 # Short name parts for the keys grids vary most; any other key is named by its last segment.
 SHORT = {"k": "k", "drafter.max_ngram": "ng", "drafter.min_ngram": "mn", "drafter.adaptive": "adapt",
          "drafter.ar_after_miss": "arm", "drafter.layers": "ls", "overlap": "ovl", "batch.controller": "ctl",
-         "batch.ragged": "ragged", "batch.probe_every": "probe", "batch.max_batch_size": "mb", "tree.topk": "topk",
+         "batch.ragged": "ragged", "batch.probe_every": "probe", "batch.refill_at": "refill", "batch.max_batch_size": "mb", "tree.topk": "topk",
          "tree.depth": "depth", "tree.tokens": "tok", "cuda_graphs": "graphs", "compile": "compile"}
 VALUE_ONLY = ("layer", "drafter.kind", "verification", "tree.kind", "weights.format")  # the value says which key
 
