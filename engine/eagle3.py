@@ -647,8 +647,11 @@ def load_head(spec: str | Path, target: Transformer) -> Eagle3Head:
     return Eagle3Head(loader.source_dir(str(spec)), target)
 
 
+RANDOM_HEAD_VOCAB = 32000  # the random head's draft vocabulary (SpecForge's default for Llama 3)
+
+
 @torch.no_grad()
-def random_head(target: Transformer, draft_vocab: int = 32000, seed: int = 0) -> Eagle3Head:
+def random_head(target: Transformer, draft_vocab: int = RANDOM_HEAD_VOCAB, seed: int = 0) -> Eagle3Head:
     """An EAGLE-3 head of the shape SpecForge trains for this target (its hidden and MLP sizes, heads and head_dim, a
     draft vocabulary of `draft_vocab` ids, the default aux layers), random weights drawn on the target's device:
     what a head's forward costs there, with no checkpoint (the replay drafter's cost, issue #24)."""

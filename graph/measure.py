@@ -73,7 +73,7 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
     names candidate kernel files), on the deployment's workload and batch size. Systems are named after their
     recipes' `name`; speedups over stock are derived from the same cell's tok/s.
     {"ok", "error", "systems": {name: run}, "errors", "dir"}."""
-    from ..tools.bench.run import parse_args, run_bench
+    from ..tools.bench.run import parse_args, recipes_to_measure, run_bench
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +94,9 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
         except Exception as e:  # a recipe the engine cannot build, a decode that raised outside a cell
             return ({"ok": False, "error": f"{type(e).__name__}: {e}", "systems": {}, "errors": [],
                      "dir": str(out_dir)}, time.perf_counter() - t0)
-    runs = {r["system"]: r for r in results["runs"]}
+    # The bench names a replay recipe's system NAME-replay (tools/bench/run.py); the graph knows its recipes by NAME.
+    named = {system: recipe.name for system, recipe in recipes_to_measure([str(r) for r in recipes])}
+    runs = {named.get(r["system"], r["system"]): r for r in results["runs"]}
     stock = (runs.get("stock") or {}).get("tokens_per_s")
     systems = {}
     for name, r in runs.items():

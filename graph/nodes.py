@@ -41,6 +41,14 @@ def _architecture(target: str) -> str:
     return str(config.get("model_type") or (config.get("architectures") or ["unknown"])[0])
 
 
+def _synthetic(target: str) -> bool:
+    """A target with random weights (engine/synthetic.py): what its drafters find in its text is noise."""
+    from ..engine.loader import source_dir
+    from ..engine.synthetic import synthetic_seed
+
+    return synthetic_seed(source_dir(target) / "config.json") is not None
+
+
 def gate_batch(settings: dict, recipe: dict) -> int:
     """The gate decodes in the batches the deployment would: the deployment's batch size, capped by the recipe's
     (read from the parsed recipe, so a minimal recipe without a `batch` section gets the default)."""
@@ -139,7 +147,8 @@ def profiler(state: dict) -> dict:
                                          weight_format=best["recipe"]["weights"]["format"],
                                          workload_mix=s["workload"])
     deployment |= {"workload": s["workload"], "max_new_tokens": s["max_new_tokens"], "limit": s["limit"],
-                   "drafter_heads": [str(Path(h).resolve()) if Path(h).exists() else h for h in s.get("heads") or []]}
+                   "drafter_heads": [str(Path(h).resolve()) if Path(h).exists() else h for h in s.get("heads") or []],
+                   "synthetic": _synthetic(s["target"]), "replay_acceptance": s.get("acceptance")}
     return update | {"profile": prof, "gaps": prof["gaps"], "deployment": deployment,
                      "device_s": update["device_s"] + sec, "elapsed_s": time.perf_counter() - t0}
 

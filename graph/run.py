@@ -65,6 +65,24 @@ def check_settings(s: dict) -> None:
         raise SpecPilotError(str(e)) from None
     if not questions:
         raise SpecPilotError(f"workload {s['workload']!r} has no questions")
+    if s["acceptance"] is not None:
+        check_acceptance(s["target"], s["acceptance"])
+
+
+def check_acceptance(target: str, acceptance: list[float]) -> None:
+    """--acceptance replays drafts, which only a synthetic target needs (a real one's drafters are measured); the
+    profile obeys the replay drafter's rules (docs/RECIPE.md, drafter.acceptance)."""
+    from ..engine import loader
+    from ..engine.recipe import parse
+    from ..engine.synthetic import synthetic_seed
+
+    if synthetic_seed(loader.source_dir(target) / "config.json") is None:
+        raise SpecPilotError(f"--acceptance replays drafts on a synthetic target (synthetic:NAME); {target} is a real "
+                             "model, whose drafters' acceptance the run measures")
+    try:
+        parse({"drafter": {"kind": "replay", "acceptance": list(acceptance)}, "k": len(acceptance)})
+    except SpecPilotError as e:
+        raise SpecPilotError(f"--acceptance: {one_line(e)}") from None
 
 
 def open_provider(s: dict):

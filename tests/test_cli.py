@@ -156,3 +156,15 @@ def test_optimize_takes_heads_for_the_algorithm_agent(monkeypatch):
     from specpilot.graph.state import make_settings
 
     assert make_settings(heads=seen["heads"], device="cpu")["heads"] == ["heads/a", "heads/b"]
+
+
+def test_optimize_takes_a_replayed_acceptance(monkeypatch):
+    """`optimize --acceptance A1,A2,...` reaches the run's settings as shares; anything else is refused by the parser."""
+    seen = {}
+    monkeypatch.setattr("specpilot.graph.run.optimize", lambda settings: seen.update(settings) or 0)
+    args = cli.build_parser().parse_args(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance",
+                                          "0.82,0.672,0.551"])
+    assert args.func(args) == 0 and seen["acceptance"] == [0.82, 0.672, 0.551]
+    for bad in ("0.8,1.5", "0.8,,0.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="shares between 0 and 1"):
+            argtypes.acceptance_profile(bad)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
+
 from specpilot.engine.recipe import load_recipe
 from specpilot.graph.candidates import AgentContext
 from specpilot.graph.context import RunContext, propose
@@ -121,3 +123,44 @@ def test_the_algorithm_agent_drafts_with_a_head_the_deployment_has(tmp_path, tin
     untried = [o for o in options if o.rank[0] == 2]
     assert untried and untried[0] is eagle[0]  # the head the user gave first, before unmeasured n-gram settings
     assert any("no readable config.json" in why for why in skipped)
+
+
+def test_on_a_synthetic_target_the_algorithm_agent_replays_the_given_acceptance():
+    """A synthetic target (random weights) with optimize --acceptance: the algorithm agent proposes only replayed
+    chains of k = 1..n at a_1..a_k, each a valid recipe drafted at a random head's cost and ranked by the cost model's
+    tok/s from that acceptance; no drafter that reads the target's text (its text is noise), and it says so. Without
+    --acceptance nothing drafts; at an acceptance too low to pay, nothing replays either, with the reason."""
+    from specpilot.graph.providers.policy import CostView, Skips, algorithm_options, apply_patch
+
+    # the current recipe, stock's n-gram drafter, found little in the synthetic target's text
+    prof, recipe = cpu_profile(per_position=(0.1, 0.1, 0.1, 0.1)), load_recipe("stock")
+    deployment = {"device": "cpu", "dtype": "fp32", "batch_size": 1, "ceilings": prof["ceilings"], "synthetic": True}
+    bar = [0.82, 0.672, 0.551, 0.452]
+    skipped = Skips()
+    options = algorithm_options(recipe, CostView.from_context(deployment | {"replay_acceptance": bar}, prof), skipped)
+    drafting = [o for o in options if o.patch.get("drafter", {}).get("kind") not in (None, "none")]
+    assert drafting and {o.patch["drafter"]["kind"] for o in drafting} == {"replay"}
+    for o in drafting:
+        k = o.patch["k"]
+        assert o.patch["drafter"]["acceptance"] == bar[:k] and o.patch["drafter"]["model"] == "random-eagle3"
+        assert apply_patch(asdict(recipe), o.patch).drafter.kind == "replay"  # a recipe the engine takes
+    gains = [-o.rank[1] for o in drafting]
+    assert gains == sorted(gains, reverse=True) and gains[0] >= 0.02
+    assert any("synthetic" in why and "noise" in why for why in skipped)
+
+    none = Skips()
+    assert not [o for o in algorithm_options(recipe, CostView.from_context(deployment, prof), none)
+                if o.patch.get("drafter", {}).get("kind") not in (None, "none")]
+    assert any("--acceptance" in why for why in none)
+
+    low = Skips()
+    poor = CostView.from_context(deployment | {"replay_acceptance": [0.02, 0.01]}, prof)
+    assert not [o for o in algorithm_options(recipe, poor, low) if o.patch.get("drafter", {}).get("kind") == "replay"]
+    assert any(why.startswith("replayed chains: 2 of k = 1-2") for why in low)
+
+
+def test_cumulative_acceptance_becomes_per_position():
+    from specpilot.graph.providers.policy import conditional
+
+    assert conditional([0.8, 0.4, 0.2, 0.0]) == pytest.approx([0.8, 0.5, 0.5, 0.0])
+    assert conditional([0.0, 0.0]) == [0.0, 0.0]

@@ -104,3 +104,46 @@ def test_every_commands_target_help_names_every_synthetic_target(capsys):
         assert cli.main([command, "--help"]) == 0
         shown = " ".join(capsys.readouterr().out.split())
         assert " ".join(TARGET_HELP.split()) in shown, command
+
+
+def test_optimize_replays_acceptance_only_on_a_synthetic_target(tiny_synthetic, tiny_model_dir):
+    """`optimize --acceptance`: a synthetic target takes a profile the replay drafter takes; a real target, whose
+    drafters the run measures, and a profile that rises are refused, each in one line naming the flag; the
+    deployment says which targets are synthetic."""
+    from specpilot.graph.nodes import _synthetic
+    from specpilot.graph.run import check_acceptance
+
+    check_acceptance("synthetic:tiny-llama", [0.8, 0.6, 0.5])
+    with pytest.raises(SpecPilotError, match=r"^--acceptance replays drafts on a synthetic target"):
+        check_acceptance(str(tiny_model_dir("llama")), [0.8, 0.6])
+    with pytest.raises(SpecPilotError, match=r"^--acceptance: .*drafter.acceptance") as e:
+        check_acceptance("synthetic:tiny-llama", [0.5, 0.7])
+    assert "\n" not in str(e.value)
+    assert _synthetic("synthetic:tiny-llama") and not _synthetic(str(tiny_model_dir("llama")))
+
+
+def test_optimize_on_a_synthetic_target_measures_replayed_chains(tiny_synthetic, tmp_path):
+    """`specpilot optimize` on a synthetic target with --acceptance, end to end on the CPU: the algorithm agent's
+    candidates are replayed chains, each passes the token-forcing gate (verification is real) and is measured beside
+    ar and stock (the bench names their systems NAME-replay; the graph still finds them)."""
+    import io
+    import json
+
+    from specpilot.graph.run import load_state, optimize
+
+    target = str(loader.source_dir("synthetic:tiny-llama"))  # a directory: the gate's sandboxed child loads it too
+    out = tmp_path / "run"
+    code = optimize(dict(target=target, acceptance=[0.8, 0.6, 0.45, 0.3], workload="code", limit=2,
+                         max_new_tokens=16, budget_rounds=1, max_candidates=2, device="cpu", dtype="fp32",
+                         profile_repeats=1, memory=str(tmp_path / "memory.jsonl"), out_dir=str(out)),
+                    stderr=io.StringIO())
+    assert code == 0
+    state = load_state(out)
+    algorithm = {cid: c["candidate"]["recipe_patch"] for cid, c in state["candidates"].items()
+                 if c["agent"] == "algorithm"}
+    assert algorithm and all(p["drafter"]["kind"] == "replay" for p in algorithm.values())
+    for cid in algorithm:
+        ev = state["evaluations"][cid]
+        assert ev["gate"]["passed"], ev["gate"]
+        assert ev["speed"]["ok"] and ev["speed"]["tokens_per_s"] > 0 and ev["speed"]["mean_accepted"] > 1.0
+    assert json.loads((out / "run.json").read_text())["settings"]["acceptance"] == [0.8, 0.6, 0.45, 0.3]

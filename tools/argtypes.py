@@ -78,6 +78,18 @@ def positive_int_list(text) -> list[int]:
     return list(dict.fromkeys(values))
 
 
+def acceptance_profile(text) -> list[float]:
+    """"0.8,0.6,0.4" -> [0.8, 0.6, 0.4]: a per-position acceptance profile, each a share between 0 and 1 (the replay
+    drafter checks the rest: at most non-increasing, one a draft)."""
+    try:
+        values = [_float(p) for p in str(text).split(",")]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be comma-separated shares between 0 and 1, got {str(text)!r}")
+    return values
+
+
 def check(validator, flag: str, value):
     """`validator(value)` for a value set in code, its complaint as argparse would word it, as a SpecPilotError."""
     try:

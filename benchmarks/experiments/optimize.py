@@ -32,6 +32,10 @@ def arguments(p) -> None:
     p.add_argument("--workload", default="code", help="the workload optimize runs on")
     p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
     p.add_argument("--no-hand-best", action="store_true", help=f"leave {HAND_BEST} out of the bench")
+    p.add_argument("--acceptance", default=None,
+                   help="with --target synthetic:NAME: optimize --acceptance A1,A2,... (a drafter's acceptance, "
+                        "replayed; issue #24's optimize on a synthetic 8B; add --no-hand-best, whose n-gram drafts "
+                        "of random weights' text mean nothing)")
 
 
 def run(out_dir, args):
@@ -42,7 +46,8 @@ def run(out_dir, args):
     run_dir, bench_dir, memory = ctx.scratch / "optimize", ctx.scratch / "bench", ctx.scratch / "memory.jsonl"
     opt = ctx.module("optimize", "specpilot.cli", [
         "optimize", "--target", ctx.target, "--workload", args.workload, "--device", ctx.device, "--provider",
-        "policy", "--memory", memory, *(SMOKE_FLAGS if args.smoke else OPT_FLAGS), "--out", run_dir], timeout=330)
+        "policy", "--memory", memory, *(SMOKE_FLAGS if args.smoke else OPT_FLAGS),
+        *(["--acceptance", args.acceptance] if args.acceptance else []), "--out", run_dir], timeout=330)
     recipe = run_dir / "recipe.json"
     if not recipe.is_file():  # stopped by the time limit: the best adopted so far, if any
         recipe = max(run_dir.glob("recipes/best-r*.json"), key=lambda p: p.stat().st_mtime, default=None)

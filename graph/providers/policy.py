@@ -14,6 +14,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
 from ...engine.tree import chains
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
@@ -220,6 +221,8 @@ class CostView:
     # when the profile does not record it (a_1 then only bounds it below: a row accepts a draft only if it had one)
     availability: float | None = None
     heads: tuple[str, ...] = ()       # EAGLE-3 heads the deployment has for its target (optimize --head)
+    synthetic: bool = False           # the target's weights are random (engine/synthetic.py): its text is noise
+    replay: tuple[float, ...] = ()    # optimize --acceptance: a_i, the share of steps accepting >= i drafts, replayed
 
     @classmethod
     def from_context(cls, deployment: dict, profile: dict) -> "CostView | None":
@@ -240,7 +243,8 @@ class CostView:
         availability = acc.get("draft_availability")
         return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch,
                    None if availability is None else float(availability),
-                   tuple((deployment or {}).get("drafter_heads") or ()))
+                   tuple((deployment or {}).get("drafter_heads") or ()), bool((deployment or {}).get("synthetic")),
+                   tuple(float(a) for a in (deployment or {}).get("replay_acceptance") or ()))
 
     @property
     def cuda(self) -> bool:
@@ -368,6 +372,13 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
         else:
             skipped.add(f"AR: the cost model predicts {gain:+.0%} tok/s against {now} (below {MIN_GAIN:.0%})")
 
+    if view.synthetic:  # no drafter can predict random weights' text: drafts are replayed, or there are none
+        skipped.add("drafters that predict the target's text (n-gram, layer-skip, EAGLE-3 heads, trees of their "
+                    "matches): the target is synthetic, its weights random, so what they would find is noise"
+                    + ("" if view.replay else "; `optimize --acceptance` replays a drafter's acceptance"))
+        options += _replay_options(recipe, view, cur, now, skipped)
+        return sorted(options, key=lambda o: o.rank)
+
     min_ngram = recipe.drafter.min_ngram if recipe.drafter.kind == "ngram" else 1
     stock = BUILTIN["stock"]
     best_ngram: tuple[float, str] | None = None  # the best n-gram option left out, for the reason
@@ -469,6 +480,58 @@ def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, mea
         f"as further branches in the same step, which the calibrated cost model puts at {ms(tree.step_s)} against "
         f"{ms(cur.step_s)} ({cost:+.0%}); it accepts at least what the chain does, and its gain is the evaluation's "
         f"to measure"), (2, 1))]
+
+
+def conditional(cumulative) -> list[float]:
+    """Per-position acceptance as the cost model takes it (draft i accepted once drafts 1..i-1 were) from the
+    bench's and the replay drafter's form (a_i: the share of steps that accept at least i drafts)."""
+    out, before = [], 1.0
+    for a in cumulative:
+        out.append(a / before if before > 0 else 0.0)
+        before = a
+    return out
+
+
+def random_head_shape(target: ModelShape) -> ModelShape:
+    """The replay drafter's cost head (engine.eagle3.random_head: the target's layer sizes, one layer, a draft
+    vocabulary of RANDOM_HEAD_VOCAB ids) as the cost model's one-layer model."""
+    return ModelShape(min(RANDOM_HEAD_VOCAB, target.vocab), target.hidden, target.intermediate, 1, target.heads,
+                      target.kv_heads, target.head_dim, tied_embeddings=False)
+
+
+def _replay_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
+    """A synthetic target with a replayed acceptance (optimize --acceptance a_1..a_n): a chain of k = 1..n drafts
+    at a_1..a_k, drafted at the cost of an EAGLE-3 head of the target's shape (engine/replay.py), each ranked by the
+    tok/s the calibrated cost model predicts from that acceptance. Only chains: a replayed tree accepts along its
+    first chain, so its other nodes would add cost and no acceptance."""
+    if not view.replay:
+        return []
+    shape, best_left, below = random_head_shape(view.dep.model), None, 0
+    out = []
+    for k in range(1, len(view.replay) + 1):
+        profile = list(view.replay[:k])
+        d = recipe.drafter
+        if d.kind == "replay" and recipe.k == k and recipe.verification == "chain" and list(d.acceptance) == profile:
+            continue
+        rdep = replace(view.dep, k=k, drafter_kind="eagle3", drafter_model=shape, drafter_layers=0,
+                       kernels_per_draft_forward=None, tree_nodes=None, draft_widths=None)
+        p = view.predict(rdep, conditional(profile))
+        gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+        if gain < MIN_GAIN:
+            best_left, below = max(best_left or (gain, k), (gain, k)), below + 1
+            continue
+        patch = {"drafter": {"kind": "replay", "model": RANDOM_HEAD, "acceptance": profile, "adaptive": False,
+                             "ar_after_miss": False}, "k": k, "verification": "chain"}
+        out.append(Option(patch, (
+            f"a replayed chain of k={k} drafts at the given acceptance {positions(profile)} (tau "
+            f"{p.tokens_per_step:.2f}), drafted at the cost of an EAGLE-3 head of the target's shape: the calibrated "
+            f"cost model predicts {p.tokens_per_s:.0f} tok/s against {cur.tokens_per_s:.0f} with {now} (+{gain:.0%}); "
+            f"{_phases(p)}"), (1, -gain, k)))
+    if best_left is not None:
+        skipped.add(f"replayed chains: {below} of k = 1-{len(view.replay)} predicted below "
+                    f"{MIN_GAIN:.0%} over {cur.tokens_per_s:.0f} tok/s with {now} (best k={best_left[1]}, "
+                    f"{best_left[0]:+.0%})")
+    return out
 
 
 def head_shape(directory: str) -> ModelShape | None:
