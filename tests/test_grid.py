@@ -121,7 +121,7 @@ def test_bad_space_files_give_one_clear_line(tmp_path, capsys, space, message):
 
 
 def test_missing_space_names_the_shipped_grids():
-    with pytest.raises(SpaceError, match=r"neither a file nor a shipped grid \(smollm2\)"):
+    with pytest.raises(SpaceError, match=r"neither a file nor a shipped grid \(llama-3.1-8b-replay, smollm2\)"):
         load_space("no-such-space")
 
 
@@ -181,3 +181,16 @@ def test_tiny_grid_gates_measures_and_ranks(tiny_target, tiny_model_dir, tmp_pat
     assert "**Best: `ng-k1`**" in report and "`bad-k2`: fail: code: " in report
     assert "`ng-k3`: constraint if" in report and "specpilot grid --target" in report
     assert (out / "bench" / "results.json").is_file()
+
+
+def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats():
+    """The shipped yardstick for synthetic:llama-3.1-8b: replayed chains of k = 2-4 (their acceptance the profile's
+    first k positions) on both layers, and the chains and AR in 12-bit weights; every combination a recipe."""
+    e = expand(load_space("llama-3.1-8b-replay"), 64)
+    assert len(e.recipes) == 10 and not (e.refused or e.excluded or e.duplicates)
+    assert "**10 recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()
+    recipes = [parse(r.recipe) for r in e.recipes]
+    drafting = [r for r in recipes if r.drafter.kind != "none"]
+    assert all(r.drafter.kind == "replay" and len(r.drafter.acceptance) == r.k for r in drafting)
+    assert {r.k for r in drafting} == {2, 3, 4}
+    assert sum(r.weights.format == "lossless12" for r in recipes) == 4
