@@ -682,3 +682,30 @@ def test_the_algorithm_schema_offers_trees_and_no_replay():
             for v in s:
                 closed(v)
     closed(patch)
+
+
+def test_on_a_synthetic_target_an_llm_picks_k_and_the_user_gives_the_acceptance(profiles, secret_key):
+    """A synthetic target with optimize --acceptance: the schema offers the drafter kinds none and replay only; an
+    answer choosing replay at some k drafts at the user's first k positions and a random head's cost, whatever
+    profile it tried to give; a k past the profile, or a drafter that would read the target's noise, is refused
+    with the reason (a repair round, then the policy, as for any invalid answer)."""
+    from specpilot.graph.providers.openai_compat import CandidateError, validate_candidates
+
+    profile = [0.82, 0.672, 0.551]
+    ctx = context(profiles["stock"], "algorithm", synthetic=True, replay_acceptance=profile)
+    patch = candidates_schema("algorithm", 3, ctx.deployment)["properties"]["candidates"]["items"]["properties"][
+        "recipe_patch"]
+    assert patch["properties"]["drafter"]["anyOf"][0]["properties"]["kind"]["anyOf"][0]["enum"] == ["none", "replay"]
+    replay = {"reason": "tau 2.5 at k=2", "recipe_patch": {"drafter": {"kind": "replay", "acceptance": [1.0, 1.0]},
+                                                           "k": 2}}
+    [cand] = validate_candidates({"candidates": [replay]}, ctx, "openai:fake")
+    assert cand.recipe_patch["drafter"] == {"kind": "replay", "model": "random-eagle3", "acceptance": profile[:2]}
+    check_valid([cand], ctx)
+    too_deep = {"reason": "k=4", "recipe_patch": {"drafter": {"kind": "replay"}, "k": 4}}
+    with pytest.raises(CandidateError, match=r"k = 1\.\.3 drafts .* got k = 4"):
+        validate_candidates({"candidates": [too_deep]}, ctx, "openai:fake")
+    with pytest.raises(CandidateError, match="drafter.kind 'ngram' is not one of none, replay"):
+        validate_candidates({"candidates": [NGRAM_K2]}, ctx, "openai:fake")
+    plain = context(profiles["stock"], "algorithm", synthetic=True)
+    with pytest.raises(CandidateError, match="is not one of none for this deployment"):
+        validate_candidates({"candidates": [replay]}, plain, "openai:fake")

@@ -27,6 +27,7 @@ import typing
 
 import openai
 
+from ...engine.eagle3 import RANDOM_HEAD
 from ...engine.recipe import COMPILE_MODES, DRAFTER_KINDS, TREE_KINDS, VERIFICATION_KINDS, WEIGHT_FORMATS, Recipe
 from ...kernels import IMPLEMENTATIONS, SLOTS
 from ...prompts import profile_summary, render, tool_list
@@ -62,6 +63,17 @@ AGENT_DRAFTER_KINDS = tuple(k for k in DRAFTER_KINDS if k != "replay")
 NOT_LEVERS = {"drafter.acceptance"}
 _ENUMS = {"drafter.kind": AGENT_DRAFTER_KINDS, "verification": VERIFICATION_KINDS, "tree.kind": TREE_KINDS,
           "weights.format": WEIGHT_FORMATS, "compile_mode": COMPILE_MODES}
+# On a synthetic target (random weights) no drafter can predict the text: AR, or with optimize --acceptance the
+# replay drafter, whose profile the harness fills in from the user's (`fill_replay`), never the agent.
+SYNTHETIC_DRAFTER_KINDS, REPLAY_DRAFTER_KINDS = ("none",), ("none", "replay")
+
+
+def drafter_kinds(deployment: dict | None) -> tuple[str, ...]:
+    """The drafter kinds an agent may propose for this deployment."""
+    deployment = deployment or {}
+    if not deployment.get("synthetic"):
+        return AGENT_DRAFTER_KINDS
+    return REPLAY_DRAFTER_KINDS if deployment.get("replay_acceptance") else SYNTHETIC_DRAFTER_KINDS
 _JSON_TYPES = {int: "integer", str: "string", bool: "boolean", float: "number"}
 
 
@@ -74,30 +86,31 @@ def _closed(properties: dict) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
-def _field_schema(hint, path: str) -> dict:
+def _field_schema(hint, path: str, enums: dict = _ENUMS) -> dict:
     if path == "kernels":  # slot -> one of its built-ins (new source goes in the candidate's `kernel`)
         return _closed({s: _nullable({"type": "string", "enum": list(IMPLEMENTATIONS[s])}) for s in SLOTS})
     if dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
-        return _closed({f.name: _nullable(_field_schema(hints[f.name], f"{path}.{f.name}"))
+        return _closed({f.name: _nullable(_field_schema(hints[f.name], f"{path}.{f.name}", enums))
                         for f in dataclasses.fields(hint) if f"{path}.{f.name}" not in NOT_LEVERS})
     if path == "tree.paths":  # child-rank paths from the root
         return {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}
     schema = {"type": _JSON_TYPES[hint]}
-    if path in _ENUMS:
-        schema["enum"] = list(_ENUMS[path])
+    if path in enums:
+        schema["enum"] = list(enums[path])
     return schema
 
 
-def patch_schema(agent: str) -> dict:
+def patch_schema(agent: str, deployment: dict | None = None) -> dict:
     """The recipe fields `agent` may change, each nullable (null: leave unchanged), from engine/recipe.py's
-    dataclasses so that the schema follows the recipe format."""
+    dataclasses so that the schema follows the recipe format; the drafter kinds those of the deployment."""
     hints = typing.get_type_hints(Recipe)
-    return _closed({name: _nullable(_field_schema(hints[name], name)) for name in AGENT_FIELDS[agent]})
+    enums = _ENUMS | {"drafter.kind": drafter_kinds(deployment)}
+    return _closed({name: _nullable(_field_schema(hints[name], name, enums)) for name in AGENT_FIELDS[agent]})
 
 
-def candidates_schema(agent: str, max_candidates: int = 3) -> dict:
-    item = {"reason": {"type": "string"}, "recipe_patch": patch_schema(agent)}
+def candidates_schema(agent: str, max_candidates: int = 3, deployment: dict | None = None) -> dict:
+    item = {"reason": {"type": "string"}, "recipe_patch": patch_schema(agent, deployment)}
     if agent == "kernel_writer":
         item["kernel"] = _nullable(_closed({"slot": {"type": "string", "enum": list(SLOTS)},
                                             "source": {"type": "string"}}))
@@ -154,6 +167,14 @@ def validate_candidates(answer, ctx: AgentContext, origin: str) -> list[Candidat
         if item.get("agent", ctx.agent) != ctx.agent:
             raise CandidateError(f"candidate {n}: field 'agent' must be {ctx.agent!r} (you are the {ctx.agent} agent)")
         item["recipe_patch"] = drop_nulls(item.get("recipe_patch") or {})
+        kind = (item["recipe_patch"].get("drafter") or {}).get("kind")
+        if kind is not None and kind not in drafter_kinds(ctx.deployment):
+            raise CandidateError(f"candidate {n}: drafter.kind {kind!r} is not one of "
+                                 f"{', '.join(drafter_kinds(ctx.deployment))} for this deployment")
+        try:
+            item["recipe_patch"] = fill_replay(item["recipe_patch"], ctx)
+        except CandidateError as e:
+            raise CandidateError(f"candidate {n}: {e}") from e
         if item.get("kernel") is None:
             item.pop("kernel", None)
         try:
@@ -176,6 +197,22 @@ def validate_candidates(answer, ctx: AgentContext, origin: str) -> list[Candidat
         raise CandidateError(f"every candidate was already evaluated (ids {', '.join(tried)}): propose other "
                              "changes, or none")
     return out[: ctx.max_candidates]
+
+
+def fill_replay(patch: dict, ctx: AgentContext) -> dict:
+    """A replay drafter proposed for a synthetic target drafts at the user's acceptance (the deployment's
+    replay_acceptance), its first k positions, and a random head's cost: the agent picks k, never the profile."""
+    drafter = patch.get("drafter") or {}
+    kind = drafter.get("kind", (ctx.recipe.get("drafter") or {}).get("kind"))
+    if kind != "replay":
+        return patch
+    profile = list((ctx.deployment or {}).get("replay_acceptance") or ())
+    k = patch.get("k", ctx.recipe.get("k", 0))
+    if not 1 <= k <= len(profile):
+        raise CandidateError(f"a replayed chain verifies k = 1..{len(profile)} drafts (the given acceptance's "
+                             f"positions), got k = {k}")
+    return {**patch, "drafter": {**drafter, "kind": "replay", "model": drafter.get("model") or RANDOM_HEAD,
+                                 "acceptance": profile[:k]}}
 
 
 def validate_route(answer) -> RouteDecision:
@@ -282,7 +319,7 @@ class OpenAIProvider(Provider):
         return decision if decision is not None else self.fallback.route(gaps, memory_hits, deployment)
 
     def propose(self, ctx: AgentContext) -> list[Candidate]:
-        schema = candidates_schema(ctx.agent, ctx.max_candidates)
+        schema = candidates_schema(ctx.agent, ctx.max_candidates, ctx.deployment)
         prompt = render(ctx.agent, deployment=ctx.deployment, recipe=ctx.recipe, profile=profile_summary(ctx.profile),
                         gaps=ctx.gaps, memory_hits=_memory_view(ctx.memory_hits), tried=ctx.tried, tools=tool_list(),
                         max_candidates=ctx.max_candidates, fields=list(AGENT_FIELDS[ctx.agent]), schema=schema)
