@@ -15,11 +15,15 @@ COLUMNS = (("system", "system", "{}"), ("B", "batch_size", "{}"), ("requests", "
            ("τ", "mean_accepted", "{:.2f}"), ("p50 tok ms", "p50_token_ms", "{:.2f}"),
            ("p99 tok ms", "p99_token_ms", "{:.2f}"), ("TTFT ms", "ttft_ms", "{:.1f}"),
            ("p50 req ms", "p50_request_ms", "{:.0f}"), ("p99 req ms", "p99_request_ms", "{:.0f}"),
-           ("=AR", "identical_to_ar", "{:.0%}"), ("peak MiB", "peak_memory_bytes", "{:,.0f}"))
+           ("=AR", "identical_to_ar", "{:.0%}"), ("peak MiB", "peak_memory_bytes", "{:,.0f}"),
+           ("live rows", "live_rows_per_step", "{:.1f}"), ("steady tok/s", "time_budget.steady_tokens_per_s",
+                                                             "{:,.0f}"))
 
 
 def _cell(run: dict, key: str, fmt: str) -> str:
-    value = run.get(key)
+    value = run
+    for part in key.split("."):  # (a dotted key reads inside an object: time_budget.steady_tokens_per_s)
+        value = value.get(part) if isinstance(value, dict) else None
     if value is None:
         return "-"
     return fmt.format(value / 2**20 if key == "peak_memory_bytes" else value)
