@@ -4,6 +4,7 @@
     python3 benchmarks/run.py stage                         staging only (the first of the two device calls)
     python3 benchmarks/run.py NAME [--out DIR] [--smoke] [--target GGUF] [NAME's own flags]
     python3 benchmarks/run.py NAME --help                   NAME's docstring and flags
+    python3 benchmarks/run.py chain [--budget-s S] NAME [flags] -- NAME [flags] ...   several in one device call
 
 A run stages once (harness.stage: the model, the carried wheels, the checkout as `specpilot`), records the
 environment, runs benchmarks/experiments/NAME.py and writes exactly NAME.json and NAME.md into the out dir ($OUT
@@ -15,8 +16,11 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import shlex
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -122,6 +126,62 @@ def run_experiment(name: str, argv: list[str]) -> int:
     return status
 
 
+def chain(argv: list[str], budget_s: float | None = None) -> int:
+    """Run experiments one after another in this call, each `NAME [flags]` (separated by `--`) into OUT/NAME (its
+    NAME.json, NAME.md and its whole output in OUT/NAME.log), within `budget_s` seconds in all (default: 560, a
+    device call's 600 less a margin): one whose listed device minutes no longer fit is skipped, and one that runs
+    past what is left is killed, so the call ends with every finished result in OUT and a line for each.
+    OUT/chain.json lists what ran, its exit status and seconds. Exit status: the first non-zero one, else 0."""
+    known, out = experiments(), Path(os.environ.get("OUT") or harness.ROOT / "runs" / "benchmarks")
+    budget = 560.0 if budget_s is None else budget_s
+    groups, group = [], []
+    for arg in argv + ["--"]:
+        if arg == "--":
+            if group:
+                groups.append(group)
+            group = []
+        else:
+            group.append(arg)
+    if not groups:
+        print("chain: no experiment given", file=sys.stderr)
+        return 2
+    for name, *_ in groups:
+        if name not in known:
+            print(f"chain: unknown experiment {name!r}; `python3 benchmarks/run.py list` names them", file=sys.stderr)
+            return 2
+    start, record, status, taken = time.perf_counter(), [], 0, set()
+    out.mkdir(parents=True, exist_ok=True)
+    for name, *flags in groups:
+        label, n = name, 2
+        while label in taken:
+            label, n = f"{name}-{n}", n + 1
+        taken.add(label)
+        left = budget - (time.perf_counter() - start)
+        need = 60 * (known[name]["minutes"] or 1) if "--smoke" not in flags else 0
+        if left < max(need, 1):
+            print(f"chain: {label} skipped: ~{need:.0f} s listed, {left:.0f} s left", flush=True)
+            record.append({"experiment": label, "command": [name, *flags], "status": "skipped", "seconds": 0.0})
+            continue
+        command = [sys.executable, str(HERE / "run.py"), name, "--out", str(out / label), *flags]
+        print(f"chain: {label} ({left:.0f} s left): {shlex.join(command[1:])}", flush=True)
+        t0 = time.perf_counter()
+        with open(out / f"{label}.log", "w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "killed: past the chain's budget"
+        seconds = round(time.perf_counter() - t0, 1)
+        print(f"chain: {label}: {'exit ' + str(rc) if isinstance(rc, int) else rc} after {seconds} s", flush=True)
+        record.append({"experiment": label, "command": [name, *flags], "status": rc, "seconds": seconds})
+        if rc != 0 and status == 0:
+            status = rc if isinstance(rc, int) else 1
+    (out / "chain.json").write_text(json.dumps({"budget_s": budget, "runs": record}, indent=1) + "\n")
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -136,6 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         for note in staged.notes:
             print(f"stage: {note}")
         return 0
+    if argv[0] == "chain":  # (its own flag read by hand: argparse would take the `--` that separates experiments)
+        rest, budget = argv[1:], None
+        if rest[:1] == ["--budget-s"] and len(rest) > 1 or rest[:1] and rest[0].startswith("--budget-s="):
+            value, rest = (rest[1], rest[2:]) if rest[0] == "--budget-s" else (rest[0].split("=", 1)[1], rest[1:])
+            try:
+                budget = float(value)
+            except ValueError:
+                print(f"chain: --budget-s must be a number of seconds, got {value!r}", file=sys.stderr)
+                return 2
+        return chain(rest, budget)
     return run_experiment(argv[0], argv[1:])
 
 

@@ -142,3 +142,21 @@ def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path)
     done = json.loads((tmp_path / "b" / "train_head.json").read_text())
     assert len(done["results"]["head_sha256"]) == 64 and (run_dir / "model.safetensors").is_file()
     assert "--resume" in " ".join(done["steps"][0]["command"])
+
+
+def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, monkeypatch, capsys):
+    """`run.py chain`: experiments one after another into OUT/NAME, each with its log; one whose listed device minutes
+    no longer fit is skipped, one that runs past what is left is killed; OUT/chain.json says what became of each, and
+    a name it does not know is refused before anything runs."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert runner.main(["chain", "--budget-s", "3", "ngram_trees", "--smoke", "--", "fused_tokens"]) == 1
+    runs = json.loads((tmp_path / "chain.json").read_text())["runs"]
+    assert runs[0]["experiment"] == "ngram_trees" and runs[0]["status"].startswith("killed")
+    assert runs[0]["seconds"] < 30 and (tmp_path / "ngram_trees.log").is_file()
+    assert runs[1] == {"experiment": "fused_tokens", "command": ["fused_tokens"], "status": "skipped", "seconds": 0.0}
+    out = capsys.readouterr().out
+    assert "chain: fused_tokens skipped: ~120 s listed" in out
+    assert runner.main(["chain", "no_such", "--", "ngram_trees"]) == 2
+    assert "unknown experiment 'no_such'" in capsys.readouterr().err
