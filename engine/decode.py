@@ -909,7 +909,7 @@ class Decoder:
             # for the new rows, looked twice its cost at B = 64: the H200's chat cells, thirteenth lease.)
             behind_refill: set[int] = set()
             ready: deque = deque()  # (request, its prefill, its row there): prefilled, waiting for a free row
-            free: list[int] = []  # rows whose requests ended, not yet given waiting ones
+            idle: list[int] = []  # rows whose requests ended, not yet given waiting ones
             refill_rows = max(1, math.ceil(self.refill_at * rows))  # (batch.refill_at)
 
             def start(free: list[int]) -> bool:
@@ -998,12 +998,12 @@ class Decoder:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
                                        [kept[b] for b in stepped])
-                free += finished
+                idle += finished
                 # Requests start once enough rows are free, or all of them fit, or nothing else would run
-                started = bool(waiting or ready) and bool(free) and (
-                    len(free) >= min(refill_rows, len(waiting) + len(ready)) or not any(active)) and start(free)
+                started = bool(waiting or ready) and bool(idle) and (
+                    len(idle) >= min(refill_rows, len(waiting) + len(ready)) or not any(active)) and start(idle)
                 if started or not (waiting or ready):
-                    free = []
+                    idle = []
                 if started and ahead is not None:  # the step in flight: its read's wait held the host's start
                     behind_refill.add(ahead[0])
                 if finished:

@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,10 +152,21 @@ def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, mo
     import json
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert runner.main(["chain", "--budget-s", "3", "ngram_trees", "--smoke", "--", "fused_tokens"]) == 1
+    assert runner.main(["chain", "--budget-s", "6", "ngram_trees", "--smoke", "--", "fused_tokens"]) == 1
     runs = json.loads((tmp_path / "chain.json").read_text())["runs"]
     assert runs[0]["experiment"] == "ngram_trees" and runs[0]["status"].startswith("killed")
     assert runs[0]["seconds"] < 30 and (tmp_path / "ngram_trees.log").is_file()
+    # nothing of it left running: the runner's steps (each in a process group of its own) died with it
+    time.sleep(1)
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "specpilot-ngram_trees-" in cmdline or f"--out {tmp_path}" in cmdline:
+            left.append(cmdline)
+    assert not left, left
     assert runs[1] == {"experiment": "fused_tokens", "command": ["fused_tokens"], "status": "skipped", "seconds": 0.0}
     out = capsys.readouterr().out
     assert "chain: fused_tokens skipped: ~120 s listed" in out
