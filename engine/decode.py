@@ -589,7 +589,10 @@ class Decoder:
     def _time_step(self, st: DecodeState, drafts_k: int, replays: int) -> float:
         """Seconds of one step verifying `drafts_k` drafts on this bucket: its graph replayed `replays` times
         (between CUDA events; eagerly, by the host's clock), every row active. Lengths, budgets and activity are put
-        back afterwards: replays only append junk past them."""
+        back afterwards: replays only append junk past them. The lengths are also put back before each replay: a step
+        appends up to drafts_k + 1 tokens, and 20 replays of k = 16 from a row near the end of its cache wrote past it
+        (H200, seventeenth lease: a device-side assert in the KV write that killed the process). Each replay thus
+        times a step at the same context, plus one copy of B lengths (about 2 us)."""
         graph = self._graph(st, SamplingParams(), drafts_k)
         saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
         drafter_state = self.drafter.snapshot() if self.drafter is not None else None
@@ -602,6 +605,7 @@ class Decoder:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for _ in range(replays):
+                st.lengths.copy_(saved[0])
                 graph.replay()
         if cuda:
             end.record()

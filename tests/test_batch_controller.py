@@ -4,6 +4,7 @@ the drafts each row has, and each kind of step's price; whatever it picks, greed
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specpilot.engine.batch_controller import (BLIND_AR, TIME_WINDOW, DraftLengthController, choose_step,
                                                expected_tokens, step_tokens)
@@ -403,3 +404,19 @@ def test_blind_ar_steps_decode_ar_tokens(tiny, tiny_reference):
     assert set(lengths) <= {BLIND_AR, 0, 4} and lengths.count(BLIND_AR) > len(lengths) // 2, lengths
     assert len(searches) == len(lengths) - lengths.count(BLIND_AR)
     assert eng.decoder.last_stats.ar_steps == lengths.count(BLIND_AR) + lengths.count(0)
+
+
+def test_timing_a_step_never_writes_past_the_cache(tiny_model_dir):
+    """Replaying a step more times than a row has free cache slots (each replay appends at least one token) would
+    write past the cache (on the H200, 20 replays of k = 16 hit a device-side assert in the KV write); each replay
+    starts from the row's real length, and the lengths are as before afterwards."""
+    from specpilot.engine.loader import load
+
+    eng = Engine(load(str(tiny_model_dir("llama")), "fp32", "cpu"),
+                 parse({"drafter": {"kind": "ngram"}, "k": 8, "cuda_graphs": False}))
+    eng.generate(tiny_prompts(), 24, ignore_eos=True)
+    dec = eng.decoder
+    st, lengths = dec._state, dec._state.lengths.clone()
+    room = dec._base_cache.max_len - int(lengths.min())
+    assert dec._time_step(st, 8, room + 8) > 0
+    assert torch.equal(st.lengths, lengths)

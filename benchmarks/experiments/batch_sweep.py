@@ -43,7 +43,7 @@ def arguments(p) -> None:
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
     p.add_argument("--recipes", default=",".join(RECIPES),
-                   help=f"the sweep's recipes besides ar and stock, of: {', '.join(RECIPES)}")
+                   help="the sweep's recipes besides ar and stock: any of the bench's systems (tools/bench)")
     p.add_argument("--margins", default="",
                    help="also the controller recipe at these batch.margin values, e.g. 0.15 (cost-m15)")
 
@@ -114,10 +114,10 @@ def run(out_dir, args):
                 "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests,
                 "--waves", 1 if args.smoke else args.waves, "--batching", args.batching]
         names = [n for n in args.recipes.split(",") if n]
-        unknown = sorted(set(names) - set(RECIPES))
+        unknown = sorted(set(names) - set(SYSTEMS))
         if unknown or FASTEST_AR not in names:
-            raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (of {', '.join(RECIPES)}; "
-                             f"{FASTEST_AR} is the table's reference)")
+            raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (any of the bench's systems: "
+                             f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
         for name in names:
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         cost = SYSTEMS["ngram2-k4-cost-fused-overlap"]
