@@ -555,14 +555,17 @@ class Eagle3Drafter(Drafter):
         R + depth(n), slot R + n, and sees the slots before R and its ancestors' (itself included). The next
         `propose` / `propose_tree` rewrites the accepted path's slots with the target's own states (`update`)."""
         if self._tree_levels is None or self._tree_levels[0] != (shape, history.device):
+            # made once per shape, outside any capture: a host list copied to the device inside a captured step is
+            # refused (H200, seventeenth lease: every static-tree replay recipe failed its warm-up)
             self._tree_levels = ((shape, history.device),
                                  tree_levels(shape, self.head.cfg.draft_vocab_size, history.device),
-                                 shape.ancestors(history.device))
-        _, levels, ancestors = self._tree_levels
+                                 shape.ancestors(history.device),
+                                 torch.tensor(shape.depths, device=history.device))
+        _, levels, ancestors, depths = self._tree_levels
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
         S = kv.shape[3]  # the head's cache may be longer than the target's (a dynamic tree's margin)
         root_entry = lengths - 2
-        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, shape))
+        positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, depths))
         visible = tree_mask(root_entry, ancestors, S)
         out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
         logits = logits[:, None]  # [B, nodes expanded at the level above, Vd]: the root
