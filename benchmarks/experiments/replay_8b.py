@@ -13,7 +13,9 @@ fused layer with overlap:
   0.672, 0.551, 0.452). A target, not a measurement; the report says so.
 and the same two profiles on a static tree of 16 nodes, depth 4 (`replay-tree-*`: three branches at the first level,
 each a chain, plus a second child below each first-level node: the nodes a tree verifies cost what they cost; the
-accepted depth follows the profile).
+accepted depth follows the profile). Each replay recipe runs on each layer `--layers` names (default both: on the
+fused layer under its own name, on the modular one as `...-modular`, with overlap either way): at 8B the fused layer
+lost to the modular one at B = 8 (0.61x; seventeenth lease, D).
 Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
 the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
 against it.
@@ -41,22 +43,27 @@ def arguments(p) -> None:
                    help="prompts a workload (random weights, no EOS: they differ only in length)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1")
+    p.add_argument("--layers", default="fused,modular",
+                   help="the replay recipes on each of these layers (fused: with overlap; modular ones named "
+                        "...-modular): at 8B the fused layer lost to the modular one at B = 8 (seventeenth lease)")
 
 
-def recipes(ctx) -> list:
-    """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights."""
+def recipes(ctx, layers=("fused",)) -> list:
+    """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights. The replay recipes
+    once per layer: on the fused layer with overlap under their own names, on another with the layer's name added."""
     fast = {"layer": "fused", "overlap": True}
     twelve = [] if ctx.smoke else [ctx.recipe("ar-lossless12", {"weights": {"format": "lossless12"},
                                                                  "kernels": {"linear": "builtin:lossless12"}})]
-    return [ctx.recipe(FASTEST_AR, fast), *twelve,
-            ctx.recipe("replay-head-code", {"drafter": {"kind": "replay", "model": "random-eagle3",
-                                                        "acceptance": HEAD_CODE}, "k": 4, **fast}),
-            ctx.recipe("replay-bar", {"drafter": {"kind": "replay", "model": "random-eagle3", "acceptance": BAR},
-                                      "k": 4, **fast}),
-            *(ctx.recipe(f"replay-tree-{name}", {"drafter": {"kind": "replay", "model": "random-eagle3",
-                                                            "acceptance": profile}, "k": 4, "layer": "fused",
-                                                 "verification": "tree", "tree": {"kind": "static", "paths": TREE}})
-              for name, profile in (("head-code", HEAD_CODE), ("bar", BAR)))]
+    out = [ctx.recipe(FASTEST_AR, fast), *twelve]
+    for layer in layers:
+        on, suffix = (fast, "") if layer == "fused" else ({"layer": layer, "overlap": True}, f"-{layer}")
+        for name, profile in (("head-code", HEAD_CODE), ("bar", BAR)):
+            drafter = {"kind": "replay", "model": "random-eagle3", "acceptance": profile}
+            out.append(ctx.recipe(f"replay-{name}{suffix}", {"drafter": drafter, "k": 4, **on}))
+            out.append(ctx.recipe(f"replay-tree-{name}{suffix}", {"drafter": drafter, "k": 4, **on,
+                                                                   "verification": "tree",
+                                                                   "tree": {"kind": "static", "paths": TREE}}))
+    return out
 
 
 def weight_bytes(target: str) -> int | None:
@@ -84,7 +91,11 @@ def run(out_dir, args):
     workloads, limit, tokens = harness.smoke_sized(args, args.workloads, args.limit, args.max_new_tokens)
     argv = ["--workload", ",".join(workloads), "--batch-sizes", args.batch_sizes, "--max-new-tokens", tokens,
             "--limit", limit, "--baselines", "none"]
-    for r in recipes(ctx):
+    layers = tuple(filter(None, args.layers.split(",")))
+    unknown = sorted(set(layers) - {"fused", "modular"})
+    if unknown:
+        raise SystemExit(f"--layers: {', '.join(unknown)} (of fused, modular)")
+    for r in recipes(ctx, layers):
         argv += ["--recipe", r]
     floor = None
     weights = weight_bytes(ctx.target)
