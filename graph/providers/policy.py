@@ -188,7 +188,7 @@ def _shape(data: dict | None) -> ModelShape | None:
 
 def _ceilings(data: dict | None) -> DeviceCeilings | None:
     fields = DeviceCeilings.__dataclass_fields__
-    optional = ("gemm_node_s", "gemm_curve")  # absent from older calibrations
+    optional = ("gemm_node_s", "gemm_curve", "matmul_curve")  # absent from older calibrations
     if not isinstance(data, dict) or any(k not in data for k in fields if k not in optional):
         return None
     return DeviceCeilings(**{k: v for k, v in data.items() if k in fields})

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ...engine.loader import cache_root
 from .costmodel import DeviceCeilings
 
-CALIBRATION_VERSION = 3  # 2: GEMM node on DRAM-resident weights, net of its transfer; 3: the CPU's GEMM curve
+CALIBRATION_VERSION = 4  # 2: GEMM node on DRAM-resident weights, net of its transfer; 3: the CPU's GEMM curve;
+# 4: CUDA's matmul curve
 
 
 def device_name(device: str) -> str:
@@ -194,6 +195,25 @@ def gemm_curve_cpu() -> tuple[tuple[int, float], ...]:
     return tuple(curve)
 
 
+MATMUL_CURVE_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # a verification step's tokens, B x (k + 1), and more
+CUDA_GEMM_SHAPE = (14336, 4096)  # bf16 weights of 112 MiB: Llama-3-8B's gate (and up, and down transposed)
+
+
+def matmul_curve_cuda(device: str = "cuda") -> tuple[tuple[int, float], ...]:
+    """(rows, FLOP/s) of F.linear on bf16 weights of CUDA_GEMM_SHAPE at each of MATMUL_CURVE_ROWS rows, cycling
+    through three weight matrices (336 MiB, past any GPU's L2) so that each call reads its weights from DRAM, as a
+    model's GEMMs do."""
+    out_f, in_f = CUDA_GEMM_SHAPE
+    weights = [torch.empty(out_f, in_f, dtype=torch.bfloat16, device=device).normal_() for _ in range(3)]
+    seconds, curve = _timer(device), []
+    for rows in MATMUL_CURVE_ROWS:
+        x, cycle = torch.randn(rows, in_f, dtype=torch.bfloat16, device=device), itertools.cycle(weights)
+        t = _best(seconds, lambda: F.linear(x, next(cycle)), 3 * len(weights), 3)
+        curve.append((rows, 2.0 * rows * out_f * in_f / t))
+    del weights
+    return tuple(curve)
+
+
 def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
     """The ceilings of `device`, and notes on how they were measured."""
     name = device_name(device)
@@ -202,14 +222,18 @@ def measure(device: str = "cpu") -> tuple[DeviceCeilings, dict]:
     launch = launch_overhead(device)
     if device.startswith("cuda"):
         node, gemm, curve = graph_node(device, False), graph_node(device, True, bw), None
+        matmuls = matmul_curve_cuda(device)
     else:
-        node, gemm, curve = launch, tiny_gemm_cpu(), gemm_curve_cpu()
+        node, gemm, curve, matmuls = launch, tiny_gemm_cpu(), gemm_curve_cpu(), None
     notes = {"device": device, "matmul_dtype": mm_dtype, "torch": torch.__version__,
              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "version": CALIBRATION_VERSION,
              "graphs": device.startswith("cuda"), "threads": torch.get_num_threads()}
     if curve:
         notes["gemm_curve"] = f"fp32 {CPU_GEMM_SHAPE[0]}x{CPU_GEMM_SHAPE[1]} weights from DRAM, rows {GEMM_CURVE_ROWS}"
-    return DeviceCeilings(name, bw, rate, launch, node, gemm, curve), notes
+    if matmuls:
+        notes["matmul_curve"] = (f"bf16 {CUDA_GEMM_SHAPE[0]}x{CUDA_GEMM_SHAPE[1]} weights from DRAM, rows "
+                                 f"{MATMUL_CURVE_ROWS}")
+    return DeviceCeilings(name, bw, rate, launch, node, gemm, curve, matmuls), notes
 
 
 def load_or_measure(device: str = "cpu", force: bool = False) -> DeviceCeilings:
@@ -242,7 +266,13 @@ def describe(c: DeviceCeilings) -> str:
         f"launch            {c.launch_s * 1e6:.2f} us per eager kernel",
         f"graph node        {c.graph_node_s * 1e6:.2f} us per node",
         f"GEMM node         {(c.gemm_node_s or c.graph_node_s) * 1e6:.2f} us per graphed GEMM, beyond its bytes",
-    ] + ([_describe_curve(c.gemm_curve)] if c.gemm_curve else []))
+    ] + ([_describe_curve(c.gemm_curve)] if c.gemm_curve else [])
+      + ([_describe_matmul_curve(c.matmul_curve)] if c.matmul_curve else []))
+
+
+def _describe_matmul_curve(curve) -> str:
+    rates = ", ".join(f"{f / 1e12:.0f}" for _, f in curve)
+    return f"GEMM rate         {rates} TFLOP/s at {', '.join(str(r) for r, _ in curve)} rows (bf16, from DRAM)"
 
 
 def _describe_curve(curve) -> str:

@@ -78,10 +78,18 @@ class DeviceCeilings:
     # and ever slower as rows grow (on the 2-core Xeon: 24 GB/s at 1 row, 13 at 4, 7 at 32, against a 42 GB/s copy).
     # None (CUDA, or a calibration from before it was measured): a GEMM moves its bytes at copy bandwidth.
     gemm_curve: tuple[tuple[int, float], ...] | None = None
+    # CUDA: (rows, FLOP/s) a weight GEMM reaches at each measured number of activation rows, on weights of an 8B
+    # model's MLP shape that come from DRAM. matmul_flops_per_s is a square 8192 GEMM's; a GEMM of a few hundred rows
+    # reaches well below it (tiles of rows half empty, fewer tiles than multiprocessors), and the cost model priced
+    # compute-bound steps 14-26% low without it (H200, seventeenth lease: synthetic Llama-3.1-8B, B = 32-64 with 5-13
+    # tokens a row). None (a CPU, or an older calibration): every GEMM computes at matmul_flops_per_s.
+    matmul_curve: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
-        if self.gemm_curve is not None:  # JSON gives lists; a frozen dataclass compares and hashes tuples
-            object.__setattr__(self, "gemm_curve", tuple((int(r), float(b)) for r, b in self.gemm_curve))
+        for name in ("gemm_curve", "matmul_curve"):  # JSON gives lists; a frozen dataclass compares and hashes tuples
+            curve = getattr(self, name)
+            if curve is not None:
+                object.__setattr__(self, name, tuple((int(r), float(v)) for r, v in curve))
 
     def kernel_floor(self, graphs: bool, gemm: bool = False) -> float:
         node = (self.gemm_node_s or self.graph_node_s) if gemm else self.graph_node_s
@@ -99,6 +107,20 @@ class DeviceCeilings:
         (r0, b0), (r1, b1) = next(((a, b) for a, b in zip(curve, curve[1:]) if rows <= b[0]), curve[-2:])
         per_byte = 1 / b0 + (rows - r0) * (1 / b1 - 1 / b0) / (r1 - r0)
         return 1 / max(per_byte, 1 / self.copy_bytes_per_s)  # never above copy bandwidth
+
+
+    def matmul_rate(self, rows: int) -> float:
+        """The FLOP rate of a weight GEMM over `rows` activation rows: matmul_curve interpolated linearly in seconds
+        per FLOP between measured rows, its end values outside them; matmul_flops_per_s without a curve."""
+        curve = self.matmul_curve
+        if not curve:
+            return self.matmul_flops_per_s
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        if rows >= curve[-1][0]:
+            return curve[-1][1]
+        (r0, f0), (r1, f1) = next((a, b) for a, b in zip(curve, curve[1:]) if rows <= b[0])
+        return 1 / (1 / f0 + (rows - r0) * (1 / f1 - 1 / f0) / (r1 - r0))
 
 
 @dataclass(frozen=True)
@@ -241,7 +263,10 @@ def _kernels(dev: DeviceCeilings, graphs: bool, items: list[tuple]) -> Cost:
         # In a graph a GEMM's latency and its weight transfer add up (see DeviceCeilings.gemm_node_s); elsewhere the
         # floor (a launch, or a tiny node) overlaps the transfer.
         move = floor + stream if graphs and gemm else max(floor, stream)
-        out += Cost(max(move, f / rate), b / bw, f / rate, floor, b, f, 1)
+        # ... and computes at the rate measured for its rows (DeviceCeilings.matmul_curve); the compute floor stays
+        # at the peak rate
+        compute = f / dev.matmul_rate(rows[0]) if rows else f / rate
+        out += Cost(max(move, compute), b / bw, f / rate, floor, b, f, 1)
     return out
 
 
