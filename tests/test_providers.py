@@ -174,6 +174,12 @@ def test_algorithm_proposes_an_ngram_tree_where_the_wider_step_is_nearly_free(pr
     options = algorithm_options(load_recipe("stock"), view, skipped)
     assert not [o for o in options if o.patch.get("verification") == "tree"]
     assert any(s.startswith("n-gram tree of 3 branches") and "over the chain's" in s for s in skipped), skipped
+    # on the fused layer a chain of 5 tokens runs its FMA path and a tree of 13 would not: no tree, and why
+    fused = replace(load_recipe("stock"), layer="fused")
+    view = CostView.from_context(deployment(prof, ceilings=launch_bound), prof)
+    skipped = Skips()
+    assert not [o for o in algorithm_options(fused, view, skipped) if o.patch.get("verification") == "tree"]
+    assert any("leave the fused layer's FMA path" in s for s in skipped), skipped
     adaptive = asdict(load_recipe("stock"))
     adaptive["drafter"]["adaptive"] = True
     for recipe, p in ((adaptive, prof), ("ar", profiles["ar"])):

@@ -467,9 +467,21 @@ def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, mea
         skipped.add("n-gram tree: verifies the whole tree every step (no adaptive length, no batch controller)")
         return []
     shape = chains(TREE_BRANCHES, recipe.k)
+    name = f"n-gram tree of {TREE_BRANCHES} branches of {recipe.k} drafts ({shape.nodes} tokens a row a step)"
+    if recipe.layer == "fused":
+        from ...kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
+
+        chain_tokens, tree_tokens = (recipe.k + 1) * view.dep.batch, shape.nodes * view.dep.batch
+        if chain_tokens <= FMA_MAX_TOKENS < tree_tokens:
+            # The cost model prices the modular layer; on the fused one a step past its FMA path costs what the
+            # modular layer's does: on the H200, 9- and 13-node trees' steps cost twice the chain's and lost 0.46x-
+            # 0.93x our fastest AR at B = 1 (docs/benchmarks/2026-12-02-seventeenth-lease.md, C)
+            skipped.add(f"{name}: {tree_tokens} tokens a step leave the fused layer's FMA path (at most "
+                        f"{FMA_MAX_TOKENS}), where the chain's {chain_tokens} run; there a tree step cost twice the "
+                        f"chain's on the H200")
+            return []
     tree = view.predict(replace(view.dep, tree_nodes=shape.nodes), view.acceptance(recipe.k))
     cost = tree.step_s / cur.step_s - 1.0
-    name = f"n-gram tree of {TREE_BRANCHES} branches of {recipe.k} drafts ({shape.nodes} tokens a row a step)"
     if cost > TREE_MAX_STEP_COST:
         skipped.add(f"{name}: the cost model puts its step {cost:+.0%} over the chain's ({ms(tree.step_s)} against "
                     f"{ms(cur.step_s)}), above {TREE_MAX_STEP_COST:.0%}")
