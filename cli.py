@@ -85,10 +85,11 @@ def cmd_grid(args) -> int:
 
 
 def add_grid_parser(sub) -> None:
-    from .tools.grid.space import MAX_COMBINATIONS
+    from .tools.grid.space import MAX_COMBINATIONS, shipped_grids
 
+    shipped = ", ".join(shipped_grids())
     g = sub.add_parser("grid", help="expand a space of recipes, gate each, bench the passing ones side by side",
-                       description="Expand the recipes of a space file (or a shipped grid: smollm2), put each "
+                       description=f"Expand the recipes of a space file (or a shipped grid: {shipped}), put each "
                                    "through the token-forcing gate, and measure every passing recipe in one bench "
                                    "run with ar, stock and ar-fused-overlap, our fastest AR (the reference). "
                                    "Writes DIR/results.json, DIR/report.md, DIR/best.json, a plot, DIR/recipes/, "
@@ -96,7 +97,7 @@ def add_grid_parser(sub) -> None:
     add_target_argument(g, default="smollm2-135m")
     g.add_argument("--workload", default="code",
                    help="comma-separated: code, chat, math, summarize, rag, FILE.jsonl or FILE.jsonl:category")
-    g.add_argument("--space", required=True, help="space JSON file, or a shipped grid's name (smollm2)")
+    g.add_argument("--space", required=True, help=f"space JSON file, or a shipped grid's name ({shipped})")
     g.add_argument("--out", required=True, help="output directory")
     g.add_argument("--batch-sizes", type=positive_int_list, default=[1], help="comma-separated, e.g. 1,8")
     g.add_argument("--limit", type=positive_int, default=None, help="first K questions of each workload (bench)")

@@ -74,6 +74,11 @@ class Expansion:
 
 # -- reading and validating --------------------------------------------------------------------------------------
 
+def shipped_grids() -> list[str]:
+    """The names of the grids shipped in data/ (`smollm2` is data/smollm2.json)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.json"))
+
+
 def space_path(spec: str) -> Path:
     """A space file path, or the name of a shipped grid (`smollm2` is data/smollm2.json)."""
     path = Path(spec)
@@ -82,7 +87,7 @@ def space_path(spec: str) -> Path:
     shipped = SHIPPED / f"{spec}.json"
     if "/" not in spec and shipped.is_file():
         return shipped
-    names = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.json")))
+    names = ", ".join(shipped_grids())
     raise SpaceError(f"space {spec!r} is neither a file nor a shipped grid ({names})")
 
 
