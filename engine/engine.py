@@ -69,9 +69,6 @@ class Engine:
         ops, compile = resolve_kernels(recipe.kernels), recipe.compile
         if recipe.weights.format == "lossless12":
             ops = ops._replace(linear=bind_weights(ops.linear, lossless12_weights(target.model)))
-            # Uncompiled: torch.compile would specialize the shared layer on each matrix's identity and window
-            # (docs/BENCHMARKS.md, eighth lease, K). CUDA graphs still apply.
-            compile = False
         self._ops, self._compile = ops, compile
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,

@@ -341,3 +341,28 @@ def test_smollm2_lossless12_passes_the_gate(tmp_path):
                 cache_dir=tmp_path / "cache", timeout_s=600)
     assert rep.passed, rep.reason
     assert rep.tokens_checked >= 16
+
+
+def test_one_compiled_layer_serves_every_12bit_matrix(tiny_model_dir):
+    """torch.compile sees the 12-bit linear as one opaque op (`specpilot::linear12`): the layer compiled once runs
+    every layer's matrices and gives the uncompiled layers' logits. (Traced, the lookup by parameter specialized the
+    layer per matrix: on the H200 SmolLM2's layers hit torch's limit of 64 recompilations, eighth lease, K.)"""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    from specpilot.engine import loader
+    from specpilot.engine.model import Block
+    from specpilot.engine.weights import bind_weights, lossless12_weights
+    from specpilot.kernels import resolve as resolve_kernels
+
+    model = loader.load(str(tiny_model_dir("llama", seed=5, num_hidden_layers=4)), "bf16", "cpu").model
+    ops = resolve_kernels({"linear": "builtin:lossless12"})
+    ops = ops._replace(linear=bind_weights(ops.linear, lossless12_weights(model)))
+    tokens, positions = torch.tensor([[5, 9, 2, 7, 1]]), torch.arange(5)[None]
+    eager = model(tokens, positions, model.new_cache(1, 16), ops=ops)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    layer_fn = torch.compile(Block.forward, backend=counter, dynamic=False, fullgraph=True)
+    compiled = model(tokens, positions, model.new_cache(1, 16), ops=ops, layer_fn=layer_fn)
+    assert len(model.layers) == 4 and counter.frame_count == 1
+    assert torch.equal(compiled, eager)
