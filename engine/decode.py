@@ -587,32 +587,38 @@ class Decoder:
         return self._time_step(self._state, self.k, replays)
 
     def _time_step(self, st: DecodeState, drafts_k: int, replays: int) -> float:
-        """Seconds of one step verifying `drafts_k` drafts on this bucket: its graph replayed `replays` times
-        (between CUDA events; eagerly, by the host's clock), every row active. Lengths, budgets and activity are put
-        back afterwards: replays only append junk past them. The lengths are also put back before each replay: a step
-        appends up to drafts_k + 1 tokens, and 20 replays of k = 16 from a row near the end of its cache wrote past it
-        (H200, seventeenth lease: a device-side assert in the KV write that killed the process). Each replay thus
-        times a step at the same context, plus one copy of B lengths (about 2 us)."""
+        """Seconds of one step verifying `drafts_k` drafts on this bucket: its graph replayed `replays` times, every
+        row active, each replay timed alone (between CUDA events; eagerly, by the host's clock) from the state the
+        step would start from: the rows' lengths and the drafter's state are put back before each. (Replayed one
+        after the other, a step appends up to drafts_k + 1 tokens each time, and 20 replays of k = 16 from a row near
+        the end of its cache wrote past it: H200, seventeenth lease, a device-side assert in the KV write that killed
+        the process.) Lengths, budgets, activity and the drafter's state are as before afterwards."""
         graph = self._graph(st, SamplingParams(), drafts_k)
         saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
         drafter_state = self.drafter.snapshot() if self.drafter is not None else None
         st.active.fill_(True)
         cuda = st.out.device.type == "cuda"
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(replays)] if cuda else []
+        seconds = 0.0
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-            start.record()
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            for _ in range(replays):
+            for i in range(replays):
                 st.lengths.copy_(saved[0])
-                graph.replay()
+                if self.drafter is not None:
+                    self.drafter.restore(drafter_state)
+                if cuda:
+                    events[i][0].record()
+                    graph.replay()
+                    events[i][1].record()
+                else:
+                    t0 = time.perf_counter()
+                    graph.replay()
+                    seconds += time.perf_counter() - t0
         if cuda:
-            end.record()
             torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            seconds = time.perf_counter() - t0
+            seconds = sum(a.elapsed_time(b) for a, b in events) / 1e3
         for buf, value in zip((st.lengths, st.budget, st.active), saved):
             buf.copy_(value)
         if self.drafter is not None:
