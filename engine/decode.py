@@ -87,6 +87,12 @@ class BatchStats:
     bucket: int = 0  # the rows (bucket) the batch started in
     row_steps: int = 0  # live rows summed over the steps (over steps: the batch's mean occupancy)
     step_log: list[StepRecord] = field(default_factory=list)  # every step, in the order read
+    # The prefills that started waiting requests (continuous batching): how many, and their time on the device (CUDA:
+    # between events around each, read after the call; eagerly: the host's clock). Set against the time the steps
+    # behind refills took beyond a typical step (the bench's time_budget), it says how much of that is the prefill's
+    # own work and how much the loop waiting around it.
+    refill_prefills: int = 0
+    refill_prefill_s: float = 0.0
 
     def add(self, other: "BatchStats") -> None:
         """Count another batch's steps and times in (prompts decoded in several batches, one after another)."""
@@ -99,6 +105,8 @@ class BatchStats:
         self.shrinks += other.shrinks
         self.row_steps += other.row_steps
         self.step_log += other.step_log
+        self.refill_prefills += other.refill_prefills
+        self.refill_prefill_s += other.refill_prefill_s
 
 
 PREFILL_WIDTH_STEP = 64  # the narrowest prefill width; prompts pad to a few widths: one prefill graph a width
@@ -912,6 +920,20 @@ class Decoder:
             launched = 0
 
             group = min(REFILL_GROUP, rows)  # waiting requests prefilled together, ahead of the rows they take
+            prefill_events: list = []  # CUDA: (start, end) around each refill's prefill, read after the call
+
+            def prefill_timer():
+                """Start timing a refill's prefill; the returned function ends it (stats.refill_prefill_s)."""
+                if device.type == "cuda":
+                    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    events[0].record()
+                    prefill_events.append(events)
+                    return events[1].record
+                t = time.perf_counter()
+
+                def done():
+                    stats.refill_prefill_s += time.perf_counter() - t
+                return done
             # Steps launched right after requests started, and the step in flight while the host started them:
             # their read waits for the prefill and move-in too (or the host's part of them), work that every kind of
             # step would pay alike (the same requests start whatever the steps verify), so their loop times are not
@@ -931,7 +953,10 @@ class Decoder:
                 while at < len(take):
                     if not ready:  # (the scratch cache is overwritten only once every request in it has moved out)
                         requests = [waiting.popleft() for _ in range(min(group, len(waiting)))]
+                        timing = prefill_timer()
                         prefilled = self._prefill_requests([prompts[i] for i in requests], sampling, requests)
+                        timing()
+                        stats.refill_prefills += 1
                         ready.extend((i, prefilled, j) for j, i in enumerate(requests))
                     moving = [ready.popleft() for _ in range(min(len(ready), len(take) - at))]
                     self._move_in(st, take[at: at + len(moving)], moving[0][1], [j for _, _, j in moving])
@@ -1040,6 +1065,7 @@ class Decoder:
                 pending = ahead or launch()
             sync()
             stats.decode_s = time.perf_counter() - t0 - t_first
+            stats.refill_prefill_s += sum(a.elapsed_time(b) for a, b in prefill_events) / 1e3
         self.last_stats = stats
         if self.tokenizer is not None:
             for r in results:

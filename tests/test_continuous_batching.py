@@ -169,7 +169,11 @@ def test_step_log_accounts_for_every_step_and_the_time_between_reads(tiny, name)
     empty = [s.queue_empty for s in log]
     assert empty == sorted(empty) and empty[-1] and not empty[0]  # 7 requests in 3 rows: some waited
     assert 0 < sum(s.behind_refill for s in log) <= stats.refills
-    budget = time_budget(log)
+    # the prefills that started waiting requests: 4 requests waited, prefilled together (REFILL_GROUP) or as rows
+    # freed up, each prefill timed, their time inside the decode's
+    assert 1 <= stats.refill_prefills <= stats.refills and 0 < stats.refill_prefill_s < stats.decode_s
+    budget = time_budget(log, stats.refill_prefills, stats.refill_prefill_s)
+    assert (budget["refill_prefills"], budget["refill_prefill_s"]) == (stats.refill_prefills, stats.refill_prefill_s)
     assert budget["refill_steps"] == sum(s.behind_refill for s in log)
     assert budget["drain_steps"] == sum(empty) and budget["drain_s"] <= budget["steps_s"]
     assert 0 < budget["drain_live_rows"] <= 3

@@ -75,9 +75,11 @@ def table(results: dict, reference: str) -> str:
     if budgets:
         text += ("\n\nWhere the steps' time went (ms; the bench's time_budget): the cell's wall time, its steps' "
                  "reads summed; requests started (steps behind a refill, their time beyond a typical step of their "
-                 "kind); the drain (steps once no request waited, their live rows); tok/s before the drain:\n\n"
-                 "| workload | B | system | wall | steps | refill steps | refill extra | drain steps | drain | "
-                 "drain live rows | steady tok/s |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+                 "kind; the prefills that started them, their device time); the drain (steps once no request "
+                 "waited, their live rows); tok/s before the drain:\n\n"
+                 "| workload | B | system | wall | steps | refill steps | refill extra | prefills | prefill time | "
+                 "drain steps | drain | drain live rows | steady tok/s |\n"
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
                  + "\n".join(budget_row(r) for r in budgets))
     return text
 
@@ -88,6 +90,7 @@ def budget_row(r: dict) -> str:
     steady = "-" if b["steady_tokens_per_s"] is None else f"{b['steady_tokens_per_s']:,.0f}"
     return (f"| {r['workload']} | {r['batch_size']} | {r['system']} | {r['seconds'] * 1e3:.0f} | "
             f"{b['steps_s'] * 1e3:.0f} | {b['refill_steps']} | {b['refill_extra_s'] * 1e3:.0f} | "
+            f"{b.get('refill_prefills', '-')} | {b.get('refill_prefill_s', 0.0) * 1e3:.0f} | "
             f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} | {steady} |")
 
 

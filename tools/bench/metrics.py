@@ -44,7 +44,7 @@ def accepted_histogram(accepted: list[list[int]], k: int) -> list[int]:
     return counts
 
 
-def time_budget(steps) -> dict | None:
+def time_budget(steps, refill_prefills: int = 0, refill_prefill_s: float = 0.0) -> dict | None:
     """Where a continuously batched decode's step time went, from its steps as the loop read them
     (engine.decode.StepRecord), or None for a system without them (HF):
     - steps_s: the reads' intervals summed (the decode's wall time but for the first prefill and the last sync);
@@ -53,6 +53,8 @@ def time_budget(steps) -> dict | None:
       of their kind and bucket not behind such work (signed: noise cancels). It grows with how often rows start, not
       with how many: a batch whose rows end together starts them in a few large groups, one that drains unevenly
       (speculation: rows accept different numbers of drafts) in many small ones;
+    - refill_prefills, refill_prefill_s: the prefills that started those requests and their own device time (given by
+      the caller, engine.decode.BatchStats): what of refill_extra_s is the prefills' work, the rest the loop waiting;
     - drain_steps, drain_s, drain_live_rows: steps read once no request was waiting (the batch running out), their
       time and their live rows on average: the part of a finite run where the batch cannot be kept full;
     - steady_tokens_per_s: tokens a second before the drain (what a server at this concurrency sustains while
@@ -74,6 +76,8 @@ def time_budget(steps) -> dict | None:
         "refill_steps": len(refill),
         # (a refilled step of a kind and bucket that never ran without a refill has no typical time: not counted)
         "refill_extra_s": sum(s.seconds - typical[s.kind, s.rows] for s in refill if (s.kind, s.rows) in typical),
+        "refill_prefills": refill_prefills,
+        "refill_prefill_s": refill_prefill_s,
         "drain_steps": len(drain),
         "drain_s": sum(s.seconds for s in drain),
         "drain_live_rows": sum(s.live for s in drain) / len(drain) if drain else None,
@@ -130,7 +134,8 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         "live_rows_per_step": (sum(r.row_steps for r in runs) / sum(r.steps for r in runs)
                                if sum(r.steps for r in runs) else None),
         # our engine: where its step time went (time_budget; null for HF)
-        "time_budget": time_budget([s for r in runs for s in r.step_log]),
+        "time_budget": time_budget([s for r in runs for s in r.step_log], sum(r.refill_prefills for r in runs),
+                                   sum(r.refill_prefill_s for r in runs)),
     }
 
 

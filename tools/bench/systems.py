@@ -42,6 +42,8 @@ class BatchRun:
     steps: int = 0  # our engine: decoding steps, and live rows summed over them (the batch's occupancy)
     row_steps: int = 0
     step_log: list = field(default_factory=list)  # our engine: every step as its loop read it (engine.decode.StepRecord)
+    refill_prefills: int = 0  # our engine: prefills that started waiting requests, and their device seconds
+    refill_prefill_s: float = 0.0
 
 
 class BenchSkip(Exception):
@@ -78,6 +80,8 @@ class System(ABC):
             run.steps += part.steps
             run.row_steps += part.row_steps
             run.step_log += part.step_log
+            run.refill_prefills += part.refill_prefills
+            run.refill_prefill_s += part.refill_prefill_s
         return run
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
@@ -149,6 +153,7 @@ class EngineSystem(System):
         run.shrinks = decoder.last_stats.shrinks
         run.steps, run.row_steps = decoder.last_stats.steps, decoder.last_stats.row_steps
         run.step_log = list(decoder.last_stats.step_log)
+        run.refill_prefills, run.refill_prefill_s = decoder.last_stats.refill_prefills, decoder.last_stats.refill_prefill_s
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
