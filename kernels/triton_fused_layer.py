@@ -483,12 +483,40 @@ def _qk_norm_weights(block) -> torch.Tensor:
     return stacked
 
 
+def _weight_bytes(block) -> int:
+    """Bytes of the layer's four weight matrices, counted once per layer."""
+    n = getattr(block, "_fused_weight_bytes", None)
+    if n is None:
+        n = sum(w.numel() * w.element_size() for w in (block.wqkv, block.wo, block.w13, block.w2)
+                if isinstance(w, torch.Tensor))
+        block._fused_weight_bytes = n
+    return n
+
+
+_L2_BYTES: dict = {}
+
+
+def _l2_bytes(device: torch.device) -> int:
+    if device not in _L2_BYTES:
+        _L2_BYTES[device] = torch.cuda.get_device_properties(device).L2_cache_size
+    return _L2_BYTES[device]
+
+
 def supports(block, n_tokens: int, device: torch.device) -> str | None:
-    """Why this layer cannot run a step of `n_tokens` tokens, or None when it can."""
+    """Why this layer cannot run a step of `n_tokens` tokens, or None when it can.
+
+    Steps of several tokens run here only while a layer's weights fit in the GPU's L2: the FMA path's token programs
+    share a weight tile through L2, and past it each token reads its own from DRAM. On the H200 with Llama-3.1-8B's
+    shapes (436 MB a layer against 50 MB of L2; docs/benchmarks/2026-12-02-eighteenth-lease.md, E) a step of 2 / 4 / 8
+    tokens ran at 0.62x / 0.34x / 0.18x the modular layer's speed (FMA path) and the tensor-core path 0.57x-0.59x,
+    while one token was level (134.5 against 135.1 µs); SmolLM2's 7 MB layers gain at every size up to 16."""
     if n_tokens > MAX_TOKENS:
         return f"{n_tokens} tokens in a step (at most {MAX_TOKENS})"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "no GPU (and Triton's interpreter is off)"
+    if n_tokens > 1 and device.type == "cuda" and _weight_bytes(block) > _l2_bytes(device):
+        return (f"{n_tokens} tokens in a step of a layer with {_weight_bytes(block) / 2**20:.0f} MiB of weights, more "
+                f"than the GPU's {_l2_bytes(device) / 2**20:.0f} MiB of L2")
     if block.cfg.head_dim & (block.cfg.head_dim - 1):
         return f"head_dim {block.cfg.head_dim} is not a power of two"
     tensor_cores = n_tokens > FMA_MAX_TOKENS and device.type == "cuda"

@@ -183,10 +183,20 @@ def test_tiny_grid_gates_measures_and_ranks(tiny_target, tiny_model_dir, tmp_pat
     assert (out / "bench" / "results.json").is_file()
 
 
-def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats():
+def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
     """The shipped yardstick for synthetic:llama-3.1-8b: replayed chains of k = 2-4 (their acceptance the profile's
-    first k positions) on both layers, and the chains and AR in 12-bit weights; every combination a recipe."""
+    first k positions) on both layers, and the chains and AR in 12-bit weights; every combination a recipe, named as
+    the bench names its system (a replay recipe's name says `replay`; the H200's first grid ranked its replay
+    recipes as the bench's own and named 12-bit AR the best)."""
+    from specpilot.tools.bench.run import recipes_to_measure
+
     e = expand(load_space("llama-3.1-8b-replay"), 64)
+    files = []
+    for r in e.recipes:
+        files.append(tmp_path / f"{r.name}.json")
+        files[-1].write_text(json.dumps(r.recipe))
+    assert [name for name, _ in recipes_to_measure([str(f) for f in files])][2:] == [r.name for r in e.recipes]
+    assert sum("replay" in r.name for r in e.recipes) == 9
     assert len(e.recipes) == 10 and not (e.refused or e.excluded or e.duplicates)
     assert "**10 recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()
     recipes = [parse(r.recipe) for r in e.recipes]

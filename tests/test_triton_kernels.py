@@ -359,6 +359,19 @@ def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     assert "17 tokens" in triton_fused_layer.supports(block, 17, cpu)
 
 
+def test_fused_layer_leaves_multi_token_steps_of_layers_past_the_l2(tiny_model_dir, monkeypatch):
+    """A layer whose weights outgrow the GPU's L2 runs only one-token steps fused (its token programs would each read
+    the weights from DRAM); one that fits runs them all. The device's L2 size is set, as a GPU would report it."""
+    block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
+    gpu = torch.device("cuda")
+    weights = sum(w.numel() * w.element_size() for w in (block.wqkv, block.wo, block.w13, block.w2))
+    monkeypatch.setitem(triton_fused_layer._L2_BYTES, gpu, weights - 1)
+    assert triton_fused_layer.supports(block, 1, gpu) is None
+    assert "L2" in triton_fused_layer.supports(block, 2, gpu)
+    monkeypatch.setitem(triton_fused_layer._L2_BYTES, gpu, weights)
+    assert triton_fused_layer.supports(block, 2, gpu) is None
+
+
 def test_sampled_decoding_on_the_fused_layer_follows_its_seed(tiny_model_dir):
     """Sampled steps on the fused layer (on the CPU without a graph), as train-drafter's answers run on CUDA: every step
     takes the fused layer, the tokens are the seed's (twice the same), and another seed draws others."""
