@@ -198,6 +198,9 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     assert b["drain_steps"] == 2 and b["drain_s"] == pytest.approx(1.2) and b["drain_live_rows"] == 1.5
     assert b["steps_s"] == pytest.approx(sum(s.seconds for s in log))
     assert b["steady_tokens_per_s"] == pytest.approx(8 * 8 / (1.0 + 1.2 + 1.1 + 2.0 + 2.2 + 1.6 + 2.5 + 9.0))
+    assert b["steady_live_rows"] == 4
+    assert b["steady_by_kind"] == {"0": {"steps": 3, "ms": pytest.approx(1100.0), "live": 4, "tokens": 8},
+                                   "3": {"steps": 2, "ms": pytest.approx(2100.0), "live": 4, "tokens": 8}}
     assert time_budget([]) is None
 
 

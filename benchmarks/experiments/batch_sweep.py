@@ -76,11 +76,18 @@ def table(results: dict, reference: str) -> str:
         text += ("\n\nWhere the steps' time went (ms; the bench's time_budget): the cell's wall time, its steps' "
                  "reads summed; requests started (steps behind a refill, their time beyond a typical step of their "
                  "kind; the prefills that started them, their device time); the drain (steps once no request "
-                 "waited, their live rows); tok/s before the drain:\n\n"
-                 "| workload | B | system | wall | steps | refill steps | refill extra | prefills | prefill time | "
-                 "drain steps | drain | drain live rows | steady tok/s |\n"
-                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+                 "waited, their live rows); tok/s and live rows before the drain:\n\n"
+                 "| workload | B | system | wall | steps' time | refill steps | refill extra | prefills | "
+                 "prefill time | drain steps | drain | drain live rows | steady tok/s | steady live rows |\n"
+                 "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
                  + "\n".join(budget_row(r) for r in budgets))
+        kinds = [f"- {r['workload']} B={r['batch_size']} {r['system']}: " + ", ".join(
+                     f"k'={k} {v['steps']} steps, {v['ms']:.3f} ms, {v['live']:.1f} live, {v['tokens']:.1f} tokens"
+                     for k, v in r["time_budget"]["steady_by_kind"].items())
+                 for r in budgets if r["time_budget"].get("steady_by_kind")]
+        if kinds:
+            text += ("\n\nBefore the drain, the steps not behind a refill by kind (count, mean loop time, live rows, "
+                     "tokens):\n\n" + "\n".join(kinds))
     return text
 
 
@@ -88,10 +95,11 @@ def budget_row(r: dict) -> str:
     b = r["time_budget"]
     live = "-" if b["drain_live_rows"] is None else f"{b['drain_live_rows']:.1f}"
     steady = "-" if b["steady_tokens_per_s"] is None else f"{b['steady_tokens_per_s']:,.0f}"
+    steady_live = "-" if b.get("steady_live_rows") is None else f"{b['steady_live_rows']:.1f}"
     return (f"| {r['workload']} | {r['batch_size']} | {r['system']} | {r['seconds'] * 1e3:.0f} | "
             f"{b['steps_s'] * 1e3:.0f} | {b['refill_steps']} | {b['refill_extra_s'] * 1e3:.0f} | "
             f"{b.get('refill_prefills', '-')} | {b.get('refill_prefill_s', 0.0) * 1e3:.0f} | "
-            f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} | {steady} |")
+            f"{b['drain_steps']} | {b['drain_s'] * 1e3:.0f} | {live} | {steady} | {steady_live} |")
 
 
 def run(out_dir, args):

@@ -59,7 +59,11 @@ def time_budget(steps, refill_prefills: int = 0, refill_prefill_s: float = 0.0) 
       time and their live rows on average: the part of a finite run where the batch cannot be kept full;
     - steady_tokens_per_s: tokens a second before the drain (what a server at this concurrency sustains while
       requests keep arriving; None without such steps). A speculative batch drains longer than AR's whose rows of
-      equal length end together: a finite run of few waves pays it in full, a stream never."""
+      equal length end together: a finite run of few waves pays it in full, a stream never;
+    - steady_live_rows: live rows a step before the drain (None without such steps);
+    - steady_by_kind: before the drain, each kind of step not behind a refill (its k' as a string): how many, their
+      mean time (ms), live rows and tokens: what a kind yields for what it costs in the loop, which tells whether a
+      cell's steady loss is in its steps' choice or in its rows standing idle."""
     if not steps:
         return None
     plain: dict[tuple[int, int], list[float]] = {}
@@ -82,7 +86,19 @@ def time_budget(steps, refill_prefills: int = 0, refill_prefill_s: float = 0.0) 
         "drain_s": sum(s.seconds for s in drain),
         "drain_live_rows": sum(s.live for s in drain) / len(drain) if drain else None,
         "steady_tokens_per_s": sum(s.tokens for s in steady) / steady_s if steady_s > 0 else None,
+        "steady_live_rows": sum(s.live for s in steady) / len(steady) if steady else None,
+        "steady_by_kind": by_kind([s for s in steady if not s.behind_refill]),
     }
+
+
+def by_kind(steps) -> dict:
+    """Steps grouped by kind (k' as a string): count, mean ms, mean live rows, mean tokens."""
+    groups: dict[int, list] = {}
+    for s in steps:
+        groups.setdefault(s.kind, []).append(s)
+    return {str(kind): {"steps": len(g), "ms": sum(s.seconds for s in g) / len(g) * 1e3,
+                        "live": sum(s.live for s in g) / len(g), "tokens": sum(s.tokens for s in g) / len(g)}
+            for kind, g in sorted(groups.items())}
 
 
 def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun], k: int, memory_kind: str,
