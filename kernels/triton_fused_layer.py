@@ -46,6 +46,7 @@ tests it.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -55,8 +56,11 @@ import triton.language as tl
 from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
 from .timing import require_gpu_compiled
 
-# Values of a program's weight tile (per row set) on the one-token path: 32 a thread with 4 warps.
-TILE_VALUES = 4096
+# Values of a program's weight tile (per row set) on the one-token path: 32 a thread with 4 warps. Set on SmolLM2
+# (K = 576: 7 rows a program); at Llama-3.1-8B's K = 4096 it holds one row, and the one-token layer there ran level
+# with cuBLAS at 81% of the copy bandwidth (docs/benchmarks/2026-12-02-eighteenth-lease.md, E):
+# SPECPILOT_FMA_TILE_VALUES and `benchmark(tile_values=...)` (fused_tokens --tile-values) time larger tiles.
+TILE_VALUES = int(os.environ.get("SPECPILOT_FMA_TILE_VALUES", "4096"))
 # Attention: cache slots per split, slots per loop iteration and warps per program, for one-token steps and for more
 # tokens (benchmark(attention=...) sweeps them); at most MAX_SPLITS splits (longer splits then). On the H200 with
 # SmolLM2 (docs/BENCHMARKS.md, fourth lease) 32-slot splits were fastest for one token at position 300 (17.7 µs a
@@ -765,12 +769,13 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), batch: int = 1) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
-    None: as set) and each FMA_MAX_TOKENS in `fma_max_tokens` (None: as set). GPU only."""
+    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens` and each TILE_VALUES in `tile_values` (None: as set).
+    GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -794,20 +799,20 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS
-        current, fma_saved = attention_setting(batch * T), FMA_MAX_TOKENS
+        global FMA_MAX_TOKENS, TILE_VALUES
+        current, fma_saved, tile_saved = attention_setting(batch * T), FMA_MAX_TOKENS, TILE_VALUES
         saved = dict(current)
-        for fma in fma_max_tokens:
-            for setting in attention:
-                current.update(setting or {})
-                FMA_MAX_TOKENS = fma or fma_saved
-                try:
-                    run(fused_layer)()
-                    fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
-                finally:
-                    current.clear()
-                    current.update(saved)
-                    FMA_MAX_TOKENS = fma_saved
-                out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
-                                fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
+        for fma, tile, setting in itertools.product(fma_max_tokens, tile_values, attention):
+            current.update(setting or {})
+            FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
+            try:
+                run(fused_layer)()
+                fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+            finally:
+                current.clear()
+                current.update(saved)
+                FMA_MAX_TOKENS, TILE_VALUES = fma_saved, tile_saved
+            out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
+                            tile_values=tile or tile_saved, fused_us=fused_us, modular_us=modular_us,
+                            speedup=modular_us / fused_us))
     return out

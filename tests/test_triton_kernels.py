@@ -431,3 +431,12 @@ def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkey
     rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1, 3), n_slots=64, filled=20, batch=2)
     assert [(r["batch"], r["tokens"]) for r in rows] == [(2, 1), (2, 3)]
     assert len(calls) == 2 + 2  # the modular layer and the fused layer once a T
+
+    # each tile size its own fused timing, at that tile (gemv_blocks reads it), and the default put back
+    seen = []
+    monkeypatch.setattr(triton_fused_layer, "fused_layer", lambda *a, **k: (
+        seen.append(triton_fused_layer.gemv_blocks(8, 64, 1, min_programs=1)["BLOCK_N"]), a[1:3])[1])
+    rows = triton_fused_layer.benchmark(model, Block.forward, tokens=(1,), n_slots=64, filled=20,
+                                        tile_values=(None, 256))
+    assert [r["tile_values"] for r in rows] == [triton_fused_layer.TILE_VALUES, 256]
+    assert seen[-1] == 4 and triton_fused_layer.TILE_VALUES == 4096  # 256 values of K = 64: 4 rows a program

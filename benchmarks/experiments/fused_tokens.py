@@ -22,6 +22,10 @@ them (`. /tmp/fused_tokens.env`) before they become the defaults.
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the step prices by width behind the batch controller's
 choices) once run; not run yet.
 
+With `--tile-values 4096,8192,...`: each row also at those FMA-path tiles (TILE_VALUES: weight values a program);
+at Llama-3.1-8B's shapes the default tile holds one row of K = 4096 (eighteenth lease, E: level with cuBLAS at 81%
+of the copy bandwidth).
+
 Device minutes: about 2.
 """
 from __future__ import annotations
@@ -37,6 +41,9 @@ def arguments(p) -> None:
     p.add_argument("--batch", type=int, default=1,
                    help="rows of T tokens each (a step verifying T - 1 drafts a row at this batch size); the "
                         "thresholds are derived at 1 only")
+    p.add_argument("--tile-values", default=None,
+                   help="also time the fused layer with these TILE_VALUES (the FMA path's weight values a program, "
+                        "e.g. 4096,8192,16384,32768); the thresholds use the default tile's rows")
 
 
 def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
@@ -73,12 +80,14 @@ def run(out_dir, args):
         tokens = tokens[:2]
     target = loader.load(args.ctx.target, "bf16", "cuda")
     modular = compiled(Block.forward)
+    tiles = tuple(int(t) for t in args.tile_values.split(",")) if args.tile_values else (None,)
     rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        batch=args.batch)
+                                        batch=args.batch, tile_values=tiles)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
-    chosen = thresholds(rows) if args.batch == 1 else {}
+    default_tile = [r for r in rows if r["tile_values"] == triton_fused_layer.TILE_VALUES]
+    chosen = thresholds(default_tile) if args.batch == 1 and default_tile else {}
     if chosen:
         (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
