@@ -183,7 +183,7 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     """refill_extra_s: a refilled step's time beyond the median of the unrefilled steps of its own kind and bucket
     (never another kind's or bucket's); a kind and bucket seen only behind refills adds nothing."""
     from specpilot.engine.decode import StepRecord
-    from specpilot.tools.bench.metrics import time_budget
+    from specpilot.tools.bench.metrics import step_columns, time_budget
 
     def step(seconds, kind=0, rows=4, live=4, refill=False, empty=False):
         return StepRecord(seconds, kind, rows, live, 2 * live, refill, empty)
@@ -202,6 +202,10 @@ def test_time_budget_prices_refills_against_the_typical_step_of_their_kind_and_b
     assert b["steady_by_kind"] == {"0": {"steps": 3, "ms": pytest.approx(1100.0), "live": 4, "tokens": 8},
                                    "3": {"steps": 2, "ms": pytest.approx(2100.0), "live": 4, "tokens": 8}}
     assert time_budget([]) is None
+    cols = step_columns(log)
+    assert cols["ms"][:2] == [1000.0, 1200.0] and cols["kind"][3] == 3 and cols["rows"][-1] == 2
+    assert cols["refill"] == [0, 0, 0, 0, 0, 1, 1, 1, 0, 1] and cols["drain"] == [0] * 8 + [1, 1]
+    assert sum(cols["tokens"]) == sum(s.tokens for s in log) and step_columns([]) is None
 
 
 def test_refill_at_starts_requests_in_fewer_larger_groups_with_the_same_tokens(tiny, alone):

@@ -152,7 +152,21 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         # our engine: where its step time went (time_budget; null for HF)
         "time_budget": time_budget([s for r in runs for s in r.step_log], sum(r.refill_prefills for r in runs),
                                    sum(r.refill_prefill_s for r in runs)),
+        # our engine: every step as the loop read it, in columns (null for HF): what time_budget sums, kept for
+        # questions it does not answer (which steps of a cell were slow, and what ran before them)
+        "step_log": step_columns([s for r in runs for s in r.step_log]),
     }
+
+
+def step_columns(steps) -> dict | None:
+    """The steps (engine.decode.StepRecord, in the order read) as columns: ms (3 decimals), kind, rows (bucket),
+    live, tokens, refill (1: behind host work: requests started or a move), drain (1: no request waited); None for
+    none."""
+    if not steps:
+        return None
+    return {"ms": [round(s.seconds * 1e3, 3) for s in steps], "kind": [s.kind for s in steps],
+            "rows": [s.rows for s in steps], "live": [s.live for s in steps], "tokens": [s.tokens for s in steps],
+            "refill": [int(s.behind_refill) for s in steps], "drain": [int(s.queue_empty) for s in steps]}
 
 
 def compare_to_ar(run: dict, runs: list[BatchRun], ar_run: dict | None, ar_runs: list[BatchRun] | None) -> None:
