@@ -19,6 +19,7 @@ many drafts it verifies, down to an AR step) is the batch controller's choice (e
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
-from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, unpacked
+from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, compiled_dynamic, unpacked
 from .batch_controller import BLIND_AR, SPECULATION_MARGIN, DraftLengthController
 from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
                    tree_positions)
@@ -116,6 +117,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Waiting requests prefilled together (continuous batching), ahead of the rows they will take: their prefill runs in
 # a scratch cache of this many rows, at most (`Decoder._prefill_requests`).
 REFILL_GROUP = 16
+# Prefill's layers compiled (`Decoder.prefill_layer_fn`): off until the H200 has timed it against eager
+COMPILED_PREFILL = os.environ.get("SPECPILOT_COMPILED_PREFILL", "0") == "1"
 # Replayed step prices (`Decoder._measure_prices`): untimed replays of each kind first, then rounds of replays over
 # the kinds in turn, a kind's price its median round
 PRICE_WARM_REPLAYS, PRICE_ROUNDS, PRICE_REPLAYS = 5, 5, 3
@@ -393,6 +396,11 @@ class Decoder:
         # not the minutes a whole unrolled model takes); prefill and sampling stay eager.
         compile = compile and model.device.type == "cuda"
         self.layer_fn = compiled(Block.forward, compile_mode) if compile else Block.forward
+        # Prefill's layers: eager by default, each layer some 30-40 kernels (a refill's prefill of 16 chat prompts
+        # took 11-13 ms on the H200, 12 of them 135 ms of a 937 ms cell at B = 64: eighteenth lease, D); with
+        # SPECPILOT_COMPILED_PREFILL=1 compiled once for every width and group (`compiled_dynamic`), to be timed
+        # against eager before it becomes the default.
+        self.prefill_layer_fn = compiled_dynamic(Block.forward) if compile and COMPILED_PREFILL else None
         if layer == "fused":  # steps of few tokens in five Triton kernels a layer; others stay modular
             from ..kernels.triton_fused_layer import layer_function
 
@@ -705,7 +713,8 @@ class Decoder:
     def _prefill_forward(self, tokens, positions, lengths, cache):
         """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's."""
         aux = {} if self.aux_layers is None else {"aux_layers": self.aux_layers}
-        out = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops, **aux)
+        out = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops,
+                         layer_fn=self.prefill_layer_fn, **aux)
         return out[:, 0] if self.aux_layers is None else (out[0][:, 0], out[1])
 
     def _prefill_cache(self, batch: int, scratch: bool) -> KVCache:

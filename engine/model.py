@@ -99,6 +99,13 @@ def compiled(fn, mode: str = "default"):
     return torch.compile(fn, dynamic=False, fullgraph=True, mode=None if mode == "default" else mode)
 
 
+def compiled_dynamic(fn, backend="inductor"):
+    """torch.compile for prefill-shaped work: batch and width symbolic, so every prompt width and group of requests
+    shares a few compiled graphs (three on a CPU trace: the first shape's, a symbolic one, a batch of one's) instead of
+    one a shape."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+
+
 def rope_tables(inv_freq: torch.Tensor, attention_scaling: float, max_len: int, device, dtype):
     """RoPE's (cos, sin) tables [max_len, head_dim] for positions 0..max_len-1, computed in fp32 as HF computes them
     and cast to `dtype`: the target, an EAGLE-3 head and its trainer share them."""

@@ -99,3 +99,33 @@ def test_bucket_padded_batch_decodes_each_row_as_alone(tiny, tiny_draft, name):
     # the same engine, a batch of one after it (bucket 1) and of 3 (bucket 4): still each row as alone
     assert eng.generate(prompts[4:], TINY_NEW, ignore_eos=True)[0].tokens == refs[4]
     assert [r.tokens for r in eng.generate(prompts[:3], 9, ignore_eos=True)] == [r[:9] for r in refs[:3]]
+
+
+def test_compiled_prefill_traces_every_width_as_one_graph(llama):
+    """The compiled prefill (SPECPILOT_COMPILED_PREFILL; `compiled_dynamic`) gives eager's logits and K/V at every
+    group size and width a refill or a batch prefills at, from three graphs (the first shape's, then one symbolic graph
+    for every later shape, and a batch of one's) rather than one a shape: each traced graph is counted by the backend
+    (the CPU runs no Inductor here)."""
+    from specpilot.engine.model import Block, compiled_dynamic
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = compiled_dynamic(Block.forward, backend=backend)
+    model = llama.model
+    torch.manual_seed(0)
+    for batch, width in ((3, 64), (16, 128), (5, 192), (8, 320), (2, 448), (1, 64), (1, 256)):
+        tokens = torch.randint(0, TINY_VOCAB, (batch, width))
+        positions = torch.arange(width)[None].expand(batch, width)
+        last = torch.randint(1, width + 1, (batch,))
+        outs = []
+        for fn in (None, layer):
+            cache = model.new_cache(batch, 512)
+            logits = model(tokens, positions, cache, logits_at=(last - 1)[:, None], layer_fn=fn)
+            outs.append((logits, cache.kv.clone()))
+        assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5), (batch, width)
+        assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5), (batch, width)
+    assert len(graphs) == 3  # the first shape's, the symbolic one every later width and group reuses, B = 1's
