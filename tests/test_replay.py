@@ -96,6 +96,27 @@ def test_rows_find_their_own_reference_or_none():
     assert drafts[0].tolist() == [4, 5] and drafts[1].tolist() == [9, 9]
 
 
+def test_the_replays_own_work_traces_as_one_graph(loaded, monkeypatch):
+    """With the decoder compiling (CUDA), the replay's search and draws run compiled (`prepare`): some 110 small
+    kernels eagerly, a few fused. Here the function traces whole (fullgraph; the CPU runs no Inductor, so a tracing
+    backend stands in) and draws exactly what it draws eagerly."""
+    from specpilot.engine import replay
+
+    g = torch.Generator().manual_seed(4)
+    table = torch.randint(0, 50, (6, 90), generator=g)
+    history, lengths = table.repeat_interleave(3, 0), torch.arange(18) + 20
+    args = (history, lengths, 4, table, torch.full((6,), 90), torch.tensor(kept_probabilities([0.8, 0.5, 0.45, 0.1])),
+            torch.tensor([7]), 50)
+    traced = torch.compile(replay.replay_drafts, fullgraph=True, backend="aot_eager")
+    for a, b in zip(replay.replay_drafts(*args), traced(*args)):
+        assert torch.equal(a, b)
+    used = []
+    monkeypatch.setattr(replay, "compiled", lambda fn: used.append(fn) or fn)
+    drafter = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": [0.5]}, "k": 1})).decoder.drafter
+    drafter.prepare(None, None, compile=True)
+    assert used == [replay.replay_drafts] and drafter._drafts is replay.replay_drafts
+
+
 def test_kept_probabilities_are_the_profiles_ratios():
     assert kept_probabilities([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, 0.0])
 
