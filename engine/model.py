@@ -101,8 +101,8 @@ def compiled(fn, mode: str = "default"):
 
 def compiled_dynamic(fn, backend="inductor"):
     """torch.compile for prefill-shaped work: batch and width symbolic, so every prompt width and group of requests
-    shares a few compiled graphs (three on a CPU trace: the first shape's, a symbolic one, a batch of one's) instead of
-    one a shape."""
+    shares a few compiled graphs (at most three on a CPU trace: the first shape's, a symbolic one, a batch of one's)
+    instead of one a shape."""
     return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
 
 

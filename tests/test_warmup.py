@@ -103,9 +103,9 @@ def test_bucket_padded_batch_decodes_each_row_as_alone(tiny, tiny_draft, name):
 
 def test_compiled_prefill_traces_every_width_as_one_graph(llama):
     """The compiled prefill (SPECPILOT_COMPILED_PREFILL; `compiled_dynamic`) gives eager's logits and K/V at every
-    group size and width a refill or a batch prefills at, from three graphs (the first shape's, then one symbolic graph
-    for every later shape, and a batch of one's) rather than one a shape: each traced graph is counted by the backend
-    (the CPU runs no Inductor here)."""
+    group size and width a refill or a batch prefills at, from at most three graphs (the first shape's, one
+    symbolic graph for every later shape, and a batch of one's) rather than one a shape: each traced graph is counted
+    by the backend (the CPU runs no Inductor here)."""
     from specpilot.engine.model import Block, compiled_dynamic
 
     graphs = []
@@ -114,9 +114,11 @@ def test_compiled_prefill_traces_every_width_as_one_graph(llama):
         graphs.append(gm)
         return gm.forward
 
+    torch._dynamo.reset()  # (another test's compilations of Block.forward must not count here, nor decide for it)
     layer = compiled_dynamic(Block.forward, backend=backend)
     model = llama.model
     torch.manual_seed(0)
+    traced = []
     for batch, width in ((3, 64), (16, 128), (5, 192), (8, 320), (2, 448), (1, 64), (1, 256)):
         tokens = torch.randint(0, TINY_VOCAB, (batch, width))
         positions = torch.arange(width)[None].expand(batch, width)
@@ -128,4 +130,6 @@ def test_compiled_prefill_traces_every_width_as_one_graph(llama):
             outs.append((logits, cache.kv.clone()))
         assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5), (batch, width)
         assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5), (batch, width)
-    assert len(graphs) == 3  # the first shape's, the symbolic one every later width and group reuses, B = 1's
+        traced.append(len(graphs))
+    # at most the first shape's, a symbolic one that every later width and group reuses, and a batch of one's
+    assert traced[2] == traced[3] == traced[4] and traced[-1] <= 3
