@@ -39,6 +39,7 @@ SYSTEMS = {
     "ar-fused-overlap": {"layer": "fused", "overlap": True},
     "ngram-k4-fused-overlap": {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4}, "k": 4,
                                "layer": "fused", "overlap": True},
+    "ar-attention-triton-overlap": {"layer": "fused", "overlap": True, "kernels": {"attention": "builtin:triton"}},
     "ngram2-k4-cost-fused-overlap": {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                                                  "ar_after_miss": True}, "k": 4, "layer": "fused", "overlap": True,
                                      "batch": {"controller": "cost"}},
@@ -50,7 +51,9 @@ def arguments(p) -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--layers", type=int, default=SHAPES["num_hidden_layers"])
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default="ar-fused-overlap,ngram-k4-fused-overlap,ngram2-k4-cost-fused-overlap")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile each kind of step's graph at the end, kernel by kernel (CUDA)")
     p.add_argument("--workload", default="", help="the staged target on this workload's prompts (default: random)")
 
 
@@ -74,6 +77,82 @@ def timed(counter: dict, name: str, fn):
         finally:
             counter[name] = counter.get(name, 0.0) + time.perf_counter() - t0
     return wrapper
+
+
+def step_kernels(dec, kind: int, replays: int = 5) -> dict:
+    """One step of this kind on the batch's bucket, kernel by kernel: its graph replayed `replays` times from the
+    state the call left (`_time_step` puts the state back) under torch.profiler; device µs a step by kernel name.
+    Where the trace holds no kernels of the graph's (a CUPTI that does not trace graph nodes), the step run eagerly
+    instead (its kernels' device times are the same; only the gaps between them differ), marked so."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def traced(fn) -> dict:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        by_name: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                entry = by_name.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += e.device_time
+        return {name: {"per_step": n / replays, "us": us / replays} for name, (n, us) in by_name.items()}
+
+    dec._time_step(dec._state, kind, 2)  # (outside the trace: the profiler's own start-up)
+    kernels = traced(lambda: dec._time_step(dec._state, kind, replays))
+    if sum(v["per_step"] for v in kernels.values()) > 2:
+        return {"how": "graph", "kernels": kernels}
+    return {"how": "eager", "kernels": traced(lambda: eager_steps(dec, kind, replays))}
+
+
+def eager_steps(dec, kind: int, replays: int) -> None:
+    """`replays` steps of this kind run eagerly from the state the call left, put back after each (as `_time_step`
+    does for a graph's replays)."""
+    import torch
+
+    from specpilot.engine.sampling import SamplingParams
+
+    st = dec._state
+    saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
+    drafter_state = dec.drafter.snapshot() if dec.drafter is not None else None
+    st.active.fill_(True)
+    with torch.inference_mode():
+        for _ in range(replays):
+            dec._step(st, SamplingParams(), kind)
+            for buf, value in zip((st.lengths, st.budget, st.active), saved):
+                buf.copy_(value)
+            if dec.drafter is not None:
+                dec.drafter.restore(drafter_state)
+
+
+def kernel_table(found: dict, top: int = 12) -> str:
+    """Each system's steps, kernels a step and device µs, and the kernels whose time differs most from the first
+    system's AR step (kind 0)."""
+    profiled = {name: {kind: p["kernels"] for kind, p in r["kernels"].items()}
+                for name, r in found.items() if r.get("kernels")}
+    how = sorted({p["how"] for r in found.values() for p in r.get("kernels", {}).values()})
+    if not profiled:
+        return ""
+    rows = [f"Each kind of step, kernel by kernel ({' and '.join(how)} steps under torch.profiler):", "",
+            "| system | kind | kernels a step | device µs a step |", "|---|---:|---:|---:|"]
+    for name, kinds in profiled.items():
+        for kind, kernels in kinds.items():
+            rows.append(f"| {name} | {kind} | {sum(v['per_step'] for v in kernels.values()):.0f} | "
+                        f"{sum(v['us'] for v in kernels.values()):,.1f} |")
+    base_name = next(iter(profiled))
+    base = profiled[base_name].get(0) or next(iter(profiled[base_name].values()))
+    for name, kinds in profiled.items():
+        for kind, kernels in kinds.items():
+            if name == base_name or kind > 0:
+                continue
+            diff = {k: kernels.get(k, {"us": 0.0})["us"] - base.get(k, {"us": 0.0})["us"] for k in set(kernels) | set(base)}
+            worst = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
+            rows += ["", f"{name}, kind {kind}, against {base_name}'s AR step: µs a step by kernel (+: more)", "",
+                     "| kernel | µs | count a step |", "|---|---:|---:|"]
+            rows += [f"| {k[:90]} | {d:+.1f} | {kernels.get(k, {'per_step': 0})['per_step']:.0f} / "
+                     f"{base.get(k, {'per_step': 0})['per_step']:.0f} |" for k, d in worst]
+    return "\n".join(rows)
 
 
 def run(out_dir, args):
@@ -132,6 +211,8 @@ def run(out_dir, args):
                        "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
                        "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
                        "time_budget": budget}
+        if args.kernels and device == "cuda":
+            found[name]["kernels"] = {k: step_kernels(dec, k) for k in dec._step_kinds()}
         lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {stats.row_steps / max(1, stats.steps):.1f} | "
                      f"{wall / stats.steps * 1e3:.3f} | "
                      + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
@@ -147,4 +228,4 @@ def run(out_dir, args):
             "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
             "| requests started | steps behind a refill | their ms beyond a typical step | drain steps | drain ms |\n"
             "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|")
-    return found, head + "\n" + "\n".join(lines)
+    return found, head + "\n" + "\n".join(lines) + "\n\n" + kernel_table(found)
