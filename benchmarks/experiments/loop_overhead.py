@@ -158,6 +158,7 @@ def kernel_table(found: dict, top: int = 12) -> str:
 def run(out_dir, args):
     import torch
 
+    from specpilot.engine.decode import batch_bucket
     from specpilot.engine.engine import Engine
     from specpilot.engine.recipe import parse
     from specpilot.tools.bench.metrics import time_budget
@@ -200,9 +201,12 @@ def run(out_dir, args):
             delattr(dec, method)
         stats = dec.last_stats
         kinds = sorted(set(stats.draft_lengths))
-        at_end = {k: dec._time_step(dec._state, k, 20) * 1e3 for k in kinds}
-        warm = {k: v * 1e3 for k, v in dec.prices.get(dec._state.batch, {}).items()}
-        loop = {k: v * 1e3 for k, v in dec.step_seconds.get(dec._state.batch, {}).items()}
+        # Replays and kernels on the call's own bucket, the state its rows left there (a batch that drained into
+        # smaller buckets ends in one of those: replayed there, its steps priced a batch of 8 or 16 rows)
+        st = dec._use(batch_bucket(rows) if dec.bucketed else rows, 0)
+        at_end = {k: dec._time_step(st, k, 20) * 1e3 for k in kinds}
+        warm = {k: v * 1e3 for k, v in dec.prices.get(st.batch, {}).items()}
+        loop = {k: v * 1e3 for k, v in dec.step_seconds.get(st.batch, {}).items()}
         tokens = sum(len(r.tokens) for r in out)
         rest = wall - sum(phases.values())
         budget = time_budget(stats.step_log)
