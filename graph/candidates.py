@@ -85,7 +85,9 @@ class AgentContext:
     deployment: dict            # target, device, dtype, batch size, workload, device ceilings
     recipe: dict                # the current best recipe, as JSON
     profile: dict               # the profiler's last Profile.to_dict()
-    gaps: list[dict]            # the ranked gaps assigned to this agent
+    gaps: list[dict]            # the profile's ranked gaps, each with the agent the router assigns it to (an
+    # agent's levers may answer another's gap: the fused layer, the kernel-writer's, removes a launch-bound verify
+    # step's kernels, which the scheduler owns)
     memory_hits: list[dict]     # past outcomes on similar deployments (memory/), best first
     tried: list[str]            # ids of candidates already evaluated: do not propose them again
     max_candidates: int = 3

@@ -239,7 +239,7 @@ def agent_task(state: dict, agent: str, pass_: int) -> dict:
     """What one agent node gets through Send: its context (AgentContext as a dict) and the run's settings."""
     s = state["settings"]
     ctx = AgentContext(agent=agent, deployment=state["deployment"], recipe=plain(state["best"]["recipe"]),
-                       profile=state["profile"], gaps=[g for g in state["gaps"] if agent_of(g) == agent],
+                       profile=state["profile"], gaps=[dict(g, agent=agent_of(g)) for g in state["gaps"]],
                        memory_hits=state.get("memory_hits", []), tried=list(state.get("tried", [])),
                        max_candidates=s["max_candidates"])
     return {"agent": agent, "round": state["round"], "pass": pass_, "settings": s, "context": asdict(ctx)}
@@ -309,10 +309,15 @@ def agent_node(agent: str):
 # -- review: a person looks at each valid candidate before it is evaluated ----------------------------------------
 
 def this_round(state: dict, *statuses: str) -> list[dict]:
+    """This round's candidates in the order they are evaluated: each agent's first, then each one's second, ...,
+    the agents in the router's order (largest gap first). A budget that runs out mid-round so leaves out the least
+    promising candidates of every agent rather than one agent's whole list (the H200's code run of 2026-12-02
+    evaluated two attention kernels and two draft lengths and ran out before the scheduler's first proposal)."""
     recs = [r for r in state.get("candidates", {}).values()
             if r["round"] == state["round"] and (not statuses or r["status"] in statuses)]
-    return sorted(recs, key=lambda r: (r["pass"], AGENTS.index(r["agent"]) if r["agent"] in AGENTS else 9,
-                                       r["order"], r["id"]))
+    routed = [a for a in (state.get("route") or {}).get("agents", []) if a in AGENTS]
+    rank = {a: i for i, a in enumerate(routed + [a for a in AGENTS if a not in routed])}
+    return sorted(recs, key=lambda r: (r["pass"], r["order"], rank.get(r["agent"], len(rank)), r["id"]))
 
 
 def _candidate_evidence(rec: dict, best: dict) -> dict:

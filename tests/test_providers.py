@@ -715,3 +715,45 @@ def test_on_a_synthetic_target_an_llm_picks_k_and_the_user_gives_the_acceptance(
     plain = context(profiles["stock"], "algorithm", synthetic=True)
     with pytest.raises(CandidateError, match="is not one of none for this deployment"):
         validate_candidates({"candidates": [replay]}, plain, "openai:fake")
+
+
+def test_graph_hands_every_agent_the_whole_profile(profiles):
+    """The kernel-writer's fused layer answers the scheduler's gap (a launch-bound verify step): the agent node's
+    context carries every gap with its agent, so a kernel-writer on CUDA proposes the fused layer first. (Handed only
+    its own gaps, it saw no verify gap and proposed attention kernels: H200, code, 2026-12-02.)"""
+    from specpilot.graph.nodes import agent_task
+
+    prof = copy.deepcopy(profiles["stock"])
+    for g in prof["gaps"]:
+        if g["component"] == "verify":
+            g.update(agent="scheduler", gain=max(g["gain"], 1.0))
+    state = {"settings": {"max_candidates": 3}, "deployment": deployment(prof, device="cuda"),
+             "best": {"recipe": {**asdict(load_recipe("stock")), "measured": {}}}, "profile": prof,
+             "gaps": prof["gaps"], "round": 1}
+    ctx = AgentContext(**agent_task(state, "kernel_writer", 0)["context"])
+    assert {g["component"] for g in ctx.gaps} == {g["component"] for g in prof["gaps"]}
+    assert [g["agent"] for g in ctx.gaps if g["component"] == "verify"] == ["scheduler"]
+    assert "measured" not in ctx.recipe
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    assert cands[0].recipe_patch == {"layer": "fused"}
+
+
+def test_round_evaluates_each_agents_best_first():
+    """Candidates are evaluated round-robin over the agents in the router's order: a budget that runs out leaves
+    out every agent's least promising candidates, not one agent's whole list."""
+    from specpilot.graph.nodes import this_round
+
+    def rec(agent, order, pass_=0):
+        return {"id": f"{agent}{order}", "agent": agent, "order": order, "pass": pass_, "round": 2,
+                "status": "proposed"}
+
+    recs = [rec("kernel_writer", 0), rec("kernel_writer", 1), rec("algorithm", 0), rec("algorithm", 1),
+            rec("scheduler", 0), rec("algorithm", 0, pass_=1)]
+    state = {"round": 2, "candidates": {r["id"] + str(r["pass"]): r for r in recs},
+             "route": {"agents": ["scheduler", "algorithm", "kernel_writer"]}}
+    order = [(r["agent"], r["order"], r["pass"]) for r in this_round(state, "proposed")]
+    assert order == [("scheduler", 0, 0), ("algorithm", 0, 0), ("kernel_writer", 0, 0), ("algorithm", 1, 0),
+                     ("kernel_writer", 1, 0), ("algorithm", 0, 1)]
+    state["route"] = {"agents": []}  # (no route recorded: the agents' fixed order)
+    assert [r["agent"] for r in this_round(state, "proposed")][:3] == ["kernel_writer", "algorithm", "scheduler"]
