@@ -757,3 +757,20 @@ def test_round_evaluates_each_agents_best_first():
                      ("kernel_writer", 1, 0), ("algorithm", 0, 1)]
     state["route"] = {"agents": []}  # (no route recorded: the agents' fixed order)
     assert [r["agent"] for r in this_round(state, "proposed")][:3] == ["kernel_writer", "algorithm", "scheduler"]
+
+
+def test_scheduler_puts_autotuned_gemms_last(profiles):
+    """Autotuned GEMM templates answer the kernel-writer's GEMM gaps, but evaluating them autotunes every shape
+    first (minutes): the scheduler proposes them after its other levers, however large the gap."""
+    prof = copy.deepcopy(profiles["stock"])
+    prof["gaps"] = [g for g in prof["gaps"] if not str(g["component"]).startswith("kernel aten::")] + [
+        {"component": "kernel aten::mm [[5, 576], [576, 1536]]", "gain": 5.0, "agent": "kernel-writer",
+         "measured_s": 1e-4, "floor_s": 1e-5, "reason": "9% of copy bandwidth"},
+        {"component": "idle", "gain": 0.05, "agent": "scheduler", "measured_s": 5e-5, "floor_s": 0.0,
+         "reason": "host work between steps"}]
+    recipe = {**asdict(load_recipe("stock")), "overlap": False}
+    cands = PolicyProvider().propose(context(prof, "scheduler", recipe=recipe, device="cuda", max_candidates=10))
+    modes = [c.recipe_patch.get("compile_mode") for c in cands]
+    assert "max-autotune-no-cudagraphs" in modes and len(cands) > 1
+    assert modes[-1] == "max-autotune-no-cudagraphs"
+    assert {"overlap": True} in [c.recipe_patch for c in cands]
