@@ -16,19 +16,24 @@ NAME` it runs the staged target on that workload's prompts instead (cycled to `-
 the n-gram drafter finds what it finds on real text (on random tokens, nothing): the loop of a cell of
 `batch_sweep`, timed phase by phase, with the controller's loop-timed prices.
 
-Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
-large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md.
+With `--kernels`, each kind of step's graph on the call's bucket replayed under torch.profiler: kernels and device µs
+a step, and the kernels whose time differs most from the first system's AR step (`ar-attention-triton-overlap` is
+AR with the Triton attention, which reads only the cache blocks a row has written).
 
-Device minutes: about 2 with random weights. With `--workload`, give the call 8: warming the staged target's
-buckets and prices for real prompts outlasted a call of 175 s on the H200 (2026-12-02); the log says when each
-system is warm.
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
+large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md; with `--kernels`, the
+nineteenth lease's A and B (the controller's AR step is AR's), docs/benchmarks/2026-12-02-nineteenth-lease.md.
+
+Device minutes: about 2 with random weights, 3 for two systems with `--workload chat` (124 s on the H200,
+2026-12-02, nineteenth lease; the sixteenth's call of 175 s ran out warming a first version); the log says when
+each system is warm.
 """
 from __future__ import annotations
 
 import sys
 import time
 
-MINUTES = 2
+MINUTES = 3
 CUDA_ONLY = True
 # The decoder's methods whose host time is measured, in the table's order
 PHASES = ("_read", "_launch", "_prefill_requests", "_move_in", "_shrink")
