@@ -17,7 +17,8 @@ the n-gram drafter finds what it finds on real text (on random tokens, nothing):
 `batch_sweep`, timed phase by phase, with the controller's loop-timed prices.
 
 With `--kernels`, each kind of step's graph on the call's bucket replayed under torch.profiler: kernels and device µs
-a step, and the kernels whose time differs most from the first system's AR step (`ar-attention-triton-overlap` is
+a step, and the kernels whose time differs most from the first system's AR step; and the host time of a step's
+launch, the same kind each time against the kinds in turn (`ar-attention-triton-overlap` is
 AR with the Triton attention, which reads only the cache blocks a row has written).
 
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
@@ -111,6 +112,51 @@ def step_kernels(dec, kind: int, replays: int = 5) -> dict:
     return {"how": "eager", "kernels": traced(lambda: eager_steps(dec, kind, replays))}
 
 
+def launch_costs(dec, kinds, launches: int = 40) -> dict:
+    """Host µs of one step's launch (`graph.replay()`, the call alone) on the call's bucket: the same kind each time,
+    and the kinds in turn (as the controller launches them when its choice changes from step to step), each with the
+    device drained before every launch and, `queued`, back to back behind the steps before; lengths and the drafter's state are put back
+    afterwards as `_time_step` does. On the H200's chat run (nineteenth lease, B) a controller step's launch took
+    0.45 ms of host time against 0.12 for AR's and 0.25 where the controller ran one kind."""
+    import torch
+
+    from specpilot.engine.sampling import SamplingParams
+
+    st = dec._state
+    graphs = {k: dec._graph(st, SamplingParams(), k) for k in kinds}
+    saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
+    drafter_state = dec.drafter.snapshot() if dec.drafter is not None else None
+    cuda = st.out.device.type == "cuda"
+
+    def timed(order, drained: bool = True) -> float:
+        total = 0.0
+        for k in order:
+            st.lengths.copy_(saved[0])
+            if dec.drafter is not None:
+                dec.drafter.restore(drafter_state)
+            if cuda and drained:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graphs[k].replay()
+            total += time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+        return total / len(order) * 1e6
+
+    with torch.inference_mode():
+        out = {f"same {k}": timed([k] * launches) for k in kinds}
+        if len(kinds) > 1:
+            out["in turn"] = timed([kinds[i % len(kinds)] for i in range(launches)])
+            # and back to back, the device busy with the steps before (as in the loop, where up to two are queued)
+            out["in turn, queued"] = timed([kinds[i % len(kinds)] for i in range(launches)], drained=False)
+        out[f"same {kinds[0]}, queued"] = timed([kinds[0]] * launches, drained=False)
+    for buf, value in zip((st.lengths, st.budget, st.active), saved):
+        buf.copy_(value)
+    if dec.drafter is not None:
+        dec.drafter.restore(drafter_state)
+    return out
+
+
 def eager_steps(dec, kind: int, replays: int) -> None:
     """`replays` steps of this kind run eagerly from the state the call left, put back after each (as `_time_step`
     does for a graph's replays)."""
@@ -145,6 +191,10 @@ def kernel_table(found: dict, top: int = 12) -> str:
         for kind, kernels in kinds.items():
             rows.append(f"| {name} | {kind} | {sum(v['per_step'] for v in kernels.values()):.0f} | "
                         f"{sum(v['us'] for v in kernels.values()):,.1f} |")
+    rows += ["", "Host µs of one step's launch (the replay call alone; the device drained before it, or queued behind "
+             "the launches before): the same kind each time, and the kinds in turn:", "", "| system | launch µs |", "|---|---|"]
+    rows += [f"| {name} | " + ", ".join(f"{k}: {v:.0f}" for k, v in r.get("launch_us", {}).items()) + " |"
+             for name, r in found.items() if r.get("launch_us")]
     base_name = next(iter(profiled))
     base = profiled[base_name].get(0) or next(iter(profiled[base_name].values()))
     for name, kinds in profiled.items():
@@ -222,6 +272,7 @@ def run(out_dir, args):
                        "time_budget": budget}
         if args.kernels and device == "cuda":
             found[name]["kernels"] = {k: step_kernels(dec, k) for k in dec._step_kinds()}
+            found[name]["launch_us"] = launch_costs(dec, [k for k in dec._step_kinds() if k in (-1, 0, 3, 4)])
         lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {stats.row_steps / max(1, stats.steps):.1f} | "
                      f"{wall / stats.steps * 1e3:.3f} | "
                      + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
