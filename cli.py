@@ -112,6 +112,8 @@ def add_grid_parser(sub) -> None:
     g.add_argument("--gate-tokens", type=positive_int, default=64, help="tokens a prompt the gate checks")
     g.add_argument("--gate-timeout", type=positive_float, default=600.0,
                    help="seconds the gate waits on one recipe's candidate in all")
+    g.add_argument("--gate-workers", type=positive_int, default=1,
+                   help="recipes gated at once, each its own candidate process (several can share a GPU)")
     add_device_arguments(g)
     g.set_defaults(func=cmd_grid)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def test_tiny_grid_gates_measures_and_ranks(tiny_target, tiny_model_dir, tmp_pat
     out = tmp_path / "out"
     assert cli.main(["grid", "--target", str(tiny_target), "--workload", "code", "--space", space, "--out", str(out),
                      "--limit", "1", "--max-new-tokens", "8", "--repeats", "1", "--gate-limit", "1",
-                     "--gate-tokens", "8", "--device", "cpu"]) == 0
+                     "--gate-tokens", "8", "--gate-workers", "2", "--device", "cpu"]) == 0
     results = json.loads((out / "results.json").read_text())
     grid = results["grid"]
     assert [r["name"] for r in grid["expansion"]["recipes"]] == ["ng-k1", "bad-k2"]
@@ -204,3 +205,40 @@ def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
     assert all(r.drafter.kind == "replay" and len(r.drafter.acceptance) == r.k for r in drafting)
     assert {r.k for r in drafting} == {2, 3, 4}
     assert sum(r.weights.format == "lossless12" for r in recipes) == 4
+
+
+def test_gates_run_several_at_once_after_the_first_alone(tmp_path, monkeypatch):
+    """--gate-workers N: the first recipe is gated alone (it computes the references the others read), then up to N
+    at a time; verdicts are written as they come and kept in the space's order, and a failing recipe is left out."""
+    import threading
+    from argparse import Namespace
+
+    from specpilot.tools.grid import run as grid_run
+    from specpilot.tools.grid.space import expand, load_space
+
+    expansion = expand(load_space(write(tmp_path, {"base": {"drafter": {"kind": "ngram"}},
+                                                   "axes": {"k": [1, 2, 3, 4, 5, 6]}})), 64)
+    names = [r.name for r in expansion.recipes]
+    running, most, spans, lock = set(), [0], {}, threading.Lock()
+
+    def fake_gate(args, name, recipe_file, workloads, device, dtype, salt, out):
+        with lock:
+            running.add(name)
+            most[0] = max(most[0], len(running))
+            spans[name] = [time.perf_counter(), None]
+        time.sleep(0.05 * (len(names) - names.index(name)))  # later recipes finish first
+        with lock:
+            running.discard(name)
+            spans[name][1] = time.perf_counter()
+        return {"verdict": "fail" if name == names[2] else "pass", "reason": None, "seconds": 0.0}
+
+    monkeypatch.setattr(grid_run, "gate_one", fake_gate)
+    grid = {"gate": []}
+    passing = grid_run.gate_all(Namespace(gate_workers=3), expansion, dict.fromkeys(names), ["code"], "cpu", "fp32",
+                                "s", tmp_path, grid)
+    assert passing == [n for n in names if n != names[2]]
+    assert [g["name"] for g in grid["gate"]] == names  # the space's order, whatever order they finished in
+    assert most[0] == 3
+    assert all(spans[n][0] >= spans[names[0]][1] for n in names[1:])  # the first ran alone
+    written = json.loads((tmp_path / "results.json").read_text())["grid"]["gate"]
+    assert [g["name"] for g in written] == names

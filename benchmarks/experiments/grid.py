@@ -9,7 +9,8 @@ ratio to the reference, and the grid's best recipe (tools/grid/run.py `best_reci
 that ratio over the cells); NAME.json keeps the grid's results.json and best.json.
 
 Sizes: the 10-recipe 8B replay grid fits one device call; the 60-recipe SmolLM2 grid (`--space smollm2`) gates each
-recipe in its own process and is not yet timed on the H200: give it `--workload code` and a call of its own.
+recipe in its own process, 4 at a time (`--gate-workers`), and is not yet timed on the H200: give it `--workload
+code` and a call of its own.
 
 Backs docs/BENCHMARKS.md, "Optimize vs hand-found best" (the grid's best, the yardstick of issue #23) and the 8B
 figures (issue #24), once run.
@@ -34,6 +35,8 @@ def arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--gate-tokens", type=int, default=32)
+    p.add_argument("--gate-workers", type=int, default=4,
+                   help="recipes gated at once (each a candidate process; 16 cores and one GPU on the H200)")
 
 
 def smoke_space(ctx) -> str:
@@ -54,7 +57,8 @@ def run(out_dir, args):
         "grid", "--target", ctx.target, "--device", ctx.device, "--space", smoke_space(ctx) if args.smoke else args.space,
         "--workload", ",".join(workloads), "--limit", limit, "--max-new-tokens", tokens,
         "--batch-sizes", args.batch_sizes, "--repeats", 1 if args.smoke else 2, "--gate-limit", 1,
-        "--gate-tokens", 8 if args.smoke else args.gate_tokens, "--out", grid_dir,
+        "--gate-tokens", 8 if args.smoke else args.gate_tokens, "--gate-workers", 1 if args.smoke else args.gate_workers,
+        "--out", grid_dir,
         *(["--dtype", "fp32"] if args.smoke else [])], timeout=560)
     results = json.loads(ctx.need(grid_dir / "results.json", step).read_text())
     grid = results["grid"]

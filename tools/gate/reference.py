@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -208,7 +209,7 @@ def compute_and_store(load: Callable[[], LoadedModel], question_ids: list[str], 
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         path = cache_dir / f"{key}.json"
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")  # (the grid gates in threads)
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)  # readers never see a half-written file
     except OSError:

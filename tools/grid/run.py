@@ -1,13 +1,15 @@
 """`specpilot grid`: expand a space of recipes, gate each, measure every passing one side by side, rank them.
 
     specpilot grid --target T --workload W --space SPACE.json --out DIR [--batch-sizes 1] [--limit N]
-                   [--max-new-tokens N] [--repeats R] [--max-recipes N] [--no-gate] [--device D] [--dtype D]
+                   [--max-new-tokens N] [--repeats R] [--max-recipes N] [--no-gate] [--gate-workers N]
+                   [--device D] [--dtype D]
 
 The grid is the yardstick an optimizing agent must reach: the best recipe a plain search over declared knobs finds.
 Order of work, each step written down before the next starts so that a killed run keeps what it had:
 1. the space is expanded (space.py) and refused at once when it is too large or malformed;
 2. each recipe goes through the token-forcing gate (tools/gate/check.py) on every workload, on a few prompts under
-   one salt (so the reference is computed once); a recipe that fails or errors is excluded, the rest go on;
+   one salt (so the reference is computed once), `--gate-workers` recipes at a time; a recipe that fails or errors
+   is excluded, the rest go on;
 3. one bench run (tools/bench/run.py, into DIR/bench/) measures every passing recipe with ar, stock and our fastest
    AR, `ar-fused-overlap` (the reference of every ratio), in one process in rotated order;
 4. DIR/results.json (the bench's results plus a `grid` section), DIR/report.md, DIR/best.json (a recipe file) and
@@ -74,6 +76,34 @@ def gate_one(args, name: str, recipe_file: Path, workloads: list[str], device: s
         if not report.passed:
             return {"verdict": "fail", "reason": f"{workload}: {report.reason}", "seconds": time.perf_counter() - t0}
     return {"verdict": "pass", "reason": None, "seconds": time.perf_counter() - t0}
+
+
+def gate_all(args, expansion: Expansion, files: dict, workloads: list[str], device: str, dtype: str, salt: str,
+             out: Path, grid: dict) -> list[str]:
+    """Every recipe through the gate, `args.gate_workers` at a time (each gate's candidate is a process of its own:
+    on a GPU several share it; the 60-recipe SmolLM2 grid gated one after another does not fit a device call). The
+    first recipe goes alone: it computes each workload's reference, which the others then read from the cache.
+    Verdicts are written down as they come, and kept in the space's order; the passing recipes' names are returned."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    recipes, verdicts = expansion.recipes, {}
+
+    def one(r) -> dict:
+        return {"name": r.name, **gate_one(args, r.name, files[r.name], workloads, device, dtype, salt, out)}
+
+    def note(verdict: dict) -> None:
+        verdicts[verdict["name"]] = verdict
+        grid["gate"] = [verdicts[r.name] for r in recipes if r.name in verdicts]
+        write_json(out / "results.json", {"grid": grid})
+        print(f"specpilot: grid: gate {len(verdicts)}/{len(recipes)} {verdict['name']}: {verdict['verdict']}"
+              + (f": {verdict['reason']}" if verdict["reason"] else ""), file=sys.stderr)
+
+    if recipes:
+        note(one(recipes[0]))
+    with ThreadPoolExecutor(max(1, getattr(args, "gate_workers", 1))) as pool:
+        for future in as_completed([pool.submit(one, r) for r in recipes[1:]]):
+            note(future.result())  # (gate_one turns every failure into a verdict)
+    return [r.name for r in recipes if verdicts[r.name]["verdict"] == "pass"]
 
 
 def one_line(text, limit: int = 400) -> str:
@@ -256,7 +286,8 @@ def grid_section(args, expansion: Expansion, salt: str | None) -> dict:
     return {"schema": SCHEMA, "command": command_line(args), "space_file": args.space,
             "space": load_space(args.space), "expansion": expansion.to_dict(),
             "gate_settings": None if args.no_gate else {"limit": args.gate_limit, "max_new_tokens": args.gate_tokens,
-                                                        "timeout_s": args.gate_timeout, "salt": salt},
+                                                        "timeout_s": args.gate_timeout, "salt": salt,
+                                                        "workers": getattr(args, "gate_workers", 1)},
             "bench_settings": {"repeats": args.repeats, "batch_sizes": args.batch_sizes, "limit": args.limit,
                                "max_new_tokens": args.max_new_tokens, "workload": args.workload},
             "gate": [], "measured": [], "bench_error": None, "ranking": [], "best": None}
@@ -282,18 +313,10 @@ def run_grid(args, sandbox=None) -> int:
     print(f"specpilot: grid: {expansion.combinations} combinations, {len(expansion.recipes)} recipes "
           f"({len(expansion.excluded)} excluded, {len(expansion.refused)} refused, {len(expansion.duplicates)} "
           "duplicates)", file=sys.stderr)
-    passing = []
-    for i, r in enumerate(expansion.recipes, 1):
-        if args.no_gate:
-            passing.append(r.name)
-            continue
-        verdict = {"name": r.name, **gate_one(args, r.name, files[r.name], workloads, device, dtype, salt, out)}
-        grid["gate"].append(verdict)
-        write_json(out / "results.json", {"grid": grid})
-        print(f"specpilot: grid: gate {i}/{len(expansion.recipes)} {r.name}: {verdict['verdict']}"
-              + (f": {verdict['reason']}" if verdict["reason"] else ""), file=sys.stderr)
-        if verdict["verdict"] == "pass":
-            passing.append(r.name)
+    if args.no_gate:
+        passing = [r.name for r in expansion.recipes]
+    else:
+        passing = gate_all(args, expansion, files, workloads, device, dtype, salt, out, grid)
     grid["measured"] = passing
     write_json(out / "results.json", {"grid": grid})
     if passing:
