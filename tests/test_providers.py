@@ -29,7 +29,7 @@ from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_pa
 from specpilot.graph.providers import make_provider
 from specpilot.graph.providers.openai_compat import OpenAIProvider, candidates_schema
 from specpilot.graph.providers.policy import (MIN_GAIN, CostView, PolicyProvider, Skips, _ngram_dep,
-                                              algorithm_options, needs_triton)
+                                              algorithm_options, needs_triton, scheduler_options)
 from specpilot.kernels import IMPLEMENTATIONS
 from specpilot.memory import JsonlMemory, Outcome
 from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
@@ -774,3 +774,24 @@ def test_scheduler_puts_autotuned_gemms_last(profiles):
     assert "max-autotune-no-cudagraphs" in modes and len(cands) > 1
     assert modes[-1] == "max-autotune-no-cudagraphs"
     assert {"overlap": True} in [c.recipe_patch for c in cands]
+
+
+def test_scheduler_leaves_autotuning_to_steps_that_are_not_launch_bound(profiles):
+    """A launch-bound step's GEMMs take their launch's time: with the launch gap larger than the GEMM gaps the
+    scheduler does not propose autotuned templates, and says why (the H200's code run of 2026-12-02: verify 820%
+    launch-bound, GEMMs 8-12%, and the autotuning candidate cost 1 min 48 s of a 6.5-minute budget)."""
+    prof = copy.deepcopy(profiles["stock"])
+    prof["gaps"] = [
+        {"component": "verify", "gain": 8.2, "agent": "scheduler", "measured_s": 1.1e-3, "floor_s": 7e-5,
+         "reason": "launch-bound: 443 kernels"},
+        {"component": "kernel aten::mm [[5, 1536], [1536, 576]]", "gain": 0.12, "agent": "kernel-writer",
+         "measured_s": 1.4e-4, "floor_s": 1.3e-5, "reason": "9% of copy bandwidth"}]
+    ctx = context(prof, "scheduler", recipe={**asdict(load_recipe("stock")), "overlap": False}, device="cuda",
+                  max_candidates=10)
+    assert not [c for c in PolicyProvider().propose(ctx) if c.recipe_patch.get("compile_mode")]
+    skipped = Skips()
+    scheduler_options(parse(ctx.recipe), CostView.from_context(ctx.deployment, ctx.profile), prof["gaps"], skipped)
+    assert ("autotuned GEMMs: the step is launch-bound (820% against the GEMMs' 12%): a GEMM's time there is its "
+            "launch") in skipped
+    prof["gaps"][0]["gain"] = 0.05  # no longer launch-bound beyond the GEMMs' gap: proposed
+    assert [c for c in PolicyProvider().propose(ctx) if c.recipe_patch.get("compile_mode")]

@@ -680,11 +680,15 @@ def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict], skipped:
         gemm_gaps = [g for g in gaps or [] if agent_name(g.get("agent", "")) == "kernel_writer"
                      and (str(g.get("component", "")).startswith("kernel aten::") or g.get("component") == "verify")]
         gain = max((g.get("gain", 0.0) for g in gemm_gaps), default=0.0)
-        if gain >= MIN_GAIN:
+        if gain >= MIN_GAIN and launch_gain > gain:
+            # A launch-bound step's small GEMMs take their launch's time, which no template shortens
+            skipped.add(f"autotuned GEMMs: the step is launch-bound ({launch_gain:.0%} against the GEMMs' "
+                        f"{gain:.0%}): a GEMM's time there is its launch")
+        elif gain >= MIN_GAIN:
             out.append(Option({"compile": True, "compile_mode": "max-autotune-no-cudagraphs"}, (
                 "autotuned GEMM templates (compile_mode max-autotune-no-cudagraphs) for the step's small GEMMs: "
                 + "; ".join(_gap_text(g) for g in gemm_gaps[:3])), (1, -gain)))
-            # (last of the scheduler's: its evaluation autotunes every GEMM shape first, 2 min 13 s of a 6.5-minute
+            # (last of the scheduler's: its evaluation autotunes every GEMM shape first, 1 min 48 s of a 6.5-minute
             # budget on the H200 for SmolLM2's code run of 2026-12-02, where the other candidates took 45 s each)
         else:
             skipped.add(f"autotuned GEMMs: no GEMM gap of {MIN_GAIN:.0%} (largest {gain:.1%})")
