@@ -242,3 +242,44 @@ def test_gates_run_several_at_once_after_the_first_alone(tmp_path, monkeypatch):
     assert all(spans[n][0] >= spans[names[0]][1] for n in names[1:])  # the first ran alone
     written = json.loads((tmp_path / "results.json").read_text())["grid"]["gate"]
     assert [g["name"] for g in written] == names
+
+
+def test_a_second_run_into_the_same_dir_keeps_the_gate_verdicts(tmp_path, monkeypatch):
+    """A grid killed after its gate (here: its bench fails) and run again into the same DIR gates only what has no
+    pass or fail verdict yet (an error is gated again); another space, or other gate settings, gate everything."""
+    from specpilot.tools.grid import run as grid_run
+
+    space = write(tmp_path, {"base": {"drafter": {"kind": "ngram"}}, "axes": {"k": [1, 2, 3]}})
+    gated, runs = [], []
+
+    def fake_gate(args, name, recipe_file, workloads, device, dtype, salt, out):
+        gated.append(name)
+        verdict = {"k1": "pass", "k2": "fail"}.get(name, "error" if len(runs) == 1 else "pass")
+        return {"verdict": verdict, "reason": None, "seconds": 0.0}
+
+    def killed_bench(args, sandbox=None):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(grid_run, "gate_one", fake_gate)
+    monkeypatch.setattr(grid_run.bench_run, "run_bench", killed_bench)
+
+    def grid(*extra) -> None:
+        runs.append(extra)
+        args = cli.build_parser().parse_args(["grid", "--target", "t", "--workload", "code", "--space", space,
+                                              "--out", str(tmp_path / "out"), "--device", "cpu", *extra])
+        with pytest.raises(RuntimeError, match="killed"):
+            grid_run.run_grid(args)
+
+    grid()
+    names = [r["name"] for r in json.loads((tmp_path / "out" / "results.json").read_text())["grid"]["expansion"]
+             ["recipes"]]
+    assert sorted(gated) == sorted(names) and len(names) == 3
+    gated.clear()
+    grid("--gate-workers", "2")  # the workers do not change a verdict
+    errored = [n for n in names if n not in ("k1", "k2")]
+    assert gated == errored
+    verdicts = json.loads((tmp_path / "out" / "results.json").read_text())["grid"]["gate"]
+    assert [v["name"] for v in verdicts] == names and all(v["verdict"] != "error" for v in verdicts)
+    gated.clear()
+    grid("--gate-tokens", "16")  # another gate: every recipe again
+    assert sorted(gated) == sorted(names)

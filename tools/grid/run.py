@@ -9,7 +9,9 @@ Order of work, each step written down before the next starts so that a killed ru
 1. the space is expanded (space.py) and refused at once when it is too large or malformed;
 2. each recipe goes through the token-forcing gate (tools/gate/check.py) on every workload, on a few prompts under
    one salt (so the reference is computed once), `--gate-workers` recipes at a time; a recipe that fails or errors
-   is excluded, the rest go on;
+   is excluded, the rest go on; run again into the same DIR (same space, gate settings and workloads), a grid
+   keeps the verdicts the earlier run wrote down and gates only the rest (a run killed while gating or benching
+   does not gate again);
 3. one bench run (tools/bench/run.py, into DIR/bench/) measures every passing recipe with ar, stock and our fastest
    AR, `ar-fused-overlap` (the reference of every ratio), in one process in rotated order;
 4. DIR/results.json (the bench's results plus a `grid` section), DIR/report.md, DIR/best.json (a recipe file) and
@@ -78,15 +80,37 @@ def gate_one(args, name: str, recipe_file: Path, workloads: list[str], device: s
     return {"verdict": "pass", "reason": None, "seconds": time.perf_counter() - t0}
 
 
+def earlier_verdicts(out: Path, grid: dict) -> dict[str, dict]:
+    """The pass and fail verdicts an earlier run of this same grid (space, gate settings but the salt and the
+    workers, workloads) wrote into DIR/results.json; errors (a crash, a timeout) are gated again."""
+    try:
+        earlier = json.loads((out / "results.json").read_text())["grid"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+    def same_gate(g: dict | None) -> dict | None:
+        return g and {k: v for k, v in g.items() if k not in ("salt", "workers")}
+
+    if (earlier.get("space") != grid["space"] or same_gate(earlier.get("gate_settings")) != same_gate(
+            grid["gate_settings"]) or (earlier.get("bench_settings") or {}).get("workload")
+            != grid["bench_settings"]["workload"]):
+        return {}
+    names = {r["name"] for r in grid["expansion"]["recipes"]}
+    return {v["name"]: v for v in earlier.get("gate", []) if v.get("verdict") in ("pass", "fail") and v["name"] in names}
+
+
 def gate_all(args, expansion: Expansion, files: dict, workloads: list[str], device: str, dtype: str, salt: str,
-             out: Path, grid: dict) -> list[str]:
+             out: Path, grid: dict, known: dict[str, dict] | None = None) -> list[str]:
     """Every recipe through the gate, `args.gate_workers` at a time (each gate's candidate is a process of its own:
     on a GPU several share it; the 60-recipe SmolLM2 grid gated one after another does not fit a device call). The
-    first recipe goes alone: it computes each workload's reference, which the others then read from the cache.
-    Verdicts are written down as they come, and kept in the space's order; the passing recipes' names are returned."""
+    first recipe gated goes alone: it computes each workload's reference, which the others then read from the cache.
+    `known`: verdicts kept from an earlier run, not gated again. Verdicts are written down as they come, and kept in
+    the space's order; the passing recipes' names are returned."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    recipes, verdicts = expansion.recipes, {}
+    recipes, verdicts = expansion.recipes, dict(known or {})
+    if verdicts:
+        print(f"specpilot: grid: {len(verdicts)} verdicts kept from the earlier run in {out}", file=sys.stderr)
 
     def one(r) -> dict:
         return {"name": r.name, **gate_one(args, r.name, files[r.name], workloads, device, dtype, salt, out)}
@@ -98,10 +122,11 @@ def gate_all(args, expansion: Expansion, files: dict, workloads: list[str], devi
         print(f"specpilot: grid: gate {len(verdicts)}/{len(recipes)} {verdict['name']}: {verdict['verdict']}"
               + (f": {verdict['reason']}" if verdict["reason"] else ""), file=sys.stderr)
 
-    if recipes:
-        note(one(recipes[0]))
+    todo = [r for r in recipes if r.name not in verdicts]
+    if todo:
+        note(one(todo[0]))
     with ThreadPoolExecutor(max(1, getattr(args, "gate_workers", 1))) as pool:
-        for future in as_completed([pool.submit(one, r) for r in recipes[1:]]):
+        for future in as_completed([pool.submit(one, r) for r in todo[1:]]):
             note(future.result())  # (gate_one turns every failure into a verdict)
     return [r.name for r in recipes if verdicts[r.name]["verdict"] == "pass"]
 
@@ -305,6 +330,7 @@ def run_grid(args, sandbox=None) -> int:
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     salt = None if args.no_gate else secrets.token_hex(8)
     grid = grid_section(args, expansion, salt)
+    known = {} if args.no_gate else earlier_verdicts(out, grid)
     write_json(out / "results.json", {"grid": grid})
     files = {}
     for r in expansion.recipes:
@@ -316,7 +342,7 @@ def run_grid(args, sandbox=None) -> int:
     if args.no_gate:
         passing = [r.name for r in expansion.recipes]
     else:
-        passing = gate_all(args, expansion, files, workloads, device, dtype, salt, out, grid)
+        passing = gate_all(args, expansion, files, workloads, device, dtype, salt, out, grid, known)
     grid["measured"] = passing
     write_json(out / "results.json", {"grid": grid})
     if passing:
