@@ -246,16 +246,18 @@ def test_gates_run_several_at_once_after_the_first_alone(tmp_path, monkeypatch):
 
 def test_a_second_run_into_the_same_dir_keeps_the_gate_verdicts(tmp_path, monkeypatch):
     """A grid killed after its gate (here: its bench fails) and run again into the same DIR gates only what has no
-    pass or fail verdict yet (an error is gated again); another space, or other gate settings, gate everything."""
+    verdict yet, an error, or a crashed candidate; another space, or other gate settings, gate everything."""
     from specpilot.tools.grid import run as grid_run
 
-    space = write(tmp_path, {"base": {"drafter": {"kind": "ngram"}}, "axes": {"k": [1, 2, 3]}})
+    space = write(tmp_path, {"base": {"drafter": {"kind": "ngram"}}, "axes": {"k": [1, 2, 3, 4]}})
     gated, runs = [], []
 
     def fake_gate(args, name, recipe_file, workloads, device, dtype, salt, out):
         gated.append(name)
-        verdict = {"k1": "pass", "k2": "fail"}.get(name, "error" if len(runs) == 1 else "pass")
-        return {"verdict": verdict, "reason": None, "seconds": 0.0}
+        if len(runs) == 1 and name in ("k3", "k4"):  # an error, a crash: gated again
+            return {"verdict": "error" if name == "k3" else "fail", "reason": None, "seconds": 0.0, "kind": "crashed"}
+        verdict = {"k1": "pass", "k2": "fail"}.get(name, "pass")
+        return {"verdict": verdict, "reason": None, "seconds": 0.0, "kind": "divergence" if verdict == "fail" else None}
 
     def killed_bench(args, sandbox=None):
         raise RuntimeError("killed")
@@ -273,13 +275,14 @@ def test_a_second_run_into_the_same_dir_keeps_the_gate_verdicts(tmp_path, monkey
     grid()
     names = [r["name"] for r in json.loads((tmp_path / "out" / "results.json").read_text())["grid"]["expansion"]
              ["recipes"]]
-    assert sorted(gated) == sorted(names) and len(names) == 3
+    assert sorted(gated) == sorted(names) and len(names) == 4
     gated.clear()
     grid("--gate-workers", "2")  # the workers do not change a verdict
     errored = [n for n in names if n not in ("k1", "k2")]
     assert gated == errored
     verdicts = json.loads((tmp_path / "out" / "results.json").read_text())["grid"]["gate"]
-    assert [v["name"] for v in verdicts] == names and all(v["verdict"] != "error" for v in verdicts)
+    assert [(v["name"], v["verdict"]) for v in verdicts] == [("k1", "pass"), ("k2", "fail"), ("k3", "pass"),
+                                                              ("k4", "pass")]
     gated.clear()
     grid("--gate-tokens", "16")  # another gate: every recipe again
     assert sorted(gated) == sorted(names)

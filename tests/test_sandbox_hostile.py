@@ -359,3 +359,24 @@ def test_gate_candidate_hostile_patch_contained(hostile, tiny_target, tmp_path, 
     assert "HOSTILE " in tail, tail
     out = json.loads(tail.split("HOSTILE ", 1)[1].splitlines()[0])
     check_findings(out, hostile, exact_env=False)
+
+
+def test_releasing_one_forked_worker_leaves_the_others_running(tiny_target, monkeypatch):
+    """The fork server kills what a released worker left behind, but never another worker it still holds: the grid
+    gates several candidates at once on one fork server (on the H200 a misread session id made every release kill
+    the other live workers: 49 of 60 grid recipes 'crashed: killed by SIGKILL', 2026-12-02)."""
+    from specpilot.tools.sandbox.candidate_client import Candidate
+
+    monkeypatch.delenv("SPECPILOT_GATE_LAUNCH", raising=False)
+    recipe = json.dumps({"name": "t", "drafter": {"kind": "ngram"}, "k": 2})
+    first, second = (Candidate(tiny_target, recipe, "fp32", "cpu", None, timeout_s=60) for _ in range(2))
+    try:
+        tokens, _ = first.run([[1, 2, 3]], 2)
+        assert len(tokens[0]) == 2
+        first.cleanup()  # released while the second worker is alive (it may still be loading its model)
+        tokens, _ = second.run([[1, 2, 3]], 2)
+        assert len(tokens[0]) == 2
+        assert second.worker.exit_status() == 0  # its stdin closed, it ended on its own: nobody killed it
+    finally:
+        first.cleanup()
+        second.cleanup()

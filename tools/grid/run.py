@@ -40,6 +40,7 @@ REFERENCE = "ar-fused-overlap"
 REFERENCE_RECIPE = {"specpilot_recipe": 1, "name": REFERENCE, "layer": "fused", "overlap": True,
                     "description": "our fastest AR (docs/RECIPE.md): the grid's reference"}
 PLOT = "grid_tok_s.png"
+RETRIED = ("crashed", "timed_out")  # a candidate process's failures that a second run gates again
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -75,14 +76,16 @@ def gate_one(args, name: str, recipe_file: Path, workloads: list[str], device: s
         except Exception as e:  # noqa: BLE001 - the gate's own error on one recipe is that recipe's verdict
             return {"verdict": "error", "reason": f"{workload}: {type(e).__name__}: {one_line(e)}",
                     "seconds": time.perf_counter() - t0}
-        if not report.passed:
-            return {"verdict": "fail", "reason": f"{workload}: {report.reason}", "seconds": time.perf_counter() - t0}
+        if not report.passed:  # kind: the gate's (divergence, ...) or the candidate process's (crashed, timed_out)
+            return {"verdict": "fail", "reason": f"{workload}: {report.reason}", "seconds": time.perf_counter() - t0,
+                    "kind": (report.failure or {}).get("kind")}
     return {"verdict": "pass", "reason": None, "seconds": time.perf_counter() - t0}
 
 
 def earlier_verdicts(out: Path, grid: dict) -> dict[str, dict]:
-    """The pass and fail verdicts an earlier run of this same grid (space, gate settings but the salt and the
-    workers, workloads) wrote into DIR/results.json; errors (a crash, a timeout) are gated again."""
+    """The verdicts an earlier run of this same grid (space, gate settings but the salt and the workers, workloads)
+    wrote into DIR/results.json, but for errors and for candidates that crashed or timed out (what a machine under
+    load or a since-fixed fault can cause): those are gated again."""
     try:
         earlier = json.loads((out / "results.json").read_text())["grid"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -96,7 +99,8 @@ def earlier_verdicts(out: Path, grid: dict) -> dict[str, dict]:
             != grid["bench_settings"]["workload"]):
         return {}
     names = {r["name"] for r in grid["expansion"]["recipes"]}
-    return {v["name"]: v for v in earlier.get("gate", []) if v.get("verdict") in ("pass", "fail") and v["name"] in names}
+    return {v["name"]: v for v in earlier.get("gate", []) if v["name"] in names and (
+        v.get("verdict") == "pass" or v.get("verdict") == "fail" and v.get("kind") not in RETRIED)}
 
 
 def gate_all(args, expansion: Expansion, files: dict, workloads: list[str], device: str, dtype: str, salt: str,

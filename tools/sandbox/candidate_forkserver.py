@@ -92,7 +92,7 @@ def _release(pid: int, grace: float, homes: dict) -> int:
 def _session(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[4])  # state ppid pgrp session
+            return int(f.read().rsplit(")", 1)[1].split()[3])  # after "pid (comm)": state ppid pgrp session
     except (OSError, ValueError, IndexError):
         return None
 
