@@ -31,6 +31,9 @@ class Candidate:
     recipe_patch: dict = field(default_factory=dict)   # recipe fields to change, deep-merged into the current recipe
     kernel: KernelSource | None = None
     origin: str = "policy"                              # policy | openai:<model> | memory | human
+    # The speedup this change measured on a similar deployment (memory), over the recipe it changed: remembered
+    # winners are evaluated first, the strongest first (a warm start). Not part of the id.
+    prior: float | None = None
 
     @property
     def id(self) -> str:
@@ -47,7 +50,7 @@ class Candidate:
         """Validate an untrusted mapping (an LLM's answer, an edited JSON) into a Candidate."""
         if not isinstance(data, dict):
             raise CandidateError(f"a candidate must be a JSON object, got {type(data).__name__}")
-        unknown = set(data) - {"id", "agent", "reason", "recipe_patch", "kernel", "origin"}
+        unknown = set(data) - {"id", "agent", "reason", "recipe_patch", "kernel", "origin", "prior"}
         if unknown:
             raise CandidateError(f"unknown candidate field(s): {', '.join(sorted(unknown))}")
         agent = data.get("agent", agent)
@@ -67,7 +70,11 @@ class Candidate:
             kernel = KernelSource(**kernel)
         if not patch and kernel is None:
             raise CandidateError("a candidate must change something: give 'recipe_patch' or 'kernel'")
-        return cls(agent, reason.strip(), patch, kernel, data.get("origin", origin))
+        prior = data.get("prior")
+        if prior is not None and (isinstance(prior, bool) or not isinstance(prior, (int, float)) or prior <= 0):
+            raise CandidateError(f"candidate field 'prior': a positive number or null, got {prior!r}")
+        return cls(agent, reason.strip(), patch, kernel, data.get("origin", origin),
+                   None if prior is None else float(prior))
 
 
 def merge_patch(recipe: dict, patch: dict) -> dict:

@@ -309,15 +309,21 @@ def agent_node(agent: str):
 # -- review: a person looks at each valid candidate before it is evaluated ----------------------------------------
 
 def this_round(state: dict, *statuses: str) -> list[dict]:
-    """This round's candidates in the order they are evaluated: each agent's first, then each one's second, ...,
+    """This round's candidates in the order they are evaluated: first the changes that won on a similar deployment
+    (memory's, the largest remembered speedup first: a warm start), then each agent's first, each one's second, ...,
     the agents in the router's order (largest gap first). A budget that runs out mid-round so leaves out the least
     promising candidates of every agent rather than one agent's whole list (the H200's code run of 2026-12-02
-    evaluated two attention kernels and two draft lengths and ran out before the scheduler's first proposal)."""
+    evaluated two attention kernels and two draft lengths and ran out before the scheduler's first proposal; its
+    warm-started chat run evaluated the smallest remembered win first and ran out before the largest)."""
     recs = [r for r in state.get("candidates", {}).values()
             if r["round"] == state["round"] and (not statuses or r["status"] in statuses)]
     routed = [a for a in (state.get("route") or {}).get("agents", []) if a in AGENTS]
     rank = {a: i for i, a in enumerate(routed + [a for a in AGENTS if a not in routed])}
-    return sorted(recs, key=lambda r: (r["pass"], r["order"], rank.get(r["agent"], len(rank)), r["id"]))
+
+    def prior(r: dict) -> float:
+        return float((r.get("candidate") or {}).get("prior") or 0.0)
+
+    return sorted(recs, key=lambda r: (r["pass"], -prior(r), r["order"], rank.get(r["agent"], len(rank)), r["id"]))
 
 
 def _candidate_evidence(rec: dict, best: dict) -> dict:

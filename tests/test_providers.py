@@ -29,7 +29,7 @@ from specpilot.graph.candidates import AGENTS, AgentContext, Candidate, merge_pa
 from specpilot.graph.providers import make_provider
 from specpilot.graph.providers.openai_compat import OpenAIProvider, candidates_schema
 from specpilot.graph.providers.policy import (MIN_GAIN, CostView, PolicyProvider, Skips, _ngram_dep,
-                                              algorithm_options, needs_triton, scheduler_options)
+                                              algorithm_options, needs_triton, read_memory, scheduler_options)
 from specpilot.kernels import IMPLEMENTATIONS
 from specpilot.memory import JsonlMemory, Outcome
 from specpilot.prompts import NAMES, PromptError, compact, placeholders, render
@@ -757,6 +757,37 @@ def test_round_evaluates_each_agents_best_first():
                      ("kernel_writer", 1, 0), ("algorithm", 0, 1)]
     state["route"] = {"agents": []}  # (no route recorded: the agents' fixed order)
     assert [r["agent"] for r in this_round(state, "proposed")][:3] == ["kernel_writer", "algorithm", "scheduler"]
+
+
+def test_a_warm_start_evaluates_remembered_winners_first_strongest_first(profiles, tmp_path):
+    """A second run on a similar deployment: the changes that won there come before every fresh proposal, the largest
+    remembered speedup first, whichever agent owns them (the H200's warm-started chat run, 2026-12-02, evaluated a
+    1.12x draft length and ran out of budget before the 1.37x fused layer)."""
+    from specpilot.graph.nodes import this_round
+    from specpilot.graph.proposals import record
+
+    prof = profiles["stock"]
+    memory = JsonlMemory(tmp_path / "memory.jsonl")
+    small = Candidate("algorithm", "earlier run", {"drafter": {"kind": "ngram", "max_ngram": 2}, "k": 8})
+    large = Candidate("kernel_writer", "earlier run", {"layer": "fused"})
+    memory.record(outcome(small, prof, True, 1.12))
+    memory.record(outcome(large, prof, True, 1.37))
+    hits = [{"outcome": asdict(h.outcome), "score": h.score, "flags": h.flags}
+            for h in memory.similar(deployment(prof))]
+    assert [v.speedup for v in read_memory(hits)] == [1.37, 1.12]  # equally close: the stronger first
+    policy, recipe = PolicyProvider(), asdict(load_recipe("stock"))
+    cands = {agent: policy.propose(context(prof, agent, device="cuda", hits=hits))
+             for agent in ("scheduler", "algorithm", "kernel_writer")}
+    assert cands["algorithm"][0].origin == "memory" and cands["algorithm"][0].prior == 1.12
+    assert cands["kernel_writer"][0].origin == "memory" and cands["kernel_writer"][0].prior == 1.37
+    recs = [record(c, agent, c.origin, recipe, tmp_path / "run", 1, 0, i, "policy")
+            for agent, cs in cands.items() for i, c in enumerate(cs)]
+    state = {"round": 1, "candidates": {r["id"]: r for r in recs},
+             "route": {"agents": ["scheduler", "algorithm", "kernel_writer"]}}
+    order = this_round(state, "proposed")
+    assert [(r["agent"], r["origin"]) for r in order[:2]] == [("kernel_writer", "memory"), ("algorithm", "memory")]
+    assert all(r["origin"] != "memory" for r in order[2:])
+    assert Candidate.from_dict(cands["kernel_writer"][0].to_dict()).prior == 1.37  # it survives the record
 
 
 def test_scheduler_puts_autotuned_gemms_last(profiles):

@@ -116,6 +116,7 @@ class MemoryVerdict:
     failed: bool                # a failure was recorded (compile error, kernel check, gate, slower)
     why: str                    # "passed on <deployment> with 1.40x over stock" / "failed on <deployment>: gate"
     score: float
+    speedup: float | None = None  # what it measured (memory_speedup), on a pass
 
 
 def describe_deployment(dep: dict) -> str:
@@ -145,9 +146,15 @@ def memory_speedup(results: dict) -> tuple[float, str] | None:
 
 
 def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
-    """Hits (memory.base.Hit as dicts: outcome, score, flags), best first, as verdicts."""
+    """Hits (memory.base.Hit as dicts: outcome, score, flags), best first, as verdicts: the closest deployment first,
+    and among equally close ones the largest measured speedup first (stable: other ties keep memory's order)."""
     out = []
-    for hit in sorted(hits or [], key=lambda h: -float(h.get("score", 0.0))):  # stable: ties keep memory's order
+
+    def rank(hit: dict) -> tuple[float, float]:
+        speed = memory_speedup((hit.get("outcome") or {}).get("results") or {})
+        return -float(hit.get("score", 0.0)), -(speed[0] if speed else 0.0)
+
+    for hit in sorted(hits or [], key=rank):
         outcome = hit.get("outcome") or {}
         cand = outcome.get("candidate") or {}
         if not isinstance(cand, dict) or not (cand.get("recipe_patch") or cand.get("kernel")):
@@ -163,7 +170,7 @@ def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
             out.append(MemoryVerdict(cand, False, True, why + note, float(hit.get("score", 0.0))))
         elif gate.get("passed") is True and speed and speed[0] > 1.0:
             why = f"passed on {where} with {speed[0]:.2f}x over {speed[1]}"
-            out.append(MemoryVerdict(cand, True, False, why + note, float(hit.get("score", 0.0))))
+            out.append(MemoryVerdict(cand, True, False, why + note, float(hit.get("score", 0.0)), speed[0]))
     return out
 
 
@@ -1012,7 +1019,7 @@ class PolicyProvider(Provider):
                 original = str(v.candidate.get("reason") or "").strip()
                 reason = f"memory: {v.why}" + (f"; originally: {original}" if original else "")
                 admit(Candidate(ctx.agent, reason, dict(v.candidate.get("recipe_patch") or {}), _kernel(v.candidate),
-                                "memory"))
+                                "memory", v.speedup))
 
         view = CostView.from_context(ctx.deployment, ctx.profile)
         if view is not None:
