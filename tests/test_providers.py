@@ -188,6 +188,31 @@ def test_algorithm_proposes_an_ngram_tree_where_the_wider_step_is_nearly_free(pr
         assert not [c for c in cands if c.recipe_patch.get("verification") == "tree"]
 
 
+def test_algorithm_on_the_fused_layer_measures_shorter_drafts_first(profiles):
+    """On CUDA's fused layer a verify step runs a program per token (its FMA path, up to FMA_MAX_TOKENS tokens): the
+    cost model's flat price of a longer draft is not trusted there. The n-gram lengths nearest the current one are
+    proposed to be measured, shorter first, before any priced length; none whose step leaves the FMA path; and
+    min_ngram = 2 among the unpriced options. On the modular layer the priced order stands."""
+    prof = copy.deepcopy(profiles["stock"])
+    prof["acceptance"].update(per_position=[0.9, 0.85, 0.8, 0.8], tau=3.0)  # longer drafts priced as gains
+    fused = {**asdict(load_recipe("stock")), "layer": "fused"}
+    ctx = context(prof, "algorithm", recipe=fused, device="cuda", max_candidates=100)
+    cands = PolicyProvider().propose(ctx)
+    check_valid(cands, ctx)
+    other_k = [c for c in cands if c.recipe_patch.get("k", 4) != 4]
+    assert [c.recipe_patch["k"] for c in other_k] == [3, 2, 1]  # nearest first, shorter first (none longer fits)
+    assert all(c.recipe_patch["drafter"]["max_ngram"] == 3 for c in other_k)
+    assert all(cands.index(c) < cands.index(o) for c in other_k for o in cands if "k" not in o.recipe_patch)
+    assert "program per token" in other_k[0].reason and "costs less than the 5 now" in other_k[0].reason
+    assert [c for c in cands if c.recipe_patch == {"drafter": {"min_ngram": 2}}]
+    modular = PolicyProvider().propose(context(prof, "algorithm", device="cuda", max_candidates=100))
+    assert modular[0].recipe_patch["k"] > 4  # the cost model's order: more drafts pay at this acceptance
+    view = CostView.from_context(deployment(prof, device="cuda"), prof)
+    skipped = Skips()
+    algorithm_options(replace(load_recipe("stock"), layer="fused"), view, skipped)
+    assert any(s.startswith("n-gram k=6, 8, 12, 16 on the fused layer") for s in skipped), skipped
+
+
 def test_algorithm_turns_speculation_off_when_drafts_are_rejected(profiles):
     prof = copy.deepcopy(profiles["stock"])
     prof["acceptance"].update(per_position=[0.0, 0.0, 0.0, 0.0], tau=1.0)

@@ -390,6 +390,8 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
     stock = BUILTIN["stock"]
     best_ngram: tuple[float, str] | None = None  # the best n-gram option left out, for the reason
     unreachable = 0  # n-gram options that no acceptance rate below 1 makes pay
+    fma = fused_fma_tokens(recipe, view)
+    off_fma: list[int] = []  # draft lengths whose verify step would leave the fused layer's FMA path
     for k in NGRAM_K_CHOICES:
         for max_ngram in NGRAM_MAX_CHOICES:
             if min_ngram > max_ngram:
@@ -400,6 +402,23 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
             patch = {"drafter": {"kind": "ngram", "max_ngram": max_ngram, "min_ngram": min_ngram}, "k": k}
             ndep = _ngram_dep(view, k, max_ngram, min_ngram)
             name = f"n-gram drafter k={k}, max_ngram={max_ngram}"
+            if fma and dep.drafter_kind == "ngram" and k != recipe.k:
+                if (k + 1) * dep.batch > fma:
+                    off_fma.append(k)
+                    continue
+                if max_ngram == recipe.drafter.max_ngram:
+                    # The cost model prices a GEMM by its weights, read once whatever the tokens; the fused layer's
+                    # FMA path runs a program per token, so its verify step grows with every draft. Prices of
+                    # another k are not to be trusted there: the nearest lengths are measured, shorter first (on
+                    # the H200 the fused layer's k = 2 beat its k = 4 on code and chat, 2026-12-02 grid).
+                    p = view.predict(ndep, view.acceptance(k))
+                    options.append(Option(patch, (
+                        f"{name} on the fused layer: its FMA path runs a program per token, so a verify step of "
+                        f"{k + 1} tokens costs {'less' if k < recipe.k else 'more'} than the {recipe.k + 1} now, "
+                        f"which the calibrated cost model (weights read once: {p.tokens_per_s:.0f} against "
+                        f"{cur_tps:.0f} tok/s) does not price; at {measured_note} the evaluation measures it"),
+                        (1, 0.0, abs(k - recipe.k), k > recipe.k)))
+                continue
             if dep.drafter_kind == "ngram":
                 acc = view.acceptance(k)
                 p = view.predict(ndep, acc)
@@ -431,6 +450,10 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
                     f"at a per-token rate above {rate:.2f} (tau above {need:.2f})"),
                     (2, 0 if first else 1, rate, k, max_ngram)))
 
+    if off_fma:
+        skipped.add(f"n-gram k={', '.join(map(str, sorted(set(off_fma))))} on the fused layer: a verify step of more "
+                    f"than {fma} tokens leaves its FMA path for the tensor cores' (on the H200 its k = 6 ran 0.72x and "
+                    f"0.66x its k = 4 on code and chat, 2026-12-02 grid)")
     if best_ngram is not None:
         skipped.add(f"n-gram drafters: none is predicted to gain {MIN_GAIN:.0%} over {cur_tps:.0f} tok/s with {now} "
                     f"at {measured_note} (best: {best_ngram[1]}, {best_ngram[0]:+.0%})")
@@ -450,6 +473,13 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
     elif recipe.drafter.kind != "none" and not recipe.drafter.adaptive:
         skipped.add("adaptive draft length: no acceptance measured per position to justify it")
     d = recipe.drafter
+    if d.kind == "ngram" and d.min_ngram == 1 and d.max_ngram >= 2 and view.per_position:
+        # Not priced: acceptance by the order of the match is not in the profile.
+        options.append(Option({"drafter": {"min_ngram": 2}}, (
+            f"n-gram matches of at least 2 tokens for {now}: a 1-token match is the least specific context, and at "
+            f"{measured_note} most drafts are rejected; with min_ngram=2 the drafter proposes nothing rather than a "
+            f"1-token guess, so fewer steps verify drafts that miss (and with ar_after_miss such steps become AR "
+            f"steps); the cost model does not price this, the evaluation measures it"), (2, 1)))
     if d.kind == "ngram" and d.adaptive and not d.ar_after_miss and view.per_position:
         # Also not priced: how often the drafter finds nothing is not in the profile.
         options.append(Option({"drafter": {"ar_after_miss": True}}, (
@@ -459,6 +489,15 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
             f"searching; the cost model does not price this, the evaluation measures it"), (2, 0)))
     options += _tree_options(recipe, view, cur, now, measured_note, skipped)
     return sorted(options, key=lambda o: o.rank)
+
+
+def fused_fma_tokens(recipe: Recipe, view: CostView) -> int | None:
+    """The most tokens a step of the fused layer runs on its FMA path (a program per token), on CUDA; else None."""
+    if recipe.layer != "fused" or not view.cuda:
+        return None
+    from ...kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
+
+    return FMA_MAX_TOKENS
 
 
 def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, measured_note: str,
