@@ -205,6 +205,12 @@ def env_line(env: dict) -> str:
             + "".join(f" · {k}={v}" for k, v in (env.get("settings") or {}).items()))
 
 
+def grid_dir(space: str, workloads: list[str], batch_sizes: str) -> Path:
+    """Where the grid experiment writes a (non-smoke) grid: a fixed folder, so that the same grid run again on a warm
+    machine keeps the earlier call's gate verdicts, and the optimize experiment finds its best recipe."""
+    return WORK / "-".join(["specpilot-grid", Path(space).stem, *workloads, "b" + str(batch_sizes).replace(",", "_")])
+
+
 def scratch_dir(name: str) -> Path:
     """A fresh folder for one run's logs and intermediate outputs (kept: its path is in NAME.json)."""
     return Path(tempfile.mkdtemp(prefix=f"specpilot-{name}-"))

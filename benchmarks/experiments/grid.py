@@ -10,9 +10,10 @@ that ratio over the cells); NAME.json keeps the grid's results.json and best.jso
 
 Sizes: the 10-recipe 8B replay grid fits one device call; the 60-recipe SmolLM2 grid (`--space smollm2`) gates each
 recipe in its own process, 4 at a time (`--gate-workers`), and is not yet timed on the H200: give it `--workload
-code` and a call of its own. The grid writes into /tmp/specpilot-grid-SPACE-WORKLOADS-bB (not the run's scratch
-folder), so a call killed at its limit leaves its gate verdicts to the same command in the next call of the warm
-machine, which gates only the rest (tools/grid/run.py).
+code` and a call of its own (5 minutes with `--gate-workers 6`, 2026-12-02). The grid writes into
+/tmp/specpilot-grid-SPACE-WORKLOADS-bB (harness.grid_dir, not the run's scratch folder), so a call killed at its limit
+leaves its gate verdicts to the same command in the next call of the warm machine, which gates only the rest
+(tools/grid/run.py), and the optimize experiment benches the grid's best beside its own.
 
 Backs docs/BENCHMARKS.md, "Optimize vs hand-found best" (the grid's best, the yardstick of issue #23) and the 8B
 figures (issue #24), once run.
@@ -22,8 +23,6 @@ Device minutes: about 9, not yet measured.
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import harness
 
@@ -56,9 +55,7 @@ def run(out_dir, args):
     if args.space.startswith("llama-3.1-8b") and not (args.target or args.smoke):
         ctx.target = TARGET_8B  # the 8B grid's recipes replay acceptance: they need the synthetic target
     workloads, limit, tokens = harness.smoke_sized(args, args.workload, args.limit, args.max_new_tokens)
-    # A fixed folder: the same grid run again on a warm machine keeps the earlier call's gate verdicts.
-    grid_dir = ctx.scratch / "grid" if args.smoke else Path(tempfile.gettempdir()) / "-".join([
-        "specpilot-grid", Path(args.space).stem, *workloads, "b" + args.batch_sizes.replace(",", "_")])
+    grid_dir = ctx.scratch / "grid" if args.smoke else harness.grid_dir(args.space, workloads, args.batch_sizes)
     step = ctx.module("grid", "specpilot.cli", [
         "grid", "--target", ctx.target, "--device", ctx.device, "--space", smoke_space(ctx) if args.smoke else args.space,
         "--workload", ",".join(workloads), "--limit", limit, "--max-new-tokens", tokens,

@@ -5,7 +5,8 @@ What it measures. `specpilot optimize --target T --workload code --device cuda -
 of the found recipe beside ar, stock and the best recipe found by hand (the adaptive min-2 n-gram with
 ar_after_miss on the fused layer, with overlap) on code, chat, math, summarize and rag at B = 1 (4 prompts, 128
 tokens), then tools/bench/optimize_summary.py's table: the found recipe's tok/s and its ratios per workload, and the
-run's device minutes. Added here: the found recipe over the hand-found best in the same cell (issue #23's "62%").
+run's device minutes. Added here: the found recipe over the hand-found best in the same cell (issue #23's "62%"), and
+over the grid's best (issue #23's yardstick) when the grid experiment ran on this machine before (or --grid-best).
 
 Needs on the H200 the graph's wheels (.gpu/whl-graph: LangGraph, pydantic, ...; benchmarks/README.md), carried and
 staged like .gpu/whl; the memory is a JSON-lines file, so chromadb is not needed.
@@ -19,6 +20,7 @@ Device minutes: about 9 (optimize 360 s of work, 510 s at most with the evaluati
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import harness
 
@@ -33,6 +35,8 @@ OPT_FLAGS = ["--budget-rounds", 3, "--budget-minutes", 6, "--budget-gpu-minutes"
 # it: about 45 s, an autotuning one over 2 minutes) and the report. (At 330 s with a 6.5-minute budget the run was
 # killed in its first round, 2026-12-02.)
 OPT_TIMEOUT_S = 6 * 60 + 150
+# A CPU smoke run gates on long inputs too: 8.5 minutes were not enough on 2 busy cores (2026-12-02).
+SMOKE_TIMEOUT_S = 20 * 60
 SMOKE_FLAGS = ["--budget-rounds", 1, "--max-new-tokens", 8, "--limit", 1, "--max-candidates", 1, "--dtype", "fp32"]
 
 
@@ -40,6 +44,9 @@ def arguments(p) -> None:
     p.add_argument("--workload", default="code", help="the workload optimize runs on")
     p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
     p.add_argument("--no-hand-best", action="store_true", help=f"leave {HAND_BEST} out of the bench")
+    p.add_argument("--grid-best", default=None,
+                   help="a grid's best.json to bench beside the found recipe (default: the grid experiment's "
+                        "`--space smollm2` best for --workload at B = 1, when an earlier call of this machine left it)")
     p.add_argument("--acceptance", default=None,
                    help="with --target synthetic:NAME: optimize --acceptance A1,A2,... (a drafter's acceptance, "
                         "replayed; issue #24's optimize on a synthetic 8B; add --no-hand-best, whose n-gram drafts "
@@ -56,7 +63,7 @@ def run(out_dir, args):
         "optimize", "--target", ctx.target, "--workload", args.workload, "--device", ctx.device, "--provider",
         "policy", "--memory", memory, *(SMOKE_FLAGS if args.smoke else OPT_FLAGS),
         *(["--acceptance", args.acceptance] if args.acceptance else []), "--out", run_dir],
-                     timeout=OPT_TIMEOUT_S)
+                     timeout=SMOKE_TIMEOUT_S if args.smoke else OPT_TIMEOUT_S)
     recipe = run_dir / "recipe.json"
     if not recipe.is_file():  # stopped by the time limit: the best adopted so far, if any
         recipe = max(run_dir.glob("recipes/best-r*.json"), key=lambda p: p.stat().st_mtime, default=None)
@@ -67,24 +74,35 @@ def run(out_dir, args):
             8 if args.smoke else 128, "--limit", 1 if args.smoke else 4, "--device", ctx.device, "--out", bench_dir]
     if not args.no_hand_best:
         argv += ["--recipe", ctx.recipe(HAND_BEST, SYSTEMS[HAND_BEST])]
+    grid_best = Path(args.grid_best) if args.grid_best else harness.grid_dir("smollm2", [args.workload], "1") / "best.json"
+    grid = json.loads(grid_best.read_text()) if not args.smoke and grid_best.is_file() else None
+    if grid:
+        argv += ["--recipe", grid_best]
     bench = ctx.module("bench", "specpilot.cli", argv, timeout=240)
     ctx.need(bench_dir / "results.json", bench)
     summary = optimize_summary.summarize(recipe, bench_dir)
     table = optimize_summary.markdown(summary)
-    hand = vs_hand_best(found.get("name"), json.loads((bench_dir / "results.json").read_text()))
-    if hand:
-        table += "\n\n" + harness.md_table(["workload", "B", "found tok/s", f"{HAND_BEST} tok/s", "found / hand-found"],
-                                           [[h["workload"], h["batch_size"], harness.fmt(h["found"], ",.0f"),
-                                             harness.fmt(h["hand"], ",.0f"), harness.fmt(h["ratio"], ".0%")]
-                                            for h in hand])
+    results = json.loads((bench_dir / "results.json").read_text())
+    against = {"hand-found best": None if args.no_hand_best else HAND_BEST,
+               "grid best": grid and grid.get("name")}
+    versus = {what: vs(found.get("name"), other, results) for what, other in against.items() if other}
+    for what, rows in versus.items():
+        other = against[what]
+        table += "\n\n" + harness.md_table(["workload", "B", "found tok/s", f"{other} ({what}) tok/s",
+                                             f"found / {what}"],
+                                            [[r["workload"], r["batch_size"], harness.fmt(r["found"], ",.0f"),
+                                              harness.fmt(r["other"], ",.0f"), harness.fmt(r["ratio"], ".0%")]
+                                             for r in rows])
     report = run_dir / "report.md"
-    return ({"recipe": found, "summary": summary, "vs_hand_best": hand, "run_dir": str(run_dir),
-             "report": report.read_text() if report.is_file() else None}, table)
+    return ({"recipe": found, "summary": summary, "vs_hand_best": versus.get("hand-found best"),
+             "vs_grid_best": versus.get("grid best"), "grid_best": grid and {"file": str(grid_best), "recipe": grid},
+             "run_dir": str(run_dir), "report": report.read_text() if report.is_file() else None}, table)
 
 
-def vs_hand_best(name: str | None, results: dict) -> list[dict]:
+def vs(name: str | None, other: str, results: dict) -> list[dict]:
+    """The found recipe's tok/s over another system's, cell by cell, in the same bench."""
     cells = {cell: {s: r.get("tokens_per_s") for s, r in systems.items()}
              for cell, systems in harness.bench_cells(results).items()}
-    return [{"workload": wl, "batch_size": b, "found": c.get(name), "hand": c.get(HAND_BEST),
-             "ratio": c[name] / c[HAND_BEST] if c.get(name) and c.get(HAND_BEST) else None}
-            for (wl, b), c in cells.items() if HAND_BEST in c]
+    return [{"workload": wl, "batch_size": b, "found": c.get(name), "other": c.get(other),
+             "ratio": c[name] / c[other] if c.get(name) and c.get(other) else None}
+            for (wl, b), c in cells.items() if other in c]
