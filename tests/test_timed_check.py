@@ -171,3 +171,34 @@ def test_coverage_batches_and_adopted_recipe_pinned_to_the_gate_batch(tmp_path):
     new = adopt({"out_dir": str(tmp_path)}, {"name": "r", "k": 2}, "c", 1, {"passed": True, "batch_size": 4}, speed)
     assert new["recipe"]["batch"]["max_batch_size"] == 4
     assert json.loads(Path(new["path"]).read_text())["batch"]["max_batch_size"] == 4
+
+
+def test_coverage_checks_run_only_for_a_candidate_that_wins(tmp_path, monkeypatch):
+    """The gate comes before any timing; the gate at smaller batch sizes and on long inputs only for a candidate that
+    beat the best, and a winner that fails them does not win (nor is it ever adopted: its gate reads failed)."""
+    from specpilot.graph import evaluate as ev
+
+    calls = []
+    monkeypatch.setattr(ev, "gate", lambda s, path, out, b: (calls.append("gate") or {"passed": True, "reason": None,
+                                                                                      "batch_size": b}, 1.0))
+    speeds = iter([0.99, 1.10, 1.10])
+    monkeypatch.setattr(ev, "compare", lambda *a: (calls.append("compare") or {
+        "ok": True, "speedup_vs_best": next(speeds), "noise": 0.0}, 1.0))
+    monkeypatch.setattr(ev, "check_timed_run", lambda *a: (calls.append("timed") or {"passed": True}, 1.0))
+    coverage = iter([{"passed": True, "reason": None, "checks": []},
+                     {"passed": False, "reason": "at batch size 1: token 3 differs", "checks": []}])
+    monkeypatch.setattr(ev, "coverage_gate", lambda *a: (calls.append("coverage") or next(coverage), 1.0))
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"name": "r", "k": 2, "drafter": {"kind": "ngram"}}))
+    s = {"out_dir": str(tmp_path / "run"), "batch_size": 1}
+    best = {"recipe": asdict(load_recipe("stock")), "path": "stock", "source": "stock"}
+    loses = ev.evaluate_recipe(s, str(recipe), "c1", best, None)
+    assert calls == ["gate", "compare", "timed"] and not loses["beats_best"]
+    assert loses["failure"].startswith("not faster: 0.990x")
+    calls.clear()
+    wins = ev.evaluate_recipe(s, str(recipe), "c2", best, None)
+    assert calls == ["gate", "compare", "timed", "coverage"] and wins["beats_best"] and wins["gate"]["passed"]
+    calls.clear()
+    wrong = ev.evaluate_recipe(s, str(recipe), "c3", best, None)
+    assert calls == ["gate", "compare", "timed", "coverage"] and not wrong["beats_best"]
+    assert wrong["gate"]["passed"] is False and wrong["failure"] == "gate: at batch size 1: token 3 differs"
