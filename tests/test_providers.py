@@ -648,10 +648,12 @@ def test_llama_cpp_server_round(profiles, tmp_path, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    # One thread: llama.cpp's threads spin at their barriers, and on a busy 2-core machine two of them ran a
-    # grammar-constrained answer ~20x slower than one did (3 vs 60 tokens/s).
+    # One thread to generate: llama.cpp's threads spin at their barriers, and on a busy 2-core machine two of them
+    # ran a grammar-constrained answer ~20x slower than one did (3 vs 60 tokens/s). Two threads to read the prompt:
+    # the prompts (~1.5k and ~3.8k tokens) are most of this test's time, a batch keeps both threads busy (no
+    # grammar runs between its barriers), and the test process only waits meanwhile (reading them: 62 -> 33 s).
     server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
-                               "--port", str(port), "--n_ctx", "8192", "--n_threads", "1", "--n_threads_batch", "1"],
+                               "--port", str(port), "--n_ctx", "8192", "--n_threads", "1", "--n_threads_batch", "2"],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120

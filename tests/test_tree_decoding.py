@@ -72,7 +72,8 @@ def test_tree_accepts_what_its_first_branch_misses(tiny_model_dir):
 def test_tree_with_the_fused_layer_and_ar_after_miss(tiny_model_dir):
     from specpilot.engine.loader import load
 
-    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    # one layer: a tree step's masks are every layer's, and each interpreted fused-layer call costs seconds
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     want = Engine(loaded, parse({})).generate(tiny_prompts(), 16, ignore_eos=True)
     recipe = tree_recipe(CHAINS, layer="fused", overlap=True)
     recipe.drafter.ar_after_miss = True
@@ -96,7 +97,8 @@ def test_tree_steps_run_on_the_fused_layer(tiny_model_dir, monkeypatch, paths=MI
         return real(*args, tree=tree, **kwargs)
 
     monkeypatch.setattr(fused, "fused_layer", counted)
-    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    # one layer: a tree step's masks are every layer's, and each interpreted fused-layer call costs seconds
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     want = Engine(loaded, parse({})).generate(tiny_prompts(), 8, ignore_eos=True)
     got = Engine(loaded, tree_recipe(paths, layer="fused")).generate(tiny_prompts(), 8, ignore_eos=True)
     assert [r.tokens for r in got] == [r.tokens for r in want]

@@ -193,7 +193,9 @@ def test_accept_strided_drafts():
 def test_engine_with_triton_kernels_decodes_the_same_tokens(tiny_model_dir):
     """Qwen3 family (per-head q/k norm, GQA): AR and n-gram speculative decoding of a ragged batch, the Triton
     kernels against the default ones, token for token; on CPU the recipe's compile flag must not compile."""
-    loaded = load(str(tiny_model_dir("qwen3", num_hidden_layers=2)), "fp32", "cpu")
+    # one layer: every layer calls the same slots, and each interpreted kernel call costs time (the same model as
+    # test_fused_layer_matches_the_modular_layer[qwen3]'s)
+    loaded = load(str(tiny_model_dir("qwen3", num_hidden_layers=1)), "fp32", "cpu")
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() * reps for n, reps in ((7, 3), (5, 1))]
     for recipe in ({}, {"drafter": {"kind": "ngram"}, "k": 4}):
@@ -210,18 +212,21 @@ def test_engine_with_triton_kernels_decodes_the_same_tokens(tiny_model_dir):
 # -- the fused layer ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "llama3rope", "mistral", "qwen2", "qwen3"])
 def test_fused_layer_matches_the_modular_layer(tiny_model_dir, family):
-    """Every layer of each tiny family (GQA; q/k/v biases; llama3 rope scaling; a sliding window shorter than the
+    """A layer of each tiny family (GQA; q/k/v biases; llama3 rope scaling; a sliding window shorter than the
     positions; Qwen3's per-head q/k norm), at one token, one row of five (a verification step) and a ragged batch of
     three rows of two: outputs and cache writes equal the modular layer's to fp32 rounding."""
-    loaded = load(str(tiny_model_dir(family)), "fp32", "cpu")
+    # One layer: check() tests each layer apart on fresh inputs and caches, and a family's layers differ only in
+    # their weights, while every interpreted layer costs seconds (qwen3's four took 32 s, one 8 s)
+    loaded = load(str(tiny_model_dir(family, num_hidden_layers=1)), "fp32", "cpu")
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
 def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     """Hidden 48 and intermediate 96 (as SmolLM2's 576 and 1536): tiles padded to powers of two, masked, agree with
     the modular layer."""
+    # one layer: check() tests each layer apart, and the widths are every layer's (two layers took twice as long)
     loaded = load(str(tiny_model_dir("llama", hidden_size=48, intermediate_size=96, num_attention_heads=3,
-                                     num_key_value_heads=1)), "fp32", "cpu")
+                                     num_key_value_heads=1, num_hidden_layers=1)), "fp32", "cpu")
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
@@ -240,7 +245,8 @@ def test_fused_layer_runs_steps_past_sixteen_tokens_in_token_blocks(tiny_model_d
     modular layer."""
     monkeypatch.setattr(triton_fused_layer, "MAX_TOKENS", 64)
     assert triton_fused_layer.gemv_blocks(480, 576, 40)["BLOCK_M"] == triton_fused_layer.DOT_TOKENS
-    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    # one layer: check() tests each layer apart, and the token blocks are every layer's (two took twice as long)
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((1, 20), (2, 9))) < 2e-5
 
 
@@ -377,7 +383,8 @@ def test_sampled_decoding_on_the_fused_layer_follows_its_seed(tiny_model_dir):
     takes the fused layer, the tokens are the seed's (twice the same), and another seed draws others."""
     from specpilot.engine.sampling import SamplingParams
 
-    loaded = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    # one layer: the sampling is after the last layer, and each interpreted layer call costs seconds
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     engine = Engine(loaded, parse({"layer": "fused", "compile": False}))
     rows = [[5, 6, 7, 8, 9], [3, 4]]
     sampling = SamplingParams(temperature=1.0, top_p=0.95)
