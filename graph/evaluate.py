@@ -39,7 +39,7 @@ from .human import ask
 from .measure import bench, device_turn, gate, kernel_check
 from .nodes import gate_batch, this_round
 from .progress import emit
-from .proposals import changes, leaves, plain, record
+from .proposals import FIELD_OWNERS, changes, leaves, plain, record
 from .state import MIN_GAIN, budget_spent, decision
 
 
@@ -181,12 +181,18 @@ def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kern
     """Kernel check (if any), gate, side-by-side speed: the evaluation result of one candidate recipe."""
     d = candidate_dir(Path(settings["out_dir"]), cid)
     recipe = read_json(recipe_path)
+    # device_s and, per step, the seconds it held the device (phase_s: where an evaluation's time goes)
     res = {"id": cid, "kernel": None, "gate": None, "speed": None, "failure": None, "beats_best": False,
-           "device_s": 0.0}
+           "device_s": 0.0, "phase_s": {}}
+
+    def spent(phase: str, sec: float) -> None:
+        res["device_s"] += sec
+        res["phase_s"][phase] = round(sec, 2)
+
     if kernel:
         emit(f"{cid}: kernel check ({kernel['slot']})")
         kc, sec = kernel_check(settings, kernel["slot"], kernel["source"], d / "kernel_check.json")
-        res["device_s"] += sec
+        spent("kernel_check", sec)
         res["kernel"] = {k: kc.get(k) for k in ("passed", "failure", "reason", "timing_reason")}
         res["kernel"]["speedup_vs_builtin"] = [t.get("speedup_vs_builtin") for t in kc.get("timing") or []]
         if not kc["passed"]:
@@ -195,21 +201,21 @@ def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kern
             return res
     emit(f"{cid}: token-forcing gate")
     g, sec = gate(settings, recipe_path, d / "gate", gate_batch(settings, recipe))
-    res["device_s"] += sec
+    spent("gate", sec)
     res["gate"] = g
     if not g["passed"]:
         res["failure"] = f"gate: {g['reason']}"
         return res
     emit(f"{cid}: measuring against the best, ar and stock")
     speed, sec = compare(settings, recipe_path, recipe["name"], best, d / "bench")
-    res["device_s"] += sec
+    spent("bench", sec)
     res["speed"] = speed
     if not speed["ok"]:
         res["failure"] = f"bench: {speed['error']}"
         return res
     emit(f"{cid}: checking the timed outputs against the reference")
     timed, sec = check_timed_run(settings, speed, recipe["name"], g)
-    res["device_s"] += sec
+    spent("timed_check", sec)
     res["timed"] = timed
     if not timed["passed"]:
         res["failure"] = timed["reason"]
@@ -222,7 +228,7 @@ def evaluate_recipe(settings: dict, recipe_path: str, cid: str, best: dict, kern
         return res
     emit(f"{cid}: token-forcing gate at smaller batch sizes and on long inputs")
     cov, sec = coverage_gate(settings, recipe_path, d / "gate-coverage", gate_batch(settings, recipe))
-    res["device_s"] += sec
+    spent("coverage_gate", sec)
     res["gate"] = g | {"coverage": cov["checks"]}
     if not cov["passed"]:
         res["gate"] |= {"passed": False, "reason": cov["reason"]}
@@ -317,16 +323,58 @@ def adopt(settings: dict, recipe: dict, source: str, round_: int, gate_result: d
             "measured": measured}
 
 
-def combine(best_recipe: dict, winners: list[dict], recipes: dict[str, dict]) -> tuple[dict | None, list[str]]:
+def fused_fma_clash(settings: dict):
+    """The rule `combine` leaves winners out by on this deployment: on CUDA, the fused layer runs a verify step of at
+    most FMA_MAX_TOKENS tokens on its FMA path (a program per token) and a longer one on its tensor-core path, which
+    cost the fused layer's k = 6 a third of its speed (H200 grid, 2026-12-02). A fused-layer winner measured on one
+    side of that line says nothing about a combination on the other: the fused layer (5-token steps) with a k = 12
+    draft passed the gate at 1.20x where the fused layer alone won 1.37x (2026-12-02), an evaluation spent on a
+    combination the numbers already ruled out. Returns f(combined, winners' own recipes; all flat) -> why or None."""
+    if not str(settings.get("device", "")).startswith("cuda"):
+        return lambda after, own: None
+    from ..kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
+
+    batch = int(settings.get("batch_size") or 1)
+
+    def step_tokens(flat: dict) -> int | None:
+        """Tokens of a fused chain step at the deployment's batch, or None (not fused, a tree, no drafter)."""
+        if flat.get("layer") != "fused" or flat.get("verification", "chain") != "chain" or not flat.get("k"):
+            return None
+        return (int(flat["k"]) + 1) * batch
+
+    def why(after: dict, own: list[dict]) -> str | None:
+        tokens = step_tokens(after)
+        if tokens is None:
+            return None
+        for recipe in own:
+            measured = step_tokens(recipe)
+            if measured is not None and (measured <= FMA_MAX_TOKENS) != (tokens <= FMA_MAX_TOKENS):
+                return (f"with the fused layer, k = {after['k']} makes a {tokens}-token verify step, on the other side "
+                        f"of its FMA path's {FMA_MAX_TOKENS} tokens than the {measured}-token step the fused layer "
+                        f"won with")
+        return None
+
+    return why
+
+
+def combine(best_recipe: dict, winners: list[dict], recipes: dict[str, dict],
+            clash=lambda after, own: None) -> tuple[dict | None, list[str], list[str]]:
     """The best recipe with every winner's changes (fastest first); a change to a field an earlier winner already
-    changed is left out. (recipe, ids used), or (None, ...) when the result is not a valid recipe."""
-    merged, taken, used = leaves(plain(best_recipe)), set(), []
+    changed is left out, and so is one that `clash(combined, winners' own recipes)` (flat recipes) says does not
+    compose with what is merged so far. (recipe, ids used, why each other winner was left out), or (None, ...) when the result is not
+    a valid recipe."""
+    merged, taken, used, left = leaves(plain(best_recipe)), set(), [], []
     for w in winners:
         diff = changes(best_recipe, recipes[w["id"]])
         if taken & set(diff):
+            left.append(f"{w['id']}: changes {', '.join(sorted(taken & set(diff)))}, as a faster winner does")
             continue
-        for path, (_, new) in diff.items():
-            merged[path] = new
+        after = merged | {path: new for path, (_, new) in diff.items()}
+        why = clash(after, [leaves(plain(recipes[i])) for i in [*used, w["id"]]])
+        if why:
+            left.append(f"{w['id']}: {why}")
+            continue
+        merged = after
         taken |= set(diff)
         used.append(w["id"])
     nested: dict = {}
@@ -337,9 +385,9 @@ def combine(best_recipe: dict, winners: list[dict], recipes: dict[str, dict]) ->
             node = node.setdefault(p, {})
         node[last] = value
     try:
-        return asdict(parse(nested | {"name": "combo", "description": "+".join(used)})), used
+        return asdict(parse(nested | {"name": "combo", "description": "+".join(used)})), used, left
     except RecipeError:
-        return None, used
+        return None, used, left
 
 
 def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
@@ -354,9 +402,10 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
                 "combination": None}
     if len(winners) == 1:
         return top_pick, evidence
-    combo, used = combine(best["recipe"], winners, recipes)
+    combo, used, left = combine(best["recipe"], winners, recipes, fused_fma_clash(s))
     if combo is None or len(used) < 2:
-        evidence["combination"] = "none: the winners change the same fields, or together are not a valid recipe"
+        evidence["combination"] = ("none: " + ("; ".join(left) if left and combo is not None else
+                                              "the winners change the same fields, or together are not a valid recipe"))
         return top_pick, evidence
     key = recipe_key(combo)
     combo["name"] = f"combo-{key}"
@@ -401,8 +450,6 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
     return top_pick, evidence
 
 
-FIELD_OWNERS = {"drafter": "algorithm", "k": "algorithm", "verification": "algorithm", "kernels": "kernel_writer",
-                "weights": "kernel_writer", "layer": "kernel_writer"}  # the rest (graphs, compile, overlap, batch) is the scheduler's
 
 
 def _human_edit(state: dict, value) -> tuple[dict | None, dict, dict | None]:

@@ -17,6 +17,15 @@ from .artifacts import candidate_dir, recipe_key, write_json
 from .candidates import AGENTS, Candidate, CandidateError, merge_patch
 
 RESERVED = ("measured", "name")  # tools attach measurements and the graph names recipes; a candidate may do neither
+# Which agent owns a recipe field; the rest (graphs, compile, overlap, batch) is the scheduler's.
+FIELD_OWNERS = {"drafter": "algorithm", "k": "algorithm", "verification": "algorithm", "kernels": "kernel_writer",
+                "weights": "kernel_writer", "layer": "kernel_writer"}
+
+
+def owner_of(patch: dict) -> str:
+    """The agent a patch of several fields is proposed by: the owner of its first field in FIELD_OWNERS' order, else
+    the scheduler."""
+    return next((FIELD_OWNERS[k] for k in FIELD_OWNERS if k in patch), "scheduler")
 
 
 def plain(recipe: dict) -> dict:

@@ -15,7 +15,7 @@ from specpilot import cli
 from specpilot.engine.recipe import parse
 from specpilot.tools.grid.space import SpaceError, expand, load_space
 
-SHIPPED_COUNT = 60  # docs/GRID.md names this number
+SHIPPED_COUNT = 51  # docs/GRID.md names this number
 
 
 def write(tmp_path: Path, space) -> str:
@@ -132,8 +132,11 @@ def test_shipped_grid_expands_to_the_documented_count():
     assert f"**{SHIPPED_COUNT} recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()
     for r in e.recipes:
         assert parse(r.recipe).name == r.name
-    assert not any(r.values["layer"] == "modular" and (r.values["drafter.adaptive"] or not r.values["overlap"])
+    assert not any(r.values["layer"] == "modular" and (r.values["drafter.adaptive"] or not r.values["overlap"]
+                                                       or r.values["drafter.min_ngram"] != 1
+                                                       or r.values["drafter.ar_after_miss"])
                    for r in e.recipes)
+    assert sorted({r.values["k"] for r in e.recipes}) == [2, 3, 4]
 
 
 # -- a tiny end-to-end run -------------------------------------------------------------------------------------

@@ -136,12 +136,14 @@ def test_headless_policy_run_keeps_a_gated_recipe(policy_run):
             assert ev["gate"]["passed"]
     if state["best"]["source"] not in ("stock", "ar"):
         assert state["evaluations"][state["best"]["source"]]["gate"]["passed"]
-    # every candidate that was judged is in the memory
+    # every candidate that was judged is in the memory, and the best, once it is not the start, as one change
     from specpilot.memory import open_memory
 
     judged = [c for c in state["candidates"].values() if c["status"] in ("evaluated", "invalid")]
     with open_memory(memory_path) as mem:
-        assert mem.count() == len(judged)
+        wholes = [o for _, o in mem.records() if (o.extra or {}).get("status") == "best"]
+        assert mem.count() == len(judged) + len(wholes)
+        assert len(wholes) == (state["best"]["source"] not in ("stock", "ar"))
 
 
 def test_history_prints_the_decisions(policy_run, capsys):
@@ -210,6 +212,8 @@ def test_optimize_with_a_jsonl_memory_without_chromadb_openai_matplotlib(tiny, t
 
     state = load_state(out)
     judged = {c["id"] for c in state["candidates"].values() if c["status"] in ("evaluated", "invalid")}
+    # and the run's best as one change of its start, once it is not the start
+    judged |= {f"best-{state['best']['source']}"} - {"best-stock", "best-ar"}
     from specpilot.memory import open_memory
 
     with open_memory(str(path)) as mem:
@@ -406,12 +410,39 @@ def test_combine_keeps_the_fastest_change_of_each_field():
     patches = {"fast": {"k": 2}, "conflicts": {"k": 6, "drafter": {"max_ngram": 4}},
                "other": {"kernels": {"attention": "builtin:sdpa"}}}
     recipes = {cid: asdict(parse(merge_patch(best, p))) for cid, p in patches.items()}
-    combo, used = combine(best, [{"id": "fast"}, {"id": "conflicts"}, {"id": "other"}], recipes)  # fastest first
-    assert used == ["fast", "other"]  # "conflicts" changes k, which the faster winner already set: all of it is out
+    combo, used, left = combine(best, [{"id": "fast"}, {"id": "conflicts"}, {"id": "other"}], recipes)  # fastest first
+    assert used == ["fast", "other"] and left == ["conflicts: changes k, as a faster winner does"]  # "conflicts" changes k, which the faster winner already set: all of it is out
     assert combo["k"] == 2 and combo["drafter"]["max_ngram"] == 3 and combo["kernels"]["attention"] == "builtin:sdpa"
     # each valid alone, together min_ngram 3 > max_ngram 2: no combination
     longer, shorter = (asdict(parse(merge_patch(best, {"drafter": p}))) for p in ({"min_ngram": 3}, {"max_ngram": 2}))
     assert combine(best, [{"id": "a"}, {"id": "b"}], {"a": longer, "b": shorter})[0] is None
+
+
+def test_combine_leaves_out_a_draft_length_that_takes_the_fused_layer_off_its_fma_path():
+    """H200, 2026-12-02: the fused layer (1.37x) and k = 12 on the modular layer (1.12x) both won; their combination
+    runs 13-token steps on the fused layer's tensor-core path and measured 1.20x, an evaluation wasted. On CUDA the
+    longer draft is left out (and nothing is combined); elsewhere, and for a k within the FMA path, they combine."""
+    from dataclasses import asdict
+
+    from specpilot.engine.recipe import parse
+    from specpilot.graph.candidates import merge_patch
+    from specpilot.graph.evaluate import combine, fused_fma_clash
+    from specpilot.kernels.triton_fused_layer import FMA_MAX_TOKENS
+
+    best = asdict(load_recipe("stock"))
+    patches = {"fused": {"layer": "fused"}, "k12": {"k": 12}, "k3": {"k": 3}, "overlap": {"overlap": True}}
+    recipes = {cid: asdict(parse(merge_patch(best, p))) for cid, p in patches.items()}
+    cuda = fused_fma_clash({"device": "cuda", "batch_size": 1})
+    combo, used, left = combine(best, [{"id": "fused"}, {"id": "k12"}, {"id": "overlap"}], recipes, cuda)
+    assert used == ["fused", "overlap"] and combo["k"] == 4 and combo["layer"] == "fused"
+    assert len(left) == 1 and left[0].startswith("k12: with the fused layer, k = 12 makes a 13-token verify step")
+    assert combine(best, [{"id": "fused"}, {"id": "k3"}], recipes, cuda)[1] == ["fused", "k3"]
+    # at B = 2 the fused layer won with 10-token steps (k = 4), past the path: k = 12's 26 are on the same side
+    assert 5 * 2 > FMA_MAX_TOKENS
+    at_b2 = fused_fma_clash({"device": "cuda", "batch_size": 2})
+    assert combine(best, [{"id": "fused"}, {"id": "k12"}], recipes, at_b2)[1] == ["fused", "k12"]
+    cpu = fused_fma_clash({"device": "cpu", "batch_size": 1})  # no Triton path to leave: they combine
+    assert combine(best, [{"id": "fused"}, {"id": "k12"}], recipes, cpu)[1] == ["fused", "k12"]
 
 
 def test_optimize_summary_gives_the_found_recipe_over_ar_and_stock_per_workload(tmp_path, capsys):

@@ -121,7 +121,10 @@ def test_second_run_on_a_similar_deployment_reaches_the_recipe_sooner(tiny, tmp_
     stock = asdict(load_recipe("stock"))
     with open_memory(memory_path) as mem:
         hits = [h.to_dict() for h in mem.similar(state2["deployment"], k=10)]
-        assert mem.count() == 3  # run 1's two outcomes and run 2's one
+        # run 1's two outcomes and its best as one change of stock, run 2's one and its best
+        assert mem.count() == 5
+        wholes = [o for _, o in mem.records() if (o.extra or {}).get("status") == "best"]
+        assert [o.candidate["recipe_patch"] for o in wholes] == [EIGHT_DRAFTS, EIGHT_DRAFTS]
     ctx = lambda hits: AgentContext("algorithm", state2["deployment"], stock, profile, profile["gaps"], hits, [], 1)
     assert [c.id for c in FixedCatalogPolicy().propose(ctx([]))] == [one]
     assert [c.id for c in FixedCatalogPolicy().propose(ctx(hits))] == [eight]

@@ -291,6 +291,23 @@ def test_kernel_writer_skips_triton_on_cpu(profiles):
     assert cuda[0].recipe_patch == {"layer": "fused"} and "five Triton kernels" in cuda[0].reason
 
 
+def test_kernel_writer_on_the_fused_layer_leaves_the_slots_it_does_not_run(profiles):
+    """The fused layer runs each decode step in its own kernels: attention, linear and rmsnorm candidates would change
+    prefill only (on the H200 two of them took a round's budget), so on CUDA only the accept slot is still offered."""
+    prof = profiles["stock"]
+    fused = {**asdict(load_recipe("stock")), "layer": "fused"}
+    skipped = Skips()
+    cands = PolicyProvider().propose(context(prof, "kernel_writer", recipe=fused, device="cuda", max_candidates=10))
+    assert {s for c in cands for s in c.recipe_patch.get("kernels", {})} <= {"accept"}
+    assert not [c for c in cands if "layer" in c.recipe_patch or "weights" in c.recipe_patch]
+    view = CostView.from_context(deployment(prof, device="cuda"), prof)
+    PolicyProvider.catalog("kernel_writer", parse(fused), view, prof["gaps"], skipped)
+    assert any("serve prefill only" in s for s in skipped), skipped
+    # the modular layer on CUDA still gets them
+    modular = PolicyProvider().propose(context(prof, "kernel_writer", device="cuda", max_candidates=10))
+    assert {"rmsnorm"} <= {s for c in modular for s in c.recipe_patch.get("kernels", {})}
+
+
 def test_kernel_writer_proposes_lossless12_where_weights_dominate(profiles):
     """bf16 at a batch where weight reads dominate: the 12-bit format, with its weight format, in one candidate."""
     prof = copy.deepcopy(profiles["ar"])
@@ -815,6 +832,46 @@ def test_a_warm_start_evaluates_remembered_winners_first_strongest_first(profile
     assert [(r["agent"], r["origin"]) for r in order[:2]] == [("kernel_writer", "memory"), ("algorithm", "memory")]
     assert all(r["origin"] != "memory" for r in order[2:])
     assert Candidate.from_dict(cands["kernel_writer"][0].to_dict()).prior == 1.37  # it survives the record
+
+
+def test_a_run_remembers_its_best_whole_and_a_warm_start_tries_it_first(profiles, tmp_path):
+    """remember records the run's best as one change of its start (every field its rounds changed, without the batch
+    pin), its speedup over the start as the prior: a warm start evaluates it before the single changes, so one
+    evaluation reaches the earlier run's best."""
+    from specpilot.graph.nodes import best_outcome, this_round
+    from specpilot.graph.proposals import plain, record
+
+    prof = profiles["stock"]
+    stock = asdict(load_recipe("stock"))
+    best_recipe = merge_patch(stock, {"name": "best", "layer": "fused", "k": 2, "overlap": True,
+                                      "drafter": {"min_ngram": 2}, "batch": {"max_batch_size": 1}})
+    dep = {"architecture": "llama", "device_name": prof["meta"]["device_name"], "batch_size": 1, "dtype": "fp32"}
+    state = {"best": {"recipe": best_recipe, "source": "c0ffee", "round": 2, "gate": {"passed": True, "salt": "s"},
+                      "measured": {"tokens_per_s": 2600.0, "speedup_vs_ar": 2.8, "speedup_vs_stock": 1.6, "tau": 1.6}},
+             "progression": [{"round": 0, "source": "stock", "tokens_per_s": 1625.0}],
+             "deployment": dep, "settings": {"out_dir": str(tmp_path / "run")}}
+    key, whole = best_outcome(state, "2026-12-03T00:00:00Z")
+    assert key == "best-c0ffee-r2" and whole.failure is None and whole.gate["passed"] is True
+    assert whole.candidate["recipe_patch"] == {"layer": "fused", "k": 2, "overlap": True, "drafter": {"min_ngram": 2}}
+    assert whole.results["speedup"] == pytest.approx(1.6) and whole.candidate["agent"] == "algorithm"
+    assert parse(merge_patch(stock, whole.candidate["recipe_patch"]))  # a valid change of the start
+    assert best_outcome(state | {"best": state["best"] | {"round": 0}}, "t") is None  # the start itself: nothing
+
+    memory = JsonlMemory(tmp_path / "memory.jsonl")
+    memory.record(outcome(Candidate("kernel_writer", "earlier run", {"layer": "fused"}), prof, True, 1.37))
+    memory.record(whole)
+    hits = [{"outcome": asdict(h.outcome), "score": h.score, "flags": h.flags}
+            for h in memory.similar(deployment(prof))]
+    cands = {agent: PolicyProvider().propose(context(prof, agent, device="cuda", hits=hits))
+             for agent in ("scheduler", "algorithm", "kernel_writer")}
+    recs = [record(c, agent, c.origin, stock, tmp_path / "run", 1, 0, i, "policy")
+            for agent, cs in cands.items() for i, c in enumerate(cs)]
+    first = this_round({"round": 1, "candidates": {r["id"]: r for r in recs},
+                        "route": {"agents": ["scheduler", "algorithm", "kernel_writer"]}}, "proposed")[0]
+    assert first["origin"] == "memory" and first["candidate"]["prior"] == pytest.approx(1.6)
+    merged = json.loads(Path(first["recipe_path"]).read_text())
+    assert {k: v for k, v in plain(merged).items() if k not in ("name", "description", "batch")} == {
+        k: v for k, v in plain(asdict(parse(best_recipe))).items() if k not in ("name", "description", "batch")}
 
 
 def test_scheduler_puts_autotuned_gemms_last(profiles):

@@ -8,7 +8,7 @@ beside ar, stock and our fastest AR (`ar-fused-overlap`, the reference), 2 promp
 ratio to the reference, and the grid's best recipe (tools/grid/run.py `best_recipe`: the highest geometric mean of
 that ratio over the cells); NAME.json keeps the grid's results.json and best.json.
 
-Sizes: the 10-recipe 8B replay grid fits one device call; the 60-recipe SmolLM2 grid (`--space smollm2`) gates each
+Sizes: the 10-recipe 8B replay grid fits one device call; the 51-recipe SmolLM2 grid (`--space smollm2`) gates each
 recipe in its own process, 4 at a time (`--gate-workers`), and is not yet timed on the H200: give it `--workload
 code` and a call of its own (5 minutes with `--gate-workers 6`, 2026-12-02). The grid writes into
 /tmp/specpilot-grid-SPACE-WORKLOADS-bB (harness.grid_dir, not the run's scratch folder), so a call killed at its limit

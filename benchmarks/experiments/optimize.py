@@ -47,6 +47,12 @@ def arguments(p) -> None:
     p.add_argument("--grid-best", default=None,
                    help="a grid's best.json to bench beside the found recipe (default: the grid experiment's "
                         "`--space smollm2` best for --workload at B = 1, when an earlier call of this machine left it)")
+    p.add_argument("--memory", default=None,
+                   help="start from a copy of this memory (JSON lines, an earlier run's NAME.json `memory` file): a "
+                        "warm start (issue #23 item 3)")
+    p.add_argument("--rounds", type=int, default=None, help="optimize's --budget-rounds (default 3)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="optimize's --budget-minutes and --budget-gpu-minutes (default 6)")
     p.add_argument("--acceptance", default=None,
                    help="with --target synthetic:NAME: optimize --acceptance A1,A2,... (a drafter's acceptance, "
                         "replayed; issue #24's optimize on a synthetic 8B; add --no-hand-best, whose n-gram drafts "
@@ -59,11 +65,18 @@ def run(out_dir, args):
 
     ctx = args.ctx
     run_dir, bench_dir, memory = ctx.scratch / "optimize", ctx.scratch / "bench", ctx.scratch / "memory.jsonl"
+    if args.memory:
+        memory.write_bytes(Path(args.memory).read_bytes())
+    flags, timeout = (SMOKE_FLAGS, SMOKE_TIMEOUT_S) if args.smoke else (OPT_FLAGS, OPT_TIMEOUT_S)
+    if not args.smoke and (args.rounds or args.minutes):
+        minutes = args.minutes or 6
+        flags = ["--budget-rounds", args.rounds or 3, "--budget-minutes", minutes, "--budget-gpu-minutes", minutes,
+                 *OPT_FLAGS[6:]]
+        timeout = minutes * 60 + 150
     opt = ctx.module("optimize", "specpilot.cli", [
         "optimize", "--target", ctx.target, "--workload", args.workload, "--device", ctx.device, "--provider",
-        "policy", "--memory", memory, *(SMOKE_FLAGS if args.smoke else OPT_FLAGS),
-        *(["--acceptance", args.acceptance] if args.acceptance else []), "--out", run_dir],
-                     timeout=SMOKE_TIMEOUT_S if args.smoke else OPT_TIMEOUT_S)
+        "policy", "--memory", memory, *flags,
+        *(["--acceptance", args.acceptance] if args.acceptance else []), "--out", run_dir], timeout=timeout)
     recipe = run_dir / "recipe.json"
     if not recipe.is_file():  # stopped by the time limit: the best adopted so far, if any
         recipe = max(run_dir.glob("recipes/best-r*.json"), key=lambda p: p.stat().st_mtime, default=None)
@@ -96,7 +109,22 @@ def run(out_dir, args):
     report = run_dir / "report.md"
     return ({"recipe": found, "summary": summary, "vs_hand_best": versus.get("hand-found best"),
              "vs_grid_best": versus.get("grid best"), "grid_best": grid and {"file": str(grid_best), "recipe": grid},
-             "run_dir": str(run_dir), "report": report.read_text() if report.is_file() else None}, table)
+             "run_dir": str(run_dir), "report": report.read_text() if report.is_file() else None,
+             "memory": str(memory), "memory_lines": memory.read_text().splitlines() if memory.is_file() else None,
+             "evaluations": evaluation_times(run_dir)}, table)
+
+
+def evaluation_times(run_dir: Path) -> list[dict]:
+    """Each finished evaluation's device seconds and where they went (graph/evaluate.py phase_s), oldest first."""
+    rows = []
+    for path in sorted((run_dir / "evaluations").glob("*.json"), key=lambda p: p.stat().st_mtime):
+        try:
+            ev = json.loads(path.read_text())
+        except ValueError:
+            continue
+        rows.append({"key": ev.get("key"), "device_s": ev.get("device_s"), "phase_s": ev.get("phase_s"),
+                     "failure": ev.get("failure"), "beats_best": ev.get("beats_best")})
+    return rows
 
 
 def vs(name: str | None, other: str, results: dict) -> list[dict]:

@@ -892,7 +892,16 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
             f"layer fused: each layer of the {tokens}-token step in five Triton kernels (norms, RoPE, cache "
             f"write, attention merge and SwiGLU folded into the GEMVs) instead of ~13; "
             + "; ".join(_gap_text(g) for g in verify)), (0, -verify_gain)))
+    # The fused layer runs every decode step of up to FUSED_LAYER_MAX_TOKENS tokens in its own kernels, so the
+    # attention, linear and rmsnorm slots serve prefill only there: a candidate changing them changes no step (on the
+    # H200 two such candidates took a round's budget, 2026-12-02). The accept slot works outside the layer.
+    layer_slots_idle = recipe.layer == "fused" and view.cuda and tokens <= FUSED_LAYER_MAX_TOKENS
+    if layer_slots_idle:
+        skipped.add(f"attention, linear and rmsnorm kernels: the fused layer runs each {tokens}-token step in its own "
+                    f"kernels (those slots serve prefill only)")
     for slot in ("attention", "linear", "rmsnorm", "accept"):
+        if layer_slots_idle and slot != "accept":
+            continue
         now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
         runnable = [i for i in IMPLEMENTATIONS[slot] if view.cuda or not needs_triton(slot, i)]
         if runnable == [now]:
