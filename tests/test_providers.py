@@ -106,8 +106,12 @@ def test_algorithm_ranks_by_predicted_tokens_per_s(profiles):
     view = CostView.from_context(ctx.deployment, prof)
     current = view.current().tokens_per_s
     predicted = []
-    priced = [c for c in cands if "kind" in c.recipe_patch["drafter"]]
-    assert cands[:len(priced)] == priced  # an option the cost model does not price comes after these
+    priced = [c for c in cands if "kind" in c.recipe_patch.get("drafter", {})]
+    # the best priced option first; then one option of each other field (an unpriced one included: it can be combined
+    # with the first, where another draft length competes with it), then the other priced options
+    assert cands[0] == priced[0] and len(priced) > 1
+    unpriced = [c for c in cands if c not in priced]
+    assert unpriced and all(cands.index(u) < cands.index(c) for u in unpriced for c in priced[1:])
     for c in priced:
         d = c.recipe_patch["drafter"]
         assert d["kind"] == "ngram"
@@ -202,9 +206,14 @@ def test_algorithm_on_the_fused_layer_measures_shorter_drafts_first(profiles):
     other_k = [c for c in cands if c.recipe_patch.get("k", 4) != 4]
     assert [c.recipe_patch["k"] for c in other_k] == [3, 2, 1]  # nearest first, shorter first (none longer fits)
     assert all(c.recipe_patch["drafter"]["max_ngram"] == 3 for c in other_k)
-    assert all(cands.index(c) < cands.index(o) for c in other_k for o in cands if "k" not in o.recipe_patch)
+    others = [o for o in cands if "k" not in o.recipe_patch]
+    # one option per field first (a priced max_ngram = 2 before the unpriced lengths), then the other lengths
+    assert others and all(cands.index(o) < cands.index(c) for c in other_k[1:] for o in others)
     assert "program per token" in other_k[0].reason and "costs less than the 5 now" in other_k[0].reason
     assert [c for c in cands if c.recipe_patch == {"drafter": {"min_ngram": 2}}]
+    two = PolicyProvider().propose(context(prof, "algorithm", recipe=fused, device="cuda", max_candidates=3))
+    assert [c.recipe_patch.get("k") for c in two].count(3) == 1 and not [c for c in two if c.recipe_patch.get("k")
+                                                                          in (1, 2)]  # one length a round
     modular = PolicyProvider().propose(context(prof, "algorithm", device="cuda", max_candidates=100))
     assert modular[0].recipe_patch["k"] > 4  # the cost model's order: more drafts pay at this acceptance
     view = CostView.from_context(deployment(prof, device="cuda"), prof)

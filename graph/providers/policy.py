@@ -174,6 +174,17 @@ def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
     return out
 
 
+def _changed_fields(recipe: dict, patch: dict) -> list[str]:
+    """The dotted paths of the recipe's leaves that the patch changes (a patch restating a value changes nothing)."""
+    def flat(value, prefix=""):
+        if isinstance(value, dict) and value:
+            return {k: v for key, sub in value.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): value}
+
+    before, after = flat(recipe), flat(merge_patch(recipe, patch))
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
 def memory_agents(hits: list[dict]) -> list[str]:
     """Agents whose changes passed and sped things up on similar deployments, best hit first."""
     agents = []
@@ -1072,7 +1083,20 @@ class PolicyProvider(Provider):
         view = CostView.from_context(ctx.deployment, ctx.profile)
         if view is not None:
             gaps = ctx.gaps or (ctx.profile or {}).get("gaps") or []
-            for option in self.catalog(ctx.agent, recipe, view, gaps, skipped):
+            options = self.catalog(ctx.agent, recipe, view, gaps, skipped)
+            # First one option per recipe field, in rank order; then the rest. The integrator combines winners that
+            # change different fields, so k = 3 and min_ngram = 2 in one round can both be kept, where k = 3 and
+            # k = 5 compete for one field: the second value of a field is measured after every other lever.
+            fields: set[str] = set()
+            for option in options:
+                changed = set(_changed_fields(ctx.recipe, option.patch))
+                if changed & fields:
+                    continue
+                before = len(picked)
+                admit(Candidate(ctx.agent, option.reason, option.patch, None, self.name))
+                if len(picked) > before:
+                    fields |= changed
+            for option in options:
                 admit(Candidate(ctx.agent, option.reason, option.patch, None, self.name))
         else:
             skipped.add("the profile has no cost-model deployment or calibrated ceilings: no catalog entry can be "
