@@ -103,8 +103,8 @@ def _round_section(state: dict, n: int) -> list[str]:
     integ = round_dir(out, n) / "integration.json"
     if integ.is_file():
         i = read_json(integ)
-        lines += [f"Integration: {i['proposal']}" + (f"; combination: {i['combination']}" if i.get("combination")
-                                                      else "") + ("" if i["adopted"] else " (not adopted)"), ""]
+        # (the proposal already names the combination tried, if any)
+        lines += [f"Integration: {i['proposal']}" + ("" if i["adopted"] else " (not adopted)"), ""]
     if people:
         lines += ["Decisions by a person:", ""] + [f"- {t['node']}: {t['decision']}" + (f" ({t['why']})" if t["why"]
                                                                                        else "") for t in people]

@@ -133,7 +133,10 @@ def test_algorithm_proposes_an_adaptive_draft_length_after_the_priced_options(pr
     cands = PolicyProvider().propose(ctx)
     check_valid(cands, ctx)
     [adaptive] = [c for c in cands if c.recipe_patch == {"drafter": {"adaptive": True}}]
-    assert all(c.reason.split(":")[0].startswith(("n-gram", "turn")) for c in cands[:cands.index(adaptive)])
+    options = algorithm_options(parse(ctx.recipe), CostView.from_context(ctx.deployment, prof))
+    first = [o.patch for o in options].index({"drafter": {"adaptive": True}})
+    assert all(o.reason.split(":")[0].startswith(("n-gram", "turn", "AR steps after a miss"))
+               for o in options[:first])
     assert f"tau {prof['acceptance']['tau']:.2f}" in adaptive.reason and "1..4 drafts" in adaptive.reason
     adaptive = asdict(load_recipe("stock"))
     adaptive["drafter"]["adaptive"] = True
@@ -142,19 +145,25 @@ def test_algorithm_proposes_an_adaptive_draft_length_after_the_priced_options(pr
         assert all("adaptive" not in c.recipe_patch.get("drafter", {}) for c in cands)
 
 
-def test_algorithm_proposes_ar_after_miss_for_an_adaptive_ngram_drafter(profiles):
-    """An adaptive n-gram recipe with a measured acceptance gets the ar_after_miss option (after the priced ones);
-    a recipe that has it, a non-adaptive one and AR get none."""
+def test_algorithm_proposes_ar_after_miss_for_an_ngram_drafter(profiles):
+    """An n-gram recipe with a measured acceptance, adaptive or not, gets the ar_after_miss option after the priced
+    ones and first of the unpriced drafter options (then min_ngram 2, then the adaptive length: their order in the
+    H200's SmolLM2 grids); a recipe that has it and AR get none."""
     prof = profiles["stock"]
-    recipe = asdict(load_recipe("stock"))
-    recipe["drafter"]["adaptive"] = True
-    cands = PolicyProvider().propose(context(prof, "algorithm", recipe=recipe, max_candidates=100))
-    [miss] = [c for c in cands if c.recipe_patch == {"drafter": {"ar_after_miss": True}}]
-    assert all("kind" in c.recipe_patch.get("drafter", {}) for c in cands[:cands.index(miss)])
-    assert "AR steps after a miss" in miss.reason
-    have = copy.deepcopy(recipe)
+    for adaptive in (False, True):
+        recipe = asdict(load_recipe("stock"))
+        recipe["drafter"]["adaptive"] = adaptive
+        options = algorithm_options(parse(recipe), CostView.from_context(deployment(prof), prof))
+        patches = [o.patch for o in options]
+        miss = patches.index({"drafter": {"ar_after_miss": True}})
+        assert all("kind" in p.get("drafter", {}) for p in patches[:miss])
+        assert miss < patches.index({"drafter": {"min_ngram": 2}})
+        if not adaptive:
+            assert patches.index({"drafter": {"min_ngram": 2}}) < patches.index({"drafter": {"adaptive": True}})
+        assert "AR steps after a miss" in options[miss].reason
+    have = asdict(load_recipe("stock"))
     have["drafter"]["ar_after_miss"] = True
-    for r, p in ((have, prof), (asdict(load_recipe("stock")), prof), ("ar", profiles["ar"])):
+    for r, p in ((have, prof), ("ar", profiles["ar"])):
         cands = PolicyProvider().propose(context(p, "algorithm", recipe=r, max_candidates=100))
         assert all("ar_after_miss" not in c.recipe_patch.get("drafter", {}) for c in cands)
 

@@ -10,7 +10,7 @@ that ratio over the cells); NAME.json keeps the grid's results.json and best.jso
 
 Sizes: the 10-recipe 8B replay grid fits one device call; the 51-recipe SmolLM2 grid (`--space smollm2`) gates each
 recipe in its own process, 4 at a time (`--gate-workers`), and is not yet timed on the H200: give it `--workload
-code` and a call of its own (5 minutes with `--gate-workers 6`, 2026-12-02). The grid writes into
+code` and a call of its own (343 s with `--gate-workers 8`, 2026-12-03). The grid writes into
 /tmp/specpilot-grid-SPACE-WORKLOADS-bB (harness.grid_dir, not the run's scratch folder), so a call killed at its limit
 leaves its gate verdicts to the same command in the next call of the warm machine, which gates only the rest
 (tools/grid/run.py), and the optimize experiment benches the grid's best beside its own.
@@ -18,7 +18,8 @@ leaves its gate verdicts to the same command in the next call of the warm machin
 Backs docs/BENCHMARKS.md, "Optimize vs hand-found best" (the grid's best, the yardstick of issue #23) and the 8B
 figures (issue #24), once run.
 
-Device minutes: about 9, not yet measured.
+Device minutes: the 51-recipe SmolLM2 grid with `--gate-workers 8`, 5.7 on code and 4.6 on chat (twenty-first
+lease, 2026-12-03); MINUTES stays 9 as the limit a chain plans for.
 """
 from __future__ import annotations
 
