@@ -361,8 +361,8 @@ def combine(best_recipe: dict, winners: list[dict], recipes: dict[str, dict],
             clash=lambda after, own: None) -> tuple[dict | None, list[str], list[str]]:
     """The best recipe with every winner's changes (fastest first); a change to a field an earlier winner already
     changed is left out, and so is one that `clash(combined, winners' own recipes)` (flat recipes) says does not
-    compose with what is merged so far. (recipe, ids used, why each other winner was left out), or (None, ...) when the result is not
-    a valid recipe."""
+    compose with what is merged so far. (recipe, ids used, why each other winner was left out); the recipe is None
+    when the result is not a valid recipe."""
     merged, taken, used, left = leaves(plain(best_recipe)), set(), [], []
     for w in winners:
         diff = changes(best_recipe, recipes[w["id"]])
@@ -448,8 +448,6 @@ def _integrate(state: dict, winners: list[dict]) -> tuple[dict | None, dict]:
     if res["gate"]["passed"] and "coverage" in res["gate"] and faster(res):
         return {"recipe": combo, "source": "+".join(used), "gate": res["gate"], "speed": res["speed"]}, evidence
     return top_pick, evidence
-
-
 
 
 def _human_edit(state: dict, value) -> tuple[dict | None, dict, dict | None]:

@@ -411,7 +411,8 @@ def test_combine_keeps_the_fastest_change_of_each_field():
                "other": {"kernels": {"attention": "builtin:sdpa"}}}
     recipes = {cid: asdict(parse(merge_patch(best, p))) for cid, p in patches.items()}
     combo, used, left = combine(best, [{"id": "fast"}, {"id": "conflicts"}, {"id": "other"}], recipes)  # fastest first
-    assert used == ["fast", "other"] and left == ["conflicts: changes k, as a faster winner does"]  # "conflicts" changes k, which the faster winner already set: all of it is out
+    # "conflicts" changes k, which the faster winner already set: all of it is out
+    assert used == ["fast", "other"] and left == ["conflicts: changes k, as a faster winner does"]
     assert combo["k"] == 2 and combo["drafter"]["max_ngram"] == 3 and combo["kernels"]["attention"] == "builtin:sdpa"
     # each valid alone, together min_ngram 3 > max_ngram 2: no combination
     longer, shorter = (asdict(parse(merge_patch(best, {"drafter": p}))) for p in ({"min_ngram": 3}, {"max_ngram": 2}))

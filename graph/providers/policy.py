@@ -21,6 +21,7 @@ from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPL
 from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
 from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
+from ..proposals import changes
 from .base import Provider
 
 # The issue's stopping rule: a gap (or a predicted change) worth less than 2% end to end is not worth a round.
@@ -172,17 +173,6 @@ def read_memory(hits: list[dict]) -> list[MemoryVerdict]:
             why = f"passed on {where} with {speed[0]:.2f}x over {speed[1]}"
             out.append(MemoryVerdict(cand, True, False, why + note, float(hit.get("score", 0.0)), speed[0]))
     return out
-
-
-def _changed_fields(recipe: dict, patch: dict) -> list[str]:
-    """The dotted paths of the recipe's leaves that the patch changes (a patch restating a value changes nothing)."""
-    def flat(value, prefix=""):
-        if isinstance(value, dict) and value:
-            return {k: v for key, sub in value.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-        return {prefix.rstrip("."): value}
-
-    before, after = flat(recipe), flat(merge_patch(recipe, patch))
-    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
 def memory_agents(hits: list[dict]) -> list[str]:
@@ -1092,7 +1082,7 @@ class PolicyProvider(Provider):
             # k = 5 compete for one field: the second value of a field is measured after every other lever.
             fields: set[str] = set()
             for option in options:
-                changed = set(_changed_fields(ctx.recipe, option.patch))
+                changed = set(changes(ctx.recipe, merge_patch(ctx.recipe, option.patch)))
                 if changed & fields:
                     continue
                 before = len(picked)
