@@ -47,6 +47,7 @@ tests it.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import torch
@@ -61,6 +62,12 @@ from .timing import require_gpu_compiled
 # with cuBLAS at 81% of the copy bandwidth (docs/benchmarks/2026-12-02-eighteenth-lease.md, E):
 # SPECPILOT_FMA_TILE_VALUES and `benchmark(tile_values=...)` (fused_tokens --tile-values) time larger tiles.
 TILE_VALUES = int(os.environ.get("SPECPILOT_FMA_TILE_VALUES", "4096"))
+# The layer's four GEMVs, by role: q/k/v (with the norm, RoPE and cache write), o, gate/up (with the norm and SwiGLU),
+# down. FMA_TILES[role] = {"rows": rows (pairs for q/k/v and gate/up) a program, "block_k": the K tile, "warps"}
+# replaces the TILE_VALUES rule for that role's FMA-path steps (`benchmark_tiles` sweeps them; SPECPILOT_FMA_TILES,
+# a JSON object, sets them for a run). Empty: the rule everywhere.
+ROLES = ("qkv", "o", "mlp", "down")
+FMA_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_FMA_TILES", "{}"))
 # Attention: cache slots per split, slots per loop iteration and warps per program, for one-token steps and for more
 # tokens (benchmark(attention=...) sweeps them); at most MAX_SPLITS splits (longer splits then). On the H200 with
 # SmolLM2 (docs/BENCHMARKS.md, fourth lease) 32-slot splits were fastest for one token at position 300 (17.7 µs a
@@ -192,17 +199,28 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         tl.extra.cuda.gdc_wait()
 
     # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
-    # square.
-    sq = tl.zeros((BLOCK_M,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ok = token_ok[:, None] & (k0 + cols < K)[None, :]
-        offs = tokens[:, None] * K + k0 + cols[None, :]
+    # square. With all of K in one tile, h is then made from r as it is (pass 2 reads no activations again: at
+    # Llama-3.1-8B's K = 4096, a program of two rows read 16 KB of weights and twice 16 KB of x and delta).
+    if SINGLE:
+        ok = token_ok[:, None] & (cols < K)[None, :]
+        offs = tokens[:, None] * K + cols[None, :]
         r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                      + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
-        if pid == 0:  # a uniform branch, not a scalar folded into the mask (newer interpreters reject that mask)
+        if pid == 0:
             tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
-        sq += tl.sum(r * r, axis=1)
-    inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / K + eps)
+        h_single = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
+    else:
+        sq = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ok = token_ok[:, None] & (k0 + cols < K)[None, :]
+            offs = tokens[:, None] * K + k0 + cols[None, :]
+            r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                         + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
+            if pid == 0:  # a uniform branch, not a scalar folded into the mask (newer interpreters reject that mask)
+                tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
+            sq += tl.sum(r * r, axis=1)
+        inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 
     # Pass 2: both row sets' dot products with h, tile by tile of K.
     if DOT:
@@ -219,12 +237,15 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
         if not SINGLE:
             nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SINGLE:
+            h = h_single
+        else:
+            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
         if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
-            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K).to(wa.dtype)
+            h = h.to(wa.dtype)
             ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
             yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
         else:  # one token: [rows, K] * [1, K] on the FMA units
-            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
             ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
             yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
     if DOT:
@@ -410,17 +431,24 @@ def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, live_ptr, K, eps, PDL: tl.
 
 
 # -- launch configuration ----------------------------------------------------------------------------------------
-def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False) -> dict:
-    """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens.
+def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False,
+                role: str | None = None) -> dict:
+    """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens; `role` is which of
+    the layer's GEMVs it is (ROLES), for FMA_TILES.
 
-    Up to FMA_MAX_TOKENS tokens: one token a program; all of K in one tile while the weight tile stays within
+    Up to FMA_MAX_TOKENS tokens: one token a program, with the tile FMA_TILES gives the role if it gives one
+    (rows or pairs a program, the K tile, warps), else all of K in one tile while the weight tile stays within
     TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs for one
     token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the interpreter, which runs
-    programs one by one, wants few). More tokens: the tensor-core tile, DOT_TOKENS tokens a program (more tokens:
-    more token blocks side by side)."""
+    programs one by one, wants few), 4 warps. More tokens: the tensor-core tile, DOT_TOKENS tokens a program (more
+    tokens: more token blocks side by side)."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
-                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))))
+                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), num_warps=4)
+    tile = FMA_TILES.get(role)
+    if tile is not None:
+        return dict(DOT=False, BLOCK_M=1, BLOCK_N=tile["rows"],
+                    BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)), num_warps=tile["warps"])
     block_k = triton.next_power_of_2(k)
     if block_k > TILE_VALUES:
         block_k = 1024
@@ -428,7 +456,7 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     programs_per_row_block = 1 if FMA_TILES_AS_ONE_TOKEN else n_tokens
     while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
         block_n //= 2
-    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k)
+    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
 def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:
@@ -575,7 +603,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     resid = torch.empty_like(x)
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
-    cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True)
+    cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True, role="qkv")
     if cfg.qk_norm:  # the per-head norm needs the whole head in one program
         cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
     qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
@@ -584,7 +612,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         cos, sin, qk_norm, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], num_warps=4, **pdl, **_token_skip(skip, cfg1))
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **pdl, **_token_skip(skip, cfg1))
 
     # 2. attention, split over the cache, merged by each (token, head)'s last split
     n_slots = kv_cache.shape[3]
@@ -604,29 +632,29 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
-    cfg3 = gemv_blocks(hidden, H * D, M, width)
+    cfg3 = gemv_blocks(hidden, H * D, M, width, role="o")
     _gemv[grid(cfg3, hidden, M)](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3,
-        num_warps=4, **pdl, **_token_skip(skip, cfg3))
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3, **pdl,
+        **_token_skip(skip, cfg3))
 
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
     act = torch.empty(M, inter, dtype=dt, device=dev)
-    cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True)
+    cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp")
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, block.mlp_norm, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=4, **pdl, **_token_skip(skip, cfg4))
+        num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
-    cfg5 = gemv_blocks(hidden, inter, M, width)
+    cfg5 = gemv_blocks(hidden, inter, M, width, role="down")
     _gemv[grid(cfg5, hidden, M)](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, num_warps=4, **pdl, **_token_skip(skip, cfg5))
+        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, **pdl, **_token_skip(skip, cfg5))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 
@@ -769,13 +797,13 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,)) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
-    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens` and each TILE_VALUES in `tile_values` (None: as set).
-    GPU only."""
+    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
+    `fma_tiles` (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -799,20 +827,21 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES
-        current, fma_saved, tile_saved = attention_setting(batch * T), FMA_MAX_TOKENS, TILE_VALUES
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
+        current, fma_saved, tile_saved, tiles_saved = attention_setting(batch * T), FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
         saved = dict(current)
-        for fma, tile, setting in itertools.product(fma_max_tokens, tile_values, attention):
+        for fma, tile, tiles, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
+            FMA_TILES = tiles_saved if tiles is None else tiles
             try:
                 run(fused_layer)()
                 fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
             finally:
                 current.clear()
                 current.update(saved)
-                FMA_MAX_TOKENS, TILE_VALUES = fma_saved, tile_saved
+                FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES = fma_saved, tile_saved, tiles_saved
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
-                            tile_values=tile or tile_saved, fused_us=fused_us, modular_us=modular_us,
-                            speedup=modular_us / fused_us))
+                            tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
+                            fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
     return out

@@ -124,6 +124,61 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     assert got == {"SPECPILOT_FMA_MAX_TOKENS": 8, "SPECPILOT_FUSED_MAX_TOKENS": 16}
 
 
+def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(runner, tmp_path, monkeypatch,
+                                                                             tiny_model_dir):
+    """fused_tiles: candidate tiles stay within 16,384 weight values a program and K's power of two; the sweep keeps
+    each role's fastest tile where it beats the shipped layer by more than half a percent, a tile that fails costs
+    its own row, and the best tiles go to the env file a later call reads. Timings faked (the sweep is GPU work)."""
+    import json
+    import types
+
+    from specpilot.engine import loader
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+    from specpilot.tools.bench import engine_bench
+
+    fused_tiles = runner.load("fused_tiles")
+    for role, k in (("qkv", 4096), ("o", 4096), ("mlp", 4096), ("down", 14336), ("o", 576)):
+        tiles = fused_tiles.candidates(role, k)
+        assert tiles and all(t["rows"] * (2 if role in ("qkv", "mlp") else 1) * t["block_k"] <= 16384 for t in tiles)
+        assert all(t["block_k"] <= 1 << (k - 1).bit_length() for t in tiles) and len({json.dumps(t) for t in tiles}) \
+            == len(tiles)
+
+    def fake_benchmark(model, modular, tokens, fma_tiles):
+        out = []
+        for tiles in fma_tiles:
+            o = tiles.get("o")
+            if o and o["warps"] == 8 and o["rows"] == 8:
+                raise RuntimeError("out of resources")
+            us = 100.0 - (5.0 if o == {"rows": 2, "block_k": 64, "warps": 8} else 0.0) - (
+                0.2 if tiles.get("down", {}).get("rows") == 4 else 0.0)  # down's gain is noise-sized
+            out.append({"fused_us": us, "modular_us": 120.0})
+        return out
+
+    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "fp32", "cpu")
+    monkeypatch.setattr(loader, "load", lambda *a, **k: tiny)
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", fake_benchmark)
+    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
+    monkeypatch.setattr(fused_tiles, "kernel_times", lambda model, F, tiles: dict.fromkeys(fused_tiles.KERNELS, 2.0))
+    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
+    import torch
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="o,down", warps="4,8")
+    record, table = fused_tiles.run(tmp_path, args)
+    assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
+    assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
+    broken = [s for s in record["sweep"] if "error" in s]
+    assert broken and all(s["role"] == "o" and s["rows"] == 8 and s["warps"] == 8 for s in broken)
+    cfg = tiny.model.cfg
+    assert len(record["sweep"]) == (len(fused_tiles.candidates("o", cfg.n_heads * cfg.head_dim))
+                                    + len(fused_tiles.candidates("down", cfg.intermediate_size)))
+    env = (tmp_path / "fused_tiles.env").read_text()
+    assert env.startswith("export SPECPILOT_FMA_TILES=") and '"block_k": 64' in env
+    assert "out of resources" in table
+
+
 def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path):
     """train_head --run-dir --call-minutes: a run stopped at the call's limit reports where it stopped and keeps its
     folder; the same command again resumes it (train-drafter --resume) to a head (smoke sizes, CPU)."""

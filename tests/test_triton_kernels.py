@@ -230,6 +230,22 @@ def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
+    """FMA_TILES sets each GEMV role's tile (rows or pairs a program, the K tile, warps) in place of the TILE_VALUES
+    rule, whatever the step's tokens: tiles of K in several chunks and of several rows (the pair kernels' chunked
+    norm path) agree with the modular layer, as the rule's do."""
+    tiles = {"qkv": {"rows": 2, "block_k": 16, "warps": 4}, "o": {"rows": 4, "block_k": 32, "warps": 8},
+             "mlp": {"rows": 4, "block_k": 16, "warps": 4}, "down": {"rows": 1, "block_k": 64, "warps": 4}}
+    monkeypatch.setattr(triton_fused_layer, "FMA_TILES", tiles)
+    assert [triton_fused_layer.gemv_blocks(64, 64, t, role="o") for t in (1, 5)] == [
+        dict(DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=8)] * 2
+    assert triton_fused_layer.gemv_blocks(64, 16, 1, role="down")["BLOCK_K"] == 16  # never past K's power of two
+    assert triton_fused_layer.gemv_blocks(64, 64, 1)["num_warps"] == 4  # no role: the rule
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    assert loaded.model.cfg.hidden_size > 16  # (so that the K tiles of 16 take several chunks)
+    assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
+
+
 def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch):
     """With FMA_MAX_TOKENS lowered to 1, steps of several tokens take the tensor-core path (W_tile @ H^T) instead of
     one program per token, with the same results (Qwen2: q/k/v biases)."""
