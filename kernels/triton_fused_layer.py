@@ -62,6 +62,11 @@ from .timing import require_gpu_compiled
 # with cuBLAS at 81% of the copy bandwidth (docs/benchmarks/2026-12-02-eighteenth-lease.md, E):
 # SPECPILOT_FMA_TILE_VALUES and `benchmark(tile_values=...)` (fused_tokens --tile-values) time larger tiles.
 TILE_VALUES = int(os.environ.get("SPECPILOT_FMA_TILE_VALUES", "4096"))
+# A K longer than TILE_VALUES (Llama-3.1-8B's down projection, K = 14,336) is read in tiles of CHUNK_K, one row a
+# program: on the H200 (docs/benchmarks/2026-12-03-twenty-second-lease.md, A) the down GEMV then ran at 99% of the
+# copy bandwidth (28.1 µs a layer), against 75% with the former tile of four rows in tiles of 1,024 (37.3 µs), and
+# the layer took 115.8 µs against 125.1.
+CHUNK_K = 2048
 # The layer's four GEMVs, by role: q/k/v (with the norm, RoPE and cache write), o, gate/up (with the norm and SwiGLU),
 # down. FMA_TILES[role] = {"rows": rows (pairs for q/k/v and gate/up) a program, "block_k": the K tile, "warps"}
 # replaces the TILE_VALUES rule for that role's FMA-path steps (`benchmark_tiles` sweeps them; SPECPILOT_FMA_TILES,
@@ -71,8 +76,10 @@ FMA_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_FMA_TILES", "{
 # Attention: cache slots per split, slots per loop iteration and warps per program, for one-token steps and for more
 # tokens (benchmark(attention=...) sweeps them); at most MAX_SPLITS splits (longer splits then). On the H200 with
 # SmolLM2 (docs/BENCHMARKS.md, fourth lease) 32-slot splits were fastest for one token at position 300 (17.7 µs a
-# layer against 19.0 with 64) and 64-slot splits for five tokens (30.6 µs against 31.2).
-ATTENTION = dict(keys_per_split=32, block_s=32, num_warps=4)
+# layer against 19.0 with 64) and 64-slot splits for five tokens (30.6 µs against 31.2). SPECPILOT_FMA_ATTENTION (a
+# JSON object) changes the one-token setting for a run (`fused_tiles --attention` sweeps it).
+ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
+             **json.loads(os.environ.get("SPECPILOT_FMA_ATTENTION", "{}"))}
 ATTENTION_MULTI = dict(keys_per_split=64, block_s=64, num_warps=4)
 MAX_SPLITS = 32
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
@@ -438,10 +445,10 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
 
     Up to FMA_MAX_TOKENS tokens: one token a program, with the tile FMA_TILES gives the role if it gives one
     (rows or pairs a program, the K tile, warps), else all of K in one tile while the weight tile stays within
-    TILE_VALUES (else tiles of 1024), as many rows as fit, halved until there are `min_programs` programs for one
-    token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the interpreter, which runs
-    programs one by one, wants few), 4 warps. More tokens: the tensor-core tile, DOT_TOKENS tokens a program (more
-    tokens: more token blocks side by side)."""
+    TILE_VALUES (else one row in tiles of CHUNK_K), as many rows as fit, halved until there are `min_programs`
+    programs for one token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the
+    interpreter, which runs programs one by one, wants few), 4 warps. More tokens: the tensor-core tile, DOT_TOKENS
+    tokens a program (more tokens: more token blocks side by side)."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), num_warps=4)
@@ -450,8 +457,8 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
         return dict(DOT=False, BLOCK_M=1, BLOCK_N=tile["rows"],
                     BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)), num_warps=tile["warps"])
     block_k = triton.next_power_of_2(k)
-    if block_k > TILE_VALUES:
-        block_k = 1024
+    if block_k > TILE_VALUES:  # K in CHUNK_K tiles, one row a program
+        return dict(DOT=False, BLOCK_M=1, BLOCK_N=1, BLOCK_K=CHUNK_K, num_warps=4)
     block_n = max(1, min(16, TILE_VALUES // block_k))
     programs_per_row_block = 1 if FMA_TILES_AS_ONE_TOKEN else n_tokens
     while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
@@ -828,7 +835,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
         global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
-        current, fma_saved, tile_saved, tiles_saved = attention_setting(batch * T), FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
+        current = attention_setting(batch * T)
+        fma_saved, tile_saved, tiles_saved = FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
         saved = dict(current)
         for fma, tile, tiles, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention):
             current.update(setting or {})

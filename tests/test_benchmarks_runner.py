@@ -144,7 +144,10 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
         assert all(t["block_k"] <= 1 << (k - 1).bit_length() for t in tiles) and len({json.dumps(t) for t in tiles}) \
             == len(tiles)
 
-    def fake_benchmark(model, modular, tokens, fma_tiles):
+    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,)):
+        if attention != (None,):  # the attention sweep: 64-slot splits of 32-slot iterations win
+            return [{"fused_us": 97.0 if a["keys_per_split"] == 64 and a["block_s"] == 32 and a["num_warps"] == 2
+                     else 100.0, "modular_us": 120.0} for a in attention]
         out = []
         for tiles in fma_tiles:
             o = tiles.get("o")
@@ -165,7 +168,8 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     import torch
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="o,down", warps="4,8")
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="o,down", warps="4,8",
+                                 attention=True)
     record, table = fused_tiles.run(tmp_path, args)
     assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
     assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
@@ -177,6 +181,9 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     env = (tmp_path / "fused_tiles.env").read_text()
     assert env.startswith("export SPECPILOT_FMA_TILES=") and '"block_k": 64' in env
     assert "out of resources" in table
+    assert record["best_attention"] == {"keys_per_split": 64, "block_s": 32, "num_warps": 2}
+    assert len(record["attention"]) == len(fused_tiles.attention_candidates())
+    assert 'export SPECPILOT_FMA_ATTENTION=\'{"keys_per_split": 64, "block_s": 32, "num_warps": 2}\'' in env
 
 
 def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path):

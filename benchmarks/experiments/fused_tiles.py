@@ -35,6 +35,8 @@ KERNELS = ("qkv", "attention", "o", "mlp", "down")  # a layer's five kernels in 
 def arguments(p) -> None:
     p.add_argument("--roles", default="qkv,o,mlp,down", help="the GEMV roles to sweep")
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--attention", action="store_true",
+                   help="also sweep the one-token attention's split (cache slots a split, slots an iteration, warps)")
 
 
 def candidates(role: str, k: int, warps=(4, 8)) -> list[dict]:
@@ -50,6 +52,12 @@ def candidates(role: str, k: int, warps=(4, 8)) -> list[dict]:
                 continue
             out += [{"rows": rows, "block_k": block_k, "warps": w} for w in warps]
     return out
+
+
+def attention_candidates() -> list[dict]:
+    """One-token attention settings to try: cache slots a split 16-128, slots a loop iteration up to that, 2-8 warps."""
+    return [{"keys_per_split": keys, "block_s": block, "num_warps": warps}
+            for keys in (16, 32, 64, 128) for block in (16, 32, 64) if block <= keys for warps in (2, 4, 8)]
 
 
 def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, replays: int = 20) -> dict:
@@ -143,6 +151,23 @@ def run(out_dir, args):
             print(sweep[-1], flush=True)
         if timings and min(timings, key=lambda ut: ut[0])[0] < base["fused_us"] * 0.995:  # the sweep's own noise
             best[role] = min(timings, key=lambda ut: ut[0])[1]
+    attention, best_attention = [], None
+    if args.attention:
+        shipped_attention = dict(F.ATTENTION)
+        timings = []
+        for setting in attention_candidates():
+            try:
+                us = F.benchmark(model, modular, tokens=(1,), attention=(setting,))[0]["fused_us"]
+                attention.append({**setting, "fused_us": us, "vs_shipped": base["fused_us"] / us})
+                timings.append((us, setting))
+            except Exception as e:
+                attention.append({**setting, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"})
+                torch.cuda.synchronize()
+            print(attention[-1], flush=True)
+        if timings and min(timings, key=lambda ut: ut[0])[0] < base["fused_us"] * 0.995:
+            best_attention = min(timings, key=lambda ut: ut[0])[1]
+            if best_attention == shipped_attention:
+                best_attention = None
     both = timed([shipped, {**shipped, **best}, shipped, {**shipped, **best}])
     shipped_us = min(both[0]["fused_us"], both[2]["fused_us"])
     best_us = min(both[1]["fused_us"], both[3]["fused_us"])
@@ -155,13 +180,17 @@ def run(out_dir, args):
     layer_bytes = sum(w.numel() * w.element_size() for w in weight_of.values())
     layer_floor_us = layer_bytes / bandwidth * 1e6
     env = harness.WORK / "fused_tiles.env"
-    env.write_text(f"export SPECPILOT_FMA_TILES={shlex.quote(json.dumps({**shipped, **best}))}\n")
+    env.write_text(f"export SPECPILOT_FMA_TILES={shlex.quote(json.dumps({**shipped, **best}))}\n"
+                   + (f"export SPECPILOT_FMA_ATTENTION={shlex.quote(json.dumps(best_attention))}\n"
+                      if best_attention else ""))
 
     lines = [f"Target {args.ctx.target}: {cfg.n_layers} layers of {layer_bytes / 1e6:.1f} MB; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s, so a layer's weight-read floor is {layer_floor_us:.1f} µs.",
              f"Shipped tiles {shipped or '(the TILE_VALUES rule)'}: {shipped_us:.2f} µs a layer "
              f"({layer_floor_us / shipped_us:.0%} of the floor); best tiles {best or '(none better)'}: "
-             f"{best_us:.2f} µs ({layer_floor_us / best_us:.0%}); modular {base['modular_us']:.2f} µs.", ""]
+             f"{best_us:.2f} µs ({layer_floor_us / best_us:.0%}); modular {base['modular_us']:.2f} µs."
+             + (f" Best one-token attention split: {best_attention or 'as shipped'} (shipped {dict(F.ATTENTION)})."
+                if args.attention else ""), ""]
     header = ["kernel", "floor µs", "shipped µs", "of floor", "best µs", "of floor"]
     table_rows = []
     for name in KERNELS:
@@ -179,5 +208,12 @@ def run(out_dir, args):
                                      f"{s['vs_shipped']:.3f}" if "fused_us" in s else "–"] for s in sweep])
     record = {"target": args.ctx.target, "copy_bandwidth": bandwidth, "layer_bytes": layer_bytes,
               "layer_floor_us": layer_floor_us, "floor_us": floor_us, "shipped": shipped, "shipped_us": shipped_us,
-              "best": best, "best_us": best_us, "modular_us": base["modular_us"], "kernels": kernels, "sweep": sweep}
+              "best": best, "best_us": best_us, "modular_us": base["modular_us"], "kernels": kernels, "sweep": sweep,
+              "attention": attention, "best_attention": best_attention}
+    if attention:
+        sweep_table += "\n\nThe one-token attention's split (the tiles shipped):\n\n" + harness.md_table(
+            ["slots a split", "slots an iteration", "warps", "µs a layer", "vs shipped"],
+            [[a["keys_per_split"], a["block_s"], a["num_warps"],
+              f"{a['fused_us']:.2f}" if "fused_us" in a else a["error"],
+              f"{a['vs_shipped']:.3f}" if "fused_us" in a else "–"] for a in attention])
     return record, table + "\n\nThe sweep (one role's tile changed, the others shipped):\n\n" + sweep_table

@@ -49,6 +49,8 @@ def arguments(p) -> None:
     p.add_argument("--layers", default="fused,modular",
                    help="the replay recipes on each of these layers (fused: with overlap; modular ones named "
                         "...-modular): at 8B the fused layer lost to the modular one at B = 8 (seventeenth lease)")
+    p.add_argument("--systems", default=None,
+                   help="only these of the recipes, comma-separated (e.g. the AR ones: ar-fused-overlap,ar-overlap)")
 
 
 def recipes(ctx, layers=("fused",)) -> list:
@@ -118,7 +120,14 @@ def run(out_dir, args):
     unknown = sorted(set(layers) - {"fused", "modular"})
     if unknown:
         raise SystemExit(f"--layers: {', '.join(unknown)} (of fused, modular)")
-    for r in recipes(ctx, layers):
+    chosen = recipes(ctx, layers)
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = sorted(set(wanted) - {r.stem for r in chosen})
+        if unknown:
+            raise SystemExit(f"--systems: {', '.join(unknown)} (of {', '.join(r.stem for r in chosen)})")
+        chosen = [r for r in chosen if r.stem in wanted]
+    for r in chosen:
         argv += ["--recipe", r]
     floor = None
     weights = weight_bytes(ctx.target)
