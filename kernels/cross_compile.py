@@ -136,7 +136,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
     from . import triton_fused_layer as F
 
     out = []
-    names = ["_norm_pair_gemv", "_decode_attention", "_gemv", "_add_rmsnorm"]
+    names = ["_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"]
     saved = F._pdl
     try:
         F._pdl = lambda device: True

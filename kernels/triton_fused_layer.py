@@ -8,7 +8,8 @@ runs five, each a GEMV (or attention) with the small ops around it folded into i
 
 1. `_norm_pair_gemv` (ROPE_KV): h = RMSNorm(x + delta); q, k, v = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
    written into the KV cache at each token's position; q to a small buffer. The first row block also writes
-   r = x + delta, the residual stream, for step 4.
+   r = x + delta, the residual stream, for step 4. (Qwen3's per-head q/k norm: q and k leave as computed, and
+   `_qk_norm_rope`, a sixth kernel, norms and rotates them.)
 2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
    slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
    split of a (token, head) to finish, told by an atomic counter, merges all splits into the attention output (the
@@ -152,7 +153,7 @@ def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
 
 @triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
-                    cos_ptr, sin_ptr, qk_norm_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
+                    cos_ptr, sin_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
@@ -187,18 +188,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     if MODE == ROPE_KV:
         dims = pairs % HALF
-        trig = tokens[:, None] * HEAD_DIM + dims[None, :]
-        cos_a = tl.load(cos_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+        if not QK_NORM:  # (with it, _qk_norm_rope rotates q and k)
+            trig = tokens[:, None] * HEAD_DIM + dims[None, :]
+            cos_a = tl.load(cos_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+            sin_a = tl.load(sin_ptr + trig, mask=out_ok, other=0.0).to(tl.float32)
+            cos_b = tl.load(cos_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
+            sin_b = tl.load(sin_ptr + trig + HALF, mask=out_ok, other=0.0).to(tl.float32)
         pos = tl.load(positions_ptr + tokens, mask=token_ok, other=0)
         row = tl.load(rows_ptr + tokens, mask=token_ok, other=0)  # the token's cache row (packed steps: any)
-        if QK_NORM:  # one head per program (BLOCK_P == HALF); q_norm then k_norm, stacked in qk_norm_ptr
-            hq = tl.max(head, axis=0)
-            which = tl.where(hq < n_heads, 0, HEAD_DIM)
-            na = tl.load(qk_norm_ptr + which + dims, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-            nb = tl.load(qk_norm_ptr + which + dims + HALF, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
         if tl.load(live_ptr + tl.program_id(0)) == 0:
             return
@@ -268,24 +265,23 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         act = ya / (1.0 + tl.exp(-ya)) * yb
         tl.store(out_ptr + tokens[:, None] * n_pairs + pairs[None, :], act.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
-        rotated = head < n_heads + n_kv_heads  # q and k heads; v is stored as computed
-        if QK_NORM:  # RMSNorm over the head's D values, per token
-            ms = (tl.sum(ya * ya, axis=1) + tl.sum(yb * yb, axis=1)) / HEAD_DIM
-            inv = (1.0 / tl.sqrt(ms + eps))[:, None]
-            normed_a = _rounded(na * _rounded(ya * inv, x_ptr), x_ptr)
-            normed_b = _rounded(nb * _rounded(yb * inv, x_ptr), x_ptr)
-            ya = tl.where(hq < n_heads + n_kv_heads, normed_a, ya)
-            yb = tl.where(hq < n_heads + n_kv_heads, normed_b, yb)
-        # RoPE, rotate-half form: (a, b) -> (a cos - b sin, b cos + a sin); the tables repeat over the two halves.
-        rot = rotated[None, :]
-        out_a = tl.where(rot, ya * cos_a - yb * sin_a, ya)
-        out_b = tl.where(rot, yb * cos_b + ya * sin_b, yb)
-        # q heads go to out [M, n_heads, D]; k and v heads into the cache at (row, kv head, position).
-        is_q = (head < n_heads)[None, :]
-        q_at = out_ptr + tokens[:, None] * (n_heads * HEAD_DIM) + (head * HEAD_DIM + dims)[None, :]
-        tl.store(q_at, out_a.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
-        tl.store(q_at + HALF, out_b.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
-        kv_head = head - n_heads
+        if QK_NORM:  # q and k heads as computed into out [M, n_heads + n_kv_heads, D], for _qk_norm_rope; v below
+            qk = (head < n_heads + n_kv_heads)[None, :]
+            raw_at = out_ptr + tokens[:, None] * ((n_heads + n_kv_heads) * HEAD_DIM) + (head * HEAD_DIM + dims)[None, :]
+            tl.store(raw_at, ya.to(out_ptr.dtype.element_ty), mask=out_ok & qk)
+            tl.store(raw_at + HALF, yb.to(out_ptr.dtype.element_ty), mask=out_ok & qk)
+            out_a, out_b, is_q = ya, yb, qk  # (q and k are stored above: only v goes on to the cache)
+        else:
+            # RoPE, rotate-half form: (a, b) -> (a cos - b sin, b cos + a sin); the tables repeat over the two halves.
+            rot = (head < n_heads + n_kv_heads)[None, :]  # q and k heads; v is stored as computed
+            out_a = tl.where(rot, ya * cos_a - yb * sin_a, ya)
+            out_b = tl.where(rot, yb * cos_b + ya * sin_b, yb)
+            # q heads go to out [M, n_heads, D]; k and v heads into the cache at (row, kv head, position).
+            is_q = (head < n_heads)[None, :]
+            q_at = out_ptr + tokens[:, None] * (n_heads * HEAD_DIM) + (head * HEAD_DIM + dims)[None, :]
+            tl.store(q_at, out_a.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
+            tl.store(q_at + HALF, out_b.to(out_ptr.dtype.element_ty), mask=out_ok & is_q)
+        kv_head = tl.where(head < n_heads, 0, head - n_heads)
         is_v = kv_head >= n_kv_heads
         kv_head = tl.where(is_v, kv_head - n_kv_heads, kv_head)
         cache_at = (kv_ptr + (row * stride_b + pos * stride_s)[:, None]
@@ -295,15 +291,90 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
 
 
 @triton.jit
+def _qk_norm_rope(raw_ptr, q_ptr, kv_ptr, norm_ptr, cos_ptr, sin_ptr, positions_ptr, rows_ptr, live_ptr,
+                  n_heads, n_kv_heads, eps, stride_b, stride_h, stride_s,
+                  HEAD_DIM: tl.constexpr, PDL: tl.constexpr, SKIP_DEAD: tl.constexpr):
+    """Qwen3's per-head RMSNorm of q and k (q_norm, k_norm stacked in `norm_ptr`), then RoPE: q to its buffer
+    [M, n_heads, D], k into the cache. Program (token, q or k head), reading the head's values as the q/k/v kernel
+    computed them (`raw_ptr`). A kernel of its own so that the q/k/v GEMV keeps the tiles of every other model: with
+    a whole head in one program (the norm's reduction in its epilogue), Qwen3-8B's q/k/v ran as 48 programs of 128
+    rows and 157 µs a layer against 12 at the copy bandwidth (docs/benchmarks/2026-12-03-twenty-second-lease.md, A)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    HALF: tl.constexpr = HEAD_DIM // 2
+    heads = n_heads + n_kv_heads
+    m, head = tl.program_id(0) // heads, tl.program_id(0) % heads
+    dims = tl.arange(0, HALF)
+    which = tl.where(head < n_heads, 0, HEAD_DIM)
+    na = tl.load(norm_ptr + which + dims).to(tl.float32)
+    nb = tl.load(norm_ptr + which + dims + HALF).to(tl.float32)
+    cos_a = tl.load(cos_ptr + m * HEAD_DIM + dims).to(tl.float32)
+    sin_a = tl.load(sin_ptr + m * HEAD_DIM + dims).to(tl.float32)
+    cos_b = tl.load(cos_ptr + m * HEAD_DIM + dims + HALF).to(tl.float32)
+    sin_b = tl.load(sin_ptr + m * HEAD_DIM + dims + HALF).to(tl.float32)
+    pos = tl.load(positions_ptr + m)
+    row = tl.load(rows_ptr + m)
+    if SKIP_DEAD:
+        if tl.load(live_ptr + m) == 0:
+            return
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    at = raw_ptr + (m * heads + head) * HEAD_DIM + dims
+    ya = tl.load(at).to(tl.float32)
+    yb = tl.load(at + HALF).to(tl.float32)
+    inv = 1.0 / tl.sqrt((tl.sum(ya * ya, axis=0) + tl.sum(yb * yb, axis=0)) / HEAD_DIM + eps)
+    a = _rounded(na * _rounded(ya * inv, q_ptr), q_ptr)
+    b = _rounded(nb * _rounded(yb * inv, q_ptr), q_ptr)
+    out_a = a * cos_a - b * sin_a
+    out_b = b * cos_b + a * sin_b
+    if head < n_heads:
+        q_at = q_ptr + (m * n_heads + head) * HEAD_DIM + dims
+        tl.store(q_at, out_a.to(q_ptr.dtype.element_ty))
+        tl.store(q_at + HALF, out_b.to(q_ptr.dtype.element_ty))
+    else:
+        cache_at = kv_ptr + row * stride_b + pos * stride_s + (head - n_heads) * stride_h + dims
+        tl.store(cache_at, out_a.to(kv_ptr.dtype.element_ty))
+        tl.store(cache_at + HALF, out_b.to(kv_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _visible(slots, last, pos, window, root, ancestors, TREE: tl.constexpr):
+    """Which cache slots a query at `pos` sees among `slots`: before `last`, inside the window, and in a tree step
+    a slot before the tree's first (`root`) or an ancestor's (a bit of `ancestors`, itself included)."""
+    seen = (slots < last) & (slots > pos - window)
+    if TREE:
+        node = tl.maximum(slots - root, 0).to(tl.int64)
+        seen = seen & ((slots < root) | (((ancestors >> node) & 1) != 0))
+    return seen
+
+
+@triton.jit
+def _attend(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
+    """One tile of slots into the online softmax: (running max, running sum, unnormalized output) updated."""
+    scores = _rounded(tl.sum(k * q[None, :], axis=1), q_ptr) * scale  # rounded where q @ k^T rounds
+    scores = tl.where(seen, scores, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(scores, axis=0))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
+    p = tl.exp(scores - shift)
+    rescale = tl.exp(run_max - shift)
+    return new_max, run_sum * rescale + tl.sum(p, axis=0), acc * rescale + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
-                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split,
+                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
                       SKIP_DEAD: tl.constexpr, TREE: tl.constexpr):
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
     same K/V tiles, from L2 after the first. Splits past the token's position do nothing. TREE: the token is a
     draft-tree node whose `positions` entry is its cache slot; of the slots from its tree's first (`root_ptr`) on it
-    sees those whose bit, counted from that first slot, is set in its ancestor mask (`ancestors_ptr`, int64)."""
+    sees those whose bit, counted from that first slot, is set in its ancestor mask (`ancestors_ptr`, int64).
+
+    The split's first tile of K/V is loaded before the PDL wait, all but the slots this step may have written: those
+    from the tree's first on, or in a chain step the last `n_tokens` up to the token's own (a row's tokens in a step
+    are consecutive positions, at most all the step's tokens). The earlier slots were written by earlier steps, so
+    their DRAM round trip overlaps the q/k/v kernel's tail; the others are read after the wait."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     mh, split = tl.program_id(0), tl.program_id(1)
@@ -313,37 +384,39 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
     if SKIP_DEAD:
         if tl.load(live_ptr + m) == 0:
             return
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
     if TREE:
         root = tl.load(root_ptr + m)
         ancestors = tl.load(ancestors_ptr + m)
+        fresh = root
+    else:
+        root = pos
+        ancestors = pos.to(tl.int64)
+        fresh = pos - (n_tokens - 1)
     first = split * keys_per_split
     last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
+    k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + (head // rep) * stride_h
+    slots = first + tl.arange(0, BLOCK_S)
+    seen = _visible(slots, last, pos, window, root, ancestors, TREE)
+    at = slots[:, None] * stride_s + dims[None, :]
+    old = (seen & (slots < fresh))[:, None]
+    k = tl.load(k_base + at, mask=old, other=0.0).to(tl.float32)
+    v = tl.load(k_base + stride_kv + at, mask=old, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
     if first < last:
-        k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + (head // rep) * stride_h
-        run_max = float("-inf")
-        run_sum = 0.0
-        acc = tl.zeros((HEAD_DIM,), tl.float32)
-        for s0 in range(first, last, BLOCK_S):
-            slots = s0 + tl.arange(0, BLOCK_S)
-            seen = (slots < last) & (slots > pos - window)
-            if TREE:  # a slot before the tree's, or an ancestor's (itself included): its bit in the mask
-                node = tl.maximum(slots - root, 0).to(tl.int64)
-                seen = seen & ((slots < root) | (((ancestors >> node) & 1) != 0))
-            at = slots[:, None] * stride_s + dims[None, :]
-            k = tl.load(k_base + at, mask=seen[:, None], other=0.0).to(tl.float32)
-            v = tl.load(k_base + stride_kv + at, mask=seen[:, None], other=0.0).to(tl.float32)
-            scores = _rounded(tl.sum(k * q[None, :], axis=1), q_ptr) * scale  # rounded where q @ k^T rounds
-            scores = tl.where(seen, scores, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(scores, axis=0))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
-            p = tl.exp(scores - shift)
-            rescale = tl.exp(run_max - shift)
-            run_sum = run_sum * rescale + tl.sum(p, axis=0)
-            acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
-            run_max = new_max
+        new = (seen & (slots >= fresh))[:, None]
+        k = tl.where(new, tl.load(k_base + at, mask=new, other=0.0).to(tl.float32), k)
+        v = tl.where(new, tl.load(k_base + stride_kv + at, mask=new, other=0.0).to(tl.float32), v)
+        run_max, run_sum, acc = _attend(q, k, v, seen, float("-inf"), 0.0, tl.zeros((HEAD_DIM,), tl.float32), scale,
+                                        q_ptr)
+        for s0 in range(first + BLOCK_S, last, BLOCK_S):  # (names of their own: no loop-carried type changes)
+            tile = s0 + tl.arange(0, BLOCK_S)
+            tile_seen = _visible(tile, last, pos, window, root, ancestors, TREE)
+            tile_at = tile[:, None] * stride_s + dims[None, :]
+            tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            run_max, run_sum, acc = _attend(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
         # The splits that run for this token; clamped, so that a position past the cache cannot hang the merge.
         n_used = tl.minimum(pos // keys_per_split + 1, N_SPLITS)
         if n_used == 1:  # the whole context in this one split: the output, no merge
@@ -558,9 +631,6 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
                 f"than the GPU's {_l2_bytes(device) / 2**20:.0f} MiB of L2")
     if block.cfg.head_dim & (block.cfg.head_dim - 1):
         return f"head_dim {block.cfg.head_dim} is not a power of two"
-    tensor_cores = n_tokens > FMA_MAX_TOKENS and device.type == "cuda"
-    if block.cfg.qk_norm and tensor_cores and block.cfg.head_dim < 2 * DOT_ROWS:
-        return f"q/k norm over heads of {block.cfg.head_dim} (tensor cores need {2 * DOT_ROWS} a head)"
     return None
 
 
@@ -611,15 +681,18 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
     cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True, role="qkv")
-    if cfg.qk_norm:  # the per-head norm needs the whole head in one program
-        cfg1.update(BLOCK_N=D // 2, BLOCK_K=min(cfg1["BLOCK_K"], max(16, TILE_VALUES // (D // 2))))
-    qk_norm = _qk_norm_weights(block) if cfg.qk_norm else block.attn_norm
+    # With Qwen3's per-head q/k norm, q and k go as computed to `raw`, and a kernel of their own norms and rotates them
+    raw = torch.empty(M, H + Hkv, D, dtype=dt, device=dev) if cfg.qk_norm else q
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
-        x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, q,
-        cos, sin, qk_norm, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
+        x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, raw,
+        cos, sin, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
         BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **pdl, **_token_skip(skip, cfg1))
+    if cfg.qk_norm:
+        _qk_norm_rope[(M * (H + Hkv),)](
+            raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
+            *kv_strides[1:], HEAD_DIM=D, num_warps=1, **pdl, **skip)
 
     # 2. attention, split over the cache, merged by each (token, head)'s last split
     n_slots = kv_cache.shape[3]
@@ -633,7 +706,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
     _decode_attention[(M * H, splits)](
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
-        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, *kv_strides, HEAD_DIM=D,
+        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
         num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
 
@@ -651,8 +724,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp")
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
-        cos, sin, block.mlp_norm, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
-        MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
+        cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides, MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
         num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
 

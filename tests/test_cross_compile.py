@@ -35,7 +35,7 @@ def test_every_fused_layer_kernel_compiles_for_hopper():
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     kernels = {x["kernel"] for x in report}
-    assert kernels == {"_norm_pair_gemv", "_decode_attention", "_gemv", "_add_rmsnorm"}
+    assert kernels == {"_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"}
     assert all(0 < x["registers"] <= 255 for x in report)
     assert {x["constexprs"]["DOT"] for x in report if x["kernel"] == "_gemv"} == {False, True}  # both paths
 

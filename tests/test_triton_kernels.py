@@ -38,7 +38,8 @@ def test_kernels_run_in_the_interpreter():
     # Compiled kernels cannot run without a GPU: this fails if a kernel module was imported before the env var was set.
     for kernel in (triton_rmsnorm._rmsnorm_kernel, triton_attention._attention_kernel,
                    triton_attention._combine_kernel, triton_accept._accept_kernel, triton_linear._gemv_kernel,
-                   triton_fused_layer._norm_pair_gemv, triton_fused_layer._decode_attention, triton_fused_layer._gemv,
+                   triton_fused_layer._norm_pair_gemv, triton_fused_layer._qk_norm_rope,
+                   triton_fused_layer._decode_attention, triton_fused_layer._gemv,
                    triton_ngram._ngram_kernel):
         assert isinstance(kernel, InterpretedFunction)
 
@@ -246,12 +247,14 @@ def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
-def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch, family):
     """With FMA_MAX_TOKENS lowered to 1, steps of several tokens take the tensor-core path (W_tile @ H^T) instead of
-    one program per token, with the same results (Qwen2: q/k/v biases)."""
+    one program per token, with the same results (Qwen2: q/k/v biases; Qwen3: per-head q/k norm over heads of 16,
+    which the q/k/v GEMV's tiles no longer need whole)."""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", 1)
     assert triton_fused_layer.gemv_blocks(480, 576, 5)["DOT"] and not triton_fused_layer.gemv_blocks(480, 576, 1)["DOT"]
-    loaded = load(str(tiny_model_dir("qwen2")), "fp32", "cpu")
+    loaded = load(str(tiny_model_dir(family, num_hidden_layers=1)), "fp32", "cpu")
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
@@ -278,13 +281,14 @@ def _five_token_step(model, first: int, seed: int):
     return positions, cos, sin, x, delta, cache
 
 
-@pytest.mark.parametrize("fma_max_tokens", [8, 1])
-def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens):
+@pytest.mark.parametrize("fma_max_tokens,family", [(8, "llama"), (1, "llama"), (8, "qwen3")])
+def test_fused_layer_skips_dead_tokens(tiny_model_dir, monkeypatch, fma_max_tokens, family):
     """A verification step of five tokens with two live (`live`): the live tokens' outputs, cache writes and final
     norm are bit for bit those of the full step. On the FMA path every kernel skips the dead tokens, so their cache
-    slots are left as they were; on the tensor-core path none does: the whole step is the full step's."""
+    slots are left as they were; on the tensor-core path none does: the whole step is the full step's. (Qwen3: the
+    q/k norm's kernel skips them too.)"""
     monkeypatch.setattr(triton_fused_layer, "FMA_MAX_TOKENS", fma_max_tokens)
-    model = load(str(tiny_model_dir("llama")), "fp32", "cpu").model
+    model = load(str(tiny_model_dir(family)), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=20, seed=3)
     live = torch.tensor([1, 1, 0, 0, 0], dtype=torch.int32)

@@ -4,9 +4,9 @@ What it measures (kernels/triton_fused_layer.py, `benchmark` with `fma_tiles`): 
 one CUDA graph, one token at position 300 of a 512-slot cache (an AR step at B = 1), bf16, PDL on as the engine runs
 it. First the layer as shipped; then, one role at a time (q/k/v, o, gate/up, down: `ROLES`), each candidate tile
 (rows or pairs a program, the K tile, warps; `candidates`) with the other roles as shipped; then the best tile of
-every role together, timed again beside the shipped layer. Then each of the five kernels' device time a layer under
-torch.profiler, for the shipped tiles and the best ones (the kernels in launch order: q/k/v, attention, o, gate/up,
-down), against each GEMV's floor: its weight bytes at the measured copy bandwidth.
+every role together, timed again beside the shipped layer. Then each of the kernels' device time a layer under
+torch.profiler, for the shipped tiles and the best ones (the kernels in launch order: q/k/v, Qwen3's q/k norm,
+attention, o, gate/up, down), against each GEMV's floor: its weight bytes at the measured copy bandwidth.
 
 Why (issue #24): at Llama-3.1-8B's shapes the shipped tile holds one row of K = 4096, so every program reads as
 many activation values (from L2) as weights, and the pair kernels read x and delta twice; the layer ran at 81% of
@@ -30,6 +30,11 @@ import harness
 MINUTES = 7
 CUDA_ONLY = True
 KERNELS = ("qkv", "attention", "o", "mlp", "down")  # a layer's five kernels in launch order
+
+
+def kernel_names(cfg) -> tuple[str, ...]:
+    """A layer's kernels in launch order: five, and with Qwen3's per-head q/k norm its own kernel after q/k/v."""
+    return ("qkv", "qk_norm") + KERNELS[1:] if cfg.qk_norm else KERNELS
 
 
 def arguments(p) -> None:
@@ -61,8 +66,8 @@ def attention_candidates() -> list[dict]:
 
 
 def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, replays: int = 20) -> dict:
-    """Device µs a layer of each of the fused layer's five kernels (one token, `tiles` as FMA_TILES), from
-    torch.profiler over replays of all layers captured in one graph: kernels in launch order, five a layer. Without
+    """Device µs a layer of each of the fused layer's kernels (one token, `tiles` as FMA_TILES), from
+    torch.profiler over replays of all layers captured in one graph: kernels in launch order (`kernel_names`). Without
     PDL: with it a kernel starts early and waits for its predecessor, so its span would hold part of the other's."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -96,13 +101,13 @@ def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, r
         F.FMA_TILES, F._pdl = saved, saved_pdl
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    per_layer = len(KERNELS)
-    want = replays * cfg.n_layers * per_layer
+    names = kernel_names(cfg)
+    want = replays * cfg.n_layers * len(names)
     if len(events) != want:
-        raise RuntimeError(f"profiler saw {len(events)} kernels, expected {want} ({per_layer} a layer)")
-    totals = dict.fromkeys(KERNELS, 0.0)
+        raise RuntimeError(f"profiler saw {len(events)} kernels, expected {want} ({len(names)} a layer)")
+    totals = dict.fromkeys(names, 0.0)
     for i, e in enumerate(events):
-        totals[KERNELS[i % per_layer]] += e.time_range.elapsed_us()
+        totals[names[i % len(names)]] += e.time_range.elapsed_us()
     return {name: t / (replays * cfg.n_layers) for name, t in totals.items()}
 
 
@@ -193,7 +198,7 @@ def run(out_dir, args):
                 if args.attention else ""), ""]
     header = ["kernel", "floor µs", "shipped µs", "of floor", "best µs", "of floor"]
     table_rows = []
-    for name in KERNELS:
+    for name in kernel_names(cfg):
         fl = floor_us.get(name)
         s, b = kernels["shipped"].get(name), kernels["best"].get(name)
         table_rows.append([name, harness.fmt(fl, ".2f") if fl else "–"]
