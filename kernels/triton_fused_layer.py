@@ -59,8 +59,8 @@ from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
 from .timing import require_gpu_compiled
 
 # Values of a program's weight tile (per row set) on the one-token path: 32 a thread with 4 warps. Set on SmolLM2
-# (K = 576: 7 rows a program); at Llama-3.1-8B's K = 4096 it holds one row, and the one-token layer there ran level
-# with cuBLAS at 81% of the copy bandwidth (docs/benchmarks/2026-12-02-eighteenth-lease.md, E):
+# (K = 576: 7 rows a program); at Llama-3.1-8B's K = 4096 it holds one row, which was the best of 16 tiles for q/k/v,
+# o and gate/up there (docs/benchmarks/2026-12-03-twenty-second-lease.md, A: `fused_tiles`, role by role):
 # SPECPILOT_FMA_TILE_VALUES and `benchmark(tile_values=...)` (fused_tokens --tile-values) time larger tiles.
 TILE_VALUES = int(os.environ.get("SPECPILOT_FMA_TILE_VALUES", "4096"))
 # A K longer than TILE_VALUES (Llama-3.1-8B's down projection, K = 14,336) is read in tiles of CHUNK_K, one row a
