@@ -48,8 +48,10 @@ class CounterRng:
         rows, n = shape
         self.stream += 1
         base = _mix(_mix(self.seed + self.salt[:rows] * _GOLDEN) + self.lengths[:rows])  # one per row and step
-        index = torch.arange(n, device=base.device) + (self.stream << 40)
-        z = _mix(base[:, None] ^ index[None, :])
+        # The draw's key: base ^ (stream << 40 | index). The stream goes into the row's int64 value, not the index:
+        # compiled for the GPU, `arange(n) + (stream << 40)` became an int32 index plus a 41-bit constant, which
+        # Triton refuses (H200, twenty-second lease: every replay recipe failed its warm-up).
+        z = _mix((base ^ (self.stream << 40))[:, None] ^ torch.arange(n, device=base.device)[None, :])
         return (_shift(z, 40).float() + 0.5) * (1.0 / (1 << 24))
 
 

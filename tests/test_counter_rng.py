@@ -44,6 +44,20 @@ def test_draws_differ_by_seed_row_length_and_stream_and_repeat_for_the_same_keys
     assert abs(float(torch.corrcoef(wide)[0, 1])) < 0.02
 
 
+def test_a_draws_key_is_its_rows_value_xor_its_stream_and_index():
+    """Draw j of stream s on a row keyed b is mix(b ^ (s << 40 | j)): the stream is folded into the row's value (so a
+    compiled step adds no 41-bit constant to an int32 index, which Triton refused on the H200), with the draws the
+    index sum gave before."""
+    from specpilot.engine import sampling
+
+    r = rng(7)
+    r.uniform((4, 8))
+    got = r.uniform((4, 300))  # stream 2
+    base = sampling._mix(sampling._mix(r.seed + r.salt * sampling._GOLDEN) + r.lengths)
+    z = sampling._mix(base[:, None] ^ (torch.arange(300) + (2 << 40))[None, :])
+    assert torch.equal(got, (sampling._shift(z, 40).float() + 0.5) * (1.0 / (1 << 24)))
+
+
 def test_categorical_follows_the_weights():
     """The race of exponential clocks draws index i with probability w_i / sum(w), zero weights never."""
     weights = torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 4.0]).repeat(50_000, 1)
