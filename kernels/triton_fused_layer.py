@@ -636,9 +636,10 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None):
-    """Block.forward's contract (engine/model.py) in five kernels: (x, delta) in, (x', delta') out, the tokens' K/V
-    written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed: each token's `positions` and
-    `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows (B = 1) run as they are.
+    """Block.forward's contract (engine/model.py) in five kernels (six with a per-head q/k norm): (x, delta) in,
+    (x', delta') out, the tokens' K/V written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed:
+    each token's `positions` and `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows
+    (B = 1) run as they are.
 
     `tree` (a draft-tree step, engine/tree.py): (each token's tree's first cache slot [B, T], its ancestor mask [B, T]
     int64, bit j for the node at that slot + j, itself included). `positions` are then the nodes' cache slots
@@ -724,7 +725,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp")
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
-        cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides, MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
+        cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
+        MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
         num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
 

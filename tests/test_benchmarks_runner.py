@@ -186,6 +186,41 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     assert 'export SPECPILOT_FMA_ATTENTION=\'{"keys_per_split": 64, "block_s": 32, "num_warps": 2}\'' in env
 
 
+def test_fused_check_gives_each_target_its_verdict_and_a_fault_costs_its_own_row(runner, monkeypatch):
+    """fused_check: PASS with the worst error, FAIL with the check's reason, ERROR for a target that does not load;
+    each target is checked whatever happened to the one before (check and loading faked: the check is GPU work)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import loader
+    from specpilot.kernels import triton_fused_layer
+
+    fused_check = runner.load("fused_check")
+
+    def load(target, dtype, device):
+        if target == "missing":
+            raise FileNotFoundError("no such model")
+        return types.SimpleNamespace(model=target)
+
+    def check(model, reference, batch_tokens):
+        assert batch_tokens == fused_check.STEPS
+        if model == "bad":
+            raise AssertionError("fused layer 3 cache at B=1, T=5: error 4.1e-01 > 2.0e-03 (vs fp32)")
+        return 6.3e-3
+
+    monkeypatch.setattr(loader, "load", load)
+    monkeypatch.setattr(triton_fused_layer, "check", check)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = types.SimpleNamespace(target=None, targets="good,missing,bad,good2")
+    record, table = fused_check.run(None, args)
+    assert [r["verdict"] for r in record["rows"]] == ["PASS", "ERROR", "FAIL", "PASS"]
+    assert record["rows"][0]["worst_error"] == 6.3e-3 and "no such model" in record["rows"][1]["why"]
+    assert "4.1e-01" in table and "6.30e-03" in table
+    args = types.SimpleNamespace(target="only", targets="good,bad")  # the run's --target wins
+    assert [r["target"] for r in fused_check.run(None, args)[0]["rows"]] == ["only"]
+
+
 def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path):
     """train_head --run-dir --call-minutes: a run stopped at the call's limit reports where it stopped and keeps its
     folder; the same command again resumes it (train-drafter --resume) to a head (smoke sizes, CPU)."""

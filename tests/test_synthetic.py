@@ -137,8 +137,9 @@ def test_optimize_replays_acceptance_only_on_a_synthetic_target(tiny_synthetic, 
 
 def test_optimize_on_a_synthetic_target_measures_replayed_chains(tiny_synthetic, tmp_path):
     """`specpilot optimize` on a synthetic target with --acceptance, end to end on the CPU: the algorithm agent's
-    candidates are replayed chains, each passes the token-forcing gate (verification is real) and is measured beside
-    ar and stock (the bench names their systems NAME-replay; the graph still finds them)."""
+    drafters are replayed chains (no other drafter can predict random weights' text), each passes the token-forcing
+    gate (verification is real) and is measured beside ar and stock (the bench names their systems NAME-replay; the
+    graph still finds them)."""
     import io
     import json
 
@@ -146,7 +147,9 @@ def test_optimize_on_a_synthetic_target_measures_replayed_chains(tiny_synthetic,
 
     target = str(loader.source_dir("synthetic:tiny-llama"))  # a directory: the gate's sandboxed child loads it too
     out = tmp_path / "run"
-    code = optimize(dict(target=target, acceptance=[0.8, 0.6, 0.45, 0.3], workload="code", limit=2,
+    # A profile high enough that replayed chains pay by far more than the policy's least gain, whatever the CPU's
+    # timings (at 0.8, 0.6, ... a loaded CI machine's calibration once priced every chain below it)
+    code = optimize(dict(target=target, acceptance=[0.95, 0.9, 0.85, 0.8], workload="code", limit=2,
                          max_new_tokens=16, budget_rounds=1, max_candidates=2, device="cpu", dtype="fp32",
                          profile_repeats=1, memory=str(tmp_path / "memory.jsonl"), out_dir=str(out)),
                     stderr=io.StringIO())
@@ -154,9 +157,13 @@ def test_optimize_on_a_synthetic_target_measures_replayed_chains(tiny_synthetic,
     state = load_state(out)
     algorithm = {cid: c["candidate"]["recipe_patch"] for cid, c in state["candidates"].items()
                  if c["agent"] == "algorithm"}
-    assert algorithm and all(p["drafter"]["kind"] == "replay" for p in algorithm.values())
-    for cid in algorithm:
+    replayed = {cid: p for cid, p in algorithm.items() if p["drafter"]["kind"] == "replay"}
+    # Besides replayed chains the agent may propose AR, where the calibrated cost model prices stock's n-gram steps
+    # (random text: nothing accepted) above an AR step by its margin: CPU timings decide that, so either may come
+    assert replayed and all(p == {"drafter": {"kind": "none"}, "k": 0} for cid, p in algorithm.items()
+                            if cid not in replayed), algorithm
+    for cid in replayed:
         ev = state["evaluations"][cid]
         assert ev["gate"]["passed"], ev["gate"]
         assert ev["speed"]["ok"] and ev["speed"]["tokens_per_s"] > 0 and ev["speed"]["mean_accepted"] > 1.0
-    assert json.loads((out / "run.json").read_text())["settings"]["acceptance"] == [0.8, 0.6, 0.45, 0.3]
+    assert json.loads((out / "run.json").read_text())["settings"]["acceptance"] == [0.95, 0.9, 0.85, 0.8]
