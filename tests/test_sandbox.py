@@ -125,6 +125,20 @@ def test_secrets_are_scrubbed(monkeypatch):
     assert set(env) <= sandbox.ALLOWED | {"HOME", "TMPDIR", "HF_HUB_OFFLINE", "PYTHONUNBUFFERED"}
 
 
+def test_every_setting_the_engine_and_kernels_read_reaches_the_candidate():
+    """Each SPECPILOT_ variable that a kernel or engine module reads (tile sizes, thresholds, the model folders) is
+    on the allow-list, so a candidate is measured with the caller's settings, not the defaults (the kernels read
+    them at import, inside the sandbox)."""
+    import re
+    from pathlib import Path
+
+    root = Path(sandbox.__file__).resolve().parents[2]
+    read = {name for folder in ("kernels", "engine") for path in (root / folder).glob("*.py")
+            for name in re.findall(r'os\.environ\.get\("(SPECPILOT_[A-Z0-9_]+)"', path.read_text())}
+    assert {"SPECPILOT_FMA_TILES", "SPECPILOT_FMA_MAX_TOKENS", "SPECPILOT_MODELS"} <= read  # (the scan finds them)
+    assert read <= sandbox.ALLOWED, sorted(read - sandbox.ALLOWED)
+
+
 def test_exception_reports_traceback():
     r = run_python("def f():\n    raise ValueError('boom from candidate')\nf()", {}, QUICK)
     assert r.kind == "exception" and r.returncode == 1 and not r.ok
