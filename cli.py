@@ -284,7 +284,7 @@ def cmd_train_drafter(args) -> int:
                         ttt_steps=args.ttt_steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                         device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
                         checkpoint_every=args.checkpoint_every, log_every=args.log_every, minutes=args.minutes,
-                        lm_head=args.lm_head, prompt_mix=args.prompt_mix)
+                        lm_head=args.lm_head, prompt_mix=args.prompt_mix, answer_batch=args.answer_batch)
     started = time.perf_counter()  # each line says when: where a long build's minutes go
     train_drafter(settings, args.out, resume=args.resume,
                   say=lambda line: print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True))
@@ -313,6 +313,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--samples", type=positive_int, default=256,
                    help="prompts to use; each gives a greedy and a sampled answer")
     t.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest answer")
+    t.add_argument("--answer-batch", type=positive_int, default=256,
+                   help="rows decoded at once while the target writes prompts and answers (its K/V cache grows "
+                        "with it)")
     t.add_argument("--draft-vocab", type=positive_int, default=None,
                    help="draft vocabulary size (default: min(8192, the target's vocabulary))")
     length = t.add_mutually_exclusive_group()

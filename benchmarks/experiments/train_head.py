@@ -37,6 +37,7 @@ def head_recipes(head: str) -> dict[str, dict]:
     return {
         "eagle3-k4": {"drafter": drafter, "k": 4},
         "eagle3-k4-fused-overlap": {"drafter": drafter, "k": 4, "layer": "fused", "overlap": True},
+        "eagle3-k2-fused-overlap": {"drafter": drafter, "k": 2, "layer": "fused", "overlap": True},
         "eagle3-dyn-d5-t32": {"drafter": drafter, "k": 5, "verification": "tree",
                               "tree": {"kind": "dynamic", "depth": 5, "topk": 4, "tokens": 32}},
     }
@@ -58,6 +59,29 @@ def arguments(p) -> None:
     p.add_argument("--call-minutes", type=float, default=None,
                    help="stop the training step after this many minutes (with --run-dir): the next call resumes it")
     p.add_argument("--checkpoint-every", type=int, default=1000)
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--answer-batch", type=int, default=256, help="rows the target decodes prompts and answers in")
+    p.add_argument("--sized-by", default=None,
+                   help="a train_speed.json: --samples becomes the prompts whose data builds in --data-seconds at "
+                        "its rates (at most --samples), and --batch-size / --lr its fastest batch (lr scaled by the "
+                        "square root of the batch's ratio to --batch-size); a resumed run keeps its run.json's")
+    p.add_argument("--data-seconds", type=float, default=240.0)
+
+
+def sized(args, speed: dict) -> dict:
+    """The data's prompts and the training batch from a train_speed record (--sized-by): the prompts whose writing,
+    greedy and sampled answers at --answer-batch rows and capture fit in --data-seconds, at the rates measured for
+    speed['prompts'] prompts; the batch size with the most answer tokens a second, lr scaled by sqrt(batch ratio)."""
+    n = speed["prompts"]
+    decode = sum(d["seconds"] for d in speed["decoding"] if d["rows"] == args.answer_batch)
+    if not decode:
+        raise ValueError(f"--sized-by: no decoding measured at {args.answer_batch} rows")
+    per_prompt = (speed["prompt_writing"]["seconds"] + decode + speed["capture"]["seconds"]) / n
+    samples = max(2, min(args.samples, int(args.data_seconds / per_prompt)))
+    best = max(speed["training"], key=lambda s: s["answer_tokens_per_second"])
+    lr = args.lr * (best["batch_size"] / args.batch_size) ** 0.5
+    return {"samples": samples, "batch_size": best["batch_size"], "lr": float(f"{lr:.3g}"),
+            "seconds_per_prompt": round(per_prompt, 4)}
 
 
 def stopped(head: Path, train, resumed: bool) -> tuple[dict, str]:
@@ -83,12 +107,22 @@ def run(out_dir, args):
         raise ValueError("--call-minutes needs --run-dir: the next call resumes the run kept there")
     head = Path(args.run_dir) if args.run_dir else ctx.scratch / "head"
     resume = ["--resume"] if (head / "run.json").is_file() else []
+    chosen = None
+    if resume:  # the run's own settings: a resumed run must be the same run
+        held = json.loads((head / "run.json").read_text())
+        chosen = {"samples": held["samples"], "batch_size": held["batch_size"], "lr": held["lr"]}
+    elif args.sized_by:
+        chosen = sized(args, json.loads(Path(args.sized_by).read_text()))
+    if chosen:
+        print(f"train_head: {chosen}", flush=True)
+        args.samples, args.batch_size, args.lr = chosen["samples"], chosen["batch_size"], chosen["lr"]
     if args.smoke:
         sizing = ["--samples", 4, "--max-new-tokens", 8, "--steps", 2, "--batch-size", 2, "--draft-vocab", 512]
     else:
         sizing = ["--samples", args.samples, "--max-new-tokens", args.max_new_tokens, "--minutes", args.minutes,
                   "--batch-size", args.batch_size, "--lr", args.lr, "--draft-vocab", args.draft_vocab,
-                  "--log-every", 100, "--checkpoint-every", args.checkpoint_every]
+                  "--log-every", args.log_every, "--checkpoint-every", args.checkpoint_every,
+                  "--answer-batch", args.answer_batch]
     limit = 60 * (args.call_minutes if args.call_minutes is not None else args.minutes + 6)
     train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
                                                   "--out", head, "--device", ctx.device, "--lm-head", "target",
@@ -107,7 +141,7 @@ def run(out_dir, args):
     data = json.loads((head / "data.json").read_text())
     data.pop("dropped", None)
     schedule = json.loads((head / "schedule.json").read_text()) if (head / "schedule.json").is_file() else {}
-    found = {"head_sha256": harness.sha256(kept / "model.safetensors"),
+    found = {"sizing": chosen, "head_sha256": harness.sha256(kept / "model.safetensors"),
              "head_bytes": (kept / "model.safetensors").stat().st_size, "data": data, "schedule": schedule,
              "train_seconds": train.seconds, "train_tail": train.tail[-12:]}
     text = [f"Head: {found['head_bytes']:,} bytes, sha256 {found['head_sha256']}; train-drafter "
@@ -121,7 +155,7 @@ def run(out_dir, args):
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
         for name, fields in head_recipes(str(head)).items():
             argv += ["--recipe", ctx.recipe(name, fields)]
-        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=150)
+        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=240)
         found["bench"] = bench
         text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))
     return found, "\n\n".join(text)

@@ -11,6 +11,7 @@ generate.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from ...engine.recipe import parse
 from ...engine.sampling import SamplingParams
 
 ANSWER_SAMPLING = SamplingParams(temperature=0.8, top_p=0.95)
-ANSWER_CHUNK = 256  # prompts decoded a call (between progress lines)
+ANSWER_CHUNK = 1024  # prompts decoded a call (between progress lines)
+# Rows the data's engine decodes at once (continuous batching). SmolLM2's AR step is launch-bound up to hundreds of
+# rows, so rows are nearly free tokens; the K/V cache is what bounds them (256 rows of 1,000 slots: 5.9 GB on
+# SmolLM2-135M, 33 GB on Llama-3.1-8B).
+ANSWER_ROWS = 256
 CAPTURE_SAMPLES, CAPTURE_TOKENS = 32, 16384  # a capture forward's most samples and padded tokens
 
 
@@ -37,7 +42,7 @@ class Sample:
         return self.tokens[self.prompt_len:].tolist()
 
 
-def answer_engine(target):
+def answer_engine(target, rows: int = ANSWER_ROWS):
     """The AR engine that writes the prompts and answers. Not compiled: torch.compile builds each batch bucket's step
     and each prefill width anew (seconds each: 9.9 s for the B = 1 step on the H200, third lease), and the calls
     here drain through every bucket, where a CUDA graph of the uncompiled step is captured in milliseconds. On CUDA
@@ -46,19 +51,45 @@ def answer_engine(target):
     from ...engine.engine import Engine
 
     cuda = target.model.device.type == "cuda"
-    return Engine(target, parse({"name": "train-data", "compile": False, "layer": "fused" if cuda else "modular"}))
+    return Engine(target, parse({"name": "train-data", "compile": False, "layer": "fused" if cuda else "modular",
+                                 "batch": {"max_batch_size": rows}}))
+
+
+class PhaseClock:
+    """Wall seconds by phase of the data's build (data.json's `seconds`): where its minutes go."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+
+    def add(self, phase: str, seconds: float, tokens: int = 0) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self.tokens[phase] = self.tokens.get(phase, 0) + tokens
+
+    def report(self) -> dict:
+        return {phase: {"seconds": round(s, 2), **({"tokens": self.tokens[phase],
+                                                     "tokens_per_second": round(self.tokens[phase] / s, 1)}
+                                                    if self.tokens.get(phase) and s > 0 else {})}
+                for phase, s in self.seconds.items()}
 
 
 def answers(engine, prompts: list[list[int]], max_new_tokens: int, seed: int,
-            say=lambda line: None) -> list[tuple[list[int], list[int]]]:
+            say=lambda line: None, clock: PhaseClock | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt, answer) pairs: each prompt's greedy answer, then each prompt's sampled one. Decoded ANSWER_CHUNK
-    prompts a call (the chunk at i sampled with seed + i), with a progress line through `say` after each."""
+    prompts a call (the chunk at i sampled with seed + i), with a progress line through `say` after each (and each
+    kind's wall time and tokens on `clock`)."""
     pairs = {}
     for kind, sampling in (("greedy", SamplingParams()), ("sampled", ANSWER_SAMPLING)):
         rows = []
         for i in range(0, len(prompts), ANSWER_CHUNK):
-            rows += engine.generate(prompts[i: i + ANSWER_CHUNK], max_new_tokens, sampling, seed=seed + i)
-            say(f"  {kind} answers: {len(rows)}/{len(prompts)}")
+            started = time.perf_counter()
+            chunk = engine.generate(prompts[i: i + ANSWER_CHUNK], max_new_tokens, sampling, seed=seed + i)
+            seconds = time.perf_counter() - started
+            rows += chunk
+            made = sum(len(r.tokens) for r in chunk)
+            if clock is not None:
+                clock.add(f"{kind} answers", seconds, made)
+            say(f"  {kind} answers: {len(rows)}/{len(prompts)} ({made / max(seconds, 1e-9):,.0f} tokens/s)")
         pairs[kind] = [(p, r.tokens) for p, r in zip(prompts, rows)]
     return pairs["greedy"] + pairs["sampled"]
 
@@ -109,18 +140,21 @@ def capture_groups(lengths: list[int], max_samples: int = CAPTURE_SAMPLES,
 
 
 def build_samples(engine, prompts: list[list[int]], max_new_tokens: int, seed: int,
-                  aux_layers: tuple[int, ...], say=lambda line: None) -> list[Sample]:
+                  aux_layers: tuple[int, ...], say=lambda line: None, clock: PhaseClock | None = None) -> list[Sample]:
     """The samples of each prompt's greedy and sampled answers (empty answers dropped), in that order; their states
     captured in groups (`capture_groups`), with a progress line through `say` after each group."""
     model = engine.target.model
-    pairs = [(p, a) for p, a in answers(engine, prompts, max_new_tokens, seed, say) if a]
+    pairs = [(p, a) for p, a in answers(engine, prompts, max_new_tokens, seed, say, clock) if a]
     out: list[Sample | None] = [None] * len(pairs)
     done = 0
+    started = time.perf_counter()
     for group in capture_groups([len(p) + len(a) for p, a in pairs]):
         for i, sample in zip(group, capture_group(model, [pairs[i] for i in group], aux_layers)):
             out[i] = sample
         done += len(group)
         say(f"  hidden states: {done}/{len(pairs)} samples")
+    if clock is not None:
+        clock.add("hidden states", time.perf_counter() - started, sum(len(p) + len(a) for p, a in pairs))
     return out
 
 

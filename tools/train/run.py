@@ -49,6 +49,7 @@ class Settings:
     minutes: float | None = None  # the training's time budget (data building not counted), when steps is None
     lm_head: str = "trained"  # "trained": the head's own, exported; "target": the target's rows, frozen, not exported
     prompt_mix: str = "tasks"  # self-instruct: "chat" (the bare user turn) or "tasks" (prompts.FAMILIES, even shares)
+    answer_batch: int = data_mod.ANSWER_ROWS  # rows the engine decodes prompts and answers in at once
 
 
 def check(s: Settings) -> None:
@@ -62,6 +63,8 @@ def check(s: Settings) -> None:
         raise SpecPilotError(f"--lm-head {s.lm_head!r}: one of {', '.join(LM_HEADS)}")
     if s.prompt_mix not in PROMPT_MIXES:
         raise SpecPilotError(f"--prompt-mix {s.prompt_mix!r}: one of {', '.join(PROMPT_MIXES)}")
+    if s.answer_batch < 1:
+        raise SpecPilotError(f"--answer-batch {s.answer_batch}: must be at least 1")
     if s.samples < 2:
         raise SpecPilotError(f"--samples {s.samples}: at least 2 prompts are needed (one is held out)")
     if s.prompts is not None and not Path(s.prompts).is_file():
@@ -127,10 +130,13 @@ def training_prompts(settings: Settings, engine, say=lambda line: None) -> tuple
 
 
 def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...], say) -> dict:
-    engine = data_mod.answer_engine(target)
+    engine = data_mod.answer_engine(target, settings.answer_batch)
+    clock = data_mod.PhaseClock()
     if settings.prompts is None:
         say(f"writing {settings.samples} prompts (self-instruct)")
+    started = time.perf_counter()
     prompts, report = training_prompts(settings, engine, say)
+    clock.add("prompts", time.perf_counter() - started)
     for d in report["dropped"]:
         say(f"dropped prompt ({d['why']}): {d['prompt'][:80]!r}")
     if not report["benchmark_check"]["humaneval"]:
@@ -144,14 +150,15 @@ def build_data(settings: Settings, target, out: Path, aux_layers: tuple[int, ...
         f"{settings.max_new_tokens} new tokens at most")
     say(f"training prompts ({len(prompts) - n_held}):")
     train_samples = data_mod.build_samples(engine, encoded[n_held:], settings.max_new_tokens, settings.seed,
-                                           aux_layers, say)
+                                           aux_layers, say, clock)
     say(f"held-out prompts ({n_held}):")
     heldout = data_mod.build_samples(engine, encoded[:n_held], settings.max_new_tokens, settings.seed + 1,
-                                     aux_layers, say)
+                                     aux_layers, say, clock)
     if not train_samples or not heldout:
         raise SpecPilotError("the target answered every prompt with nothing (end of turn at once): no samples")
     report.update(train_prompts=len(prompts) - n_held, heldout_prompts=n_held, train_samples=len(train_samples),
-                  heldout_samples=len(heldout), answer_tokens=sum(len(s.answer) for s in train_samples))
+                  heldout_samples=len(heldout), answer_tokens=sum(len(s.answer) for s in train_samples),
+                  seconds=clock.report())
     (out / "data.json").write_text(json.dumps(report, indent=2))
     data_mod.save_samples(out / "samples.pt", train_samples)
     data_mod.save_samples(out / "heldout.pt", heldout)
