@@ -32,7 +32,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECPILOT_CACHE", Path.home() / ".cache" / "specpilot"))
 
 
-ALIASES = {"smollm2-135m": packaged.path}
+# The packaged target and its packaged EAGLE-3 head (trained by `specpilot train-drafter`: docs/TRAINING.md)
+PACKAGED_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-eagle3"
+ALIASES = {"smollm2-135m": packaged.path, "smollm2-135m-eagle3": lambda: PACKAGED_HEAD}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -72,6 +72,7 @@ def sized(args, speed: dict) -> dict:
     """The data's prompts and the training batch from a train_speed record (--sized-by): the prompts whose writing,
     greedy and sampled answers at --answer-batch rows and capture fit in --data-seconds, at the rates measured for
     speed['prompts'] prompts; the batch size with the most answer tokens a second, lr scaled by sqrt(batch ratio)."""
+    speed = speed.get("results", speed)  # a runner record holds the experiment's under "results"
     n = speed["prompts"]
     decode = sum(d["seconds"] for d in speed["decoding"] if d["rows"] == args.answer_batch)
     if not decode:
