@@ -95,6 +95,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -324,6 +325,14 @@ class Eagle3Head:
         inv_freq, self.attention_scaling = rope_inv_freq(hf)
         self.inv_freq = inv_freq.float()
         self.dtype, self.device = dtype, device
+        # The decoder layer as the fused layer's kernels read a Block (kernels/triton_fused_layer.py `draft_layer`):
+        # the post-attention norm is the MLP's; q/k/v read the [embedding; hidden] pair, normed here (`fused_step`)
+        self.block = SimpleNamespace(
+            cfg=SimpleNamespace(head_dim=cfg.head_dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                intermediate_size=cfg.intermediate_size, rms_eps=cfg.rms_eps, qk_norm=False),
+            attn_norm=self.input_norm, wqkv=self.wqkv, bqkv=self.bqkv, wo=self.wo, bo=self.bo,
+            mlp_norm=self.post_norm, w13=self.w13, w2=self.w2, window=None,
+            _fused_weight_bytes=sum(w.numel() * w.element_size() for w in (self.wqkv, self.wo, self.w13, self.w2)))
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
@@ -408,23 +417,49 @@ def draft_logits(head: Eagle3Head, out: torch.Tensor, ops) -> torch.Tensor:
     return ops.linear(ops.rmsnorm(out, head.norm, head.cfg.rms_eps), head.lm_head, None)
 
 
+def fused_step(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               kv: torch.Tensor, ops, draft_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`midlayer` and `draft_logits` of a chain step's pairs (tokens [B, T], hidden [B, T, H], each at its position's
+    cache slot) on the fused layer's kernels (`draft_layer`, kernels/triton_fused_layer.py): the pair's norms and
+    RoPE's table rows here, then six kernels where the modular forward runs some fifteen. (pre-norm outputs, logits
+    [B, T, Vd]), or None where the kernels cannot run the step."""
+    cfg = head.cfg
+    normed = ops.rmsnorm(hidden, head.hidden_norm, cfg.rms_eps)
+    residual = normed if cfg.norm_before_residual else hidden
+    x = torch.cat([ops.rmsnorm(F.embedding(tokens, head.embed), head.input_norm, cfg.rms_eps), normed], -1)
+    cos, sin = (t[positions] for t in head.rope)
+    return draft_layer(head.block, x, residual.contiguous(), cos, sin, kv, positions, head.norm, head.lm_head,
+                       cfg.rms_eps)
+
+
 def first_draft(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
-                lengths: torch.Tensor, kv: torch.Tensor, ops):
+                lengths: torch.Tensor, kv: torch.Tensor, ops, draft_layer=None):
     """The new pairs of each row (module docstring) in one forward over `pending.shape[1]` slots; returns the
-    pre-norm output at each row's last new pair [B, 1, H] and its draft logits [B, Vd]."""
+    pre-norm output at each row's last new pair [B, 1, H] and its draft logits [B, Vd]. With `draft_layer` (the
+    fused layer's), on its kernels where they run the step."""
     B, S = history.shape
     j = torch.arange(pending.shape[1], device=history.device)[None]
     positions = (lengths[:, None] - 2 - n_new[:, None] + j).clamp(0, S - 1)
     tokens = history.gather(1, (positions + 1).clamp(max=S - 1))
+    fused = None if draft_layer is None else fused_step(head, tokens, fuse(head, pending, ops), positions, kv, ops,
+                                                         draft_layer)
+    if fused is not None:
+        out, logits = fused
+        last = out.gather(1, n_new[:, None, None].expand(B, 1, out.shape[-1]))
+        return last, logits.gather(1, n_new[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0]
     out = midlayer(head, tokens, fuse(head, pending, ops), positions, kv, ops)
     last = out.gather(1, n_new[:, None, None].expand(B, 1, out.shape[-1]))
     return last, draft_logits(head, last[:, 0], ops)
 
 
 def next_draft(head: Eagle3Head, token: torch.Tensor, last: torch.Tensor, position: torch.Tensor,
-               kv: torch.Tensor, ops):
+               kv: torch.Tensor, ops, draft_layer=None):
     """One more draft step: (the head's previous output, the token it drafted) at `position` [B, 1]."""
-    out = midlayer(head, token[:, None], last, position.clamp(max=kv.shape[3] - 1), kv, ops)
+    position = position.clamp(max=kv.shape[3] - 1)
+    fused = None if draft_layer is None else fused_step(head, token[:, None], last, position, kv, ops, draft_layer)
+    if fused is not None:
+        return fused[0], fused[1][:, 0]
+    out = midlayer(head, token[:, None], last, position, kv, ops)
     return out, draft_logits(head, out[:, 0], ops)
 
 
@@ -481,6 +516,7 @@ class Eagle3Drafter(Drafter):
         self.head, self.k = head, k
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
+        self.draft_layer = None
         self._first, self._next, self._nodes = first_draft, next_draft, draft_nodes
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
@@ -494,6 +530,8 @@ class Eagle3Drafter(Drafter):
 
     def prepare(self, ops, layer_fn, compile):
         self.ops = ops
+        # the fused layer's (`layer: fused`): chain steps on its kernels where they run them
+        self.draft_layer = getattr(layer_fn, "draft_layer", None)
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
             self._nodes = compiled(draft_nodes)
@@ -530,7 +568,7 @@ class Eagle3Drafter(Drafter):
 
     def propose(self, history, lengths, k, sampling, generator):
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
-        last, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        last, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
         tokens, probs = [], []
         for i in range(k):
             if sampling.greedy:
@@ -542,7 +580,8 @@ class Eagle3Drafter(Drafter):
                 probs.append(full.scatter_(1, head.draft_to_target[None].expand_as(q), q))
             tokens.append(tok)
             if i + 1 < k:
-                last, logits = self._next(head, tok, last, (lengths - 2 + i + 1)[:, None], kv, ops)
+                last, logits = self._next(head, tok, last, (lengths - 2 + i + 1)[:, None], kv, ops,
+                                          self.draft_layer)
         valid = torch.full_like(lengths, k)
         return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)
 
@@ -567,7 +606,7 @@ class Eagle3Drafter(Drafter):
         root_entry = lengths - 2
         positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, depths))
         visible = tree_mask(root_entry, ancestors, S)
-        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
         logits = logits[:, None]  # [B, nodes expanded at the level above, Vd]: the root
         drafts = []
         for level in levels:
@@ -595,7 +634,7 @@ class Eagle3Drafter(Drafter):
         S, K = kv.shape[3], spec.topk
         root_entry = lengths - 2
         slot = torch.arange(S, device=history.device)
-        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops)
+        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
         seen = (slot[None] <= root_entry[:, None])[:, None]  # [B, nodes of the last forward, S]: the root's
         beam_slots = root_entry[:, None] + 1 + torch.arange(K, device=history.device)[None]
 

@@ -156,6 +156,17 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                         F.final_norm(x, x, block.attn_norm, 1e-5, mask)
                     what = f"{shape} B={B} T={T}{' live mask' if live else ''}"
                     out += [(what, call) for call in calls]
+                    if live:
+                        continue
+                    # an EAGLE-3 head's chain step at this shape (draft_layer: q/k/v of its given [embedding;
+                    # hidden] pair, no norm; its LM head in the pair kernel's PLAIN mode)
+                    pair = torch.empty(B, T, 2 * hidden, dtype=torch.bfloat16, device="meta")
+                    lm_head = torch.empty(8192, hidden, dtype=torch.bfloat16, device="meta")
+                    with record(F, names) as calls:
+                        _gpu_programs(F, lambda: (
+                            F.fused_layer(block, x, x, cos, cos, cache, rows, rows, None, None, qkv_input=pair),
+                            F.draft_logits(x, x, block.attn_norm, lm_head, 1e-5)))
+                    out += [(what + " draft head", call) for call in calls]
     finally:
         F._pdl = saved
     return out

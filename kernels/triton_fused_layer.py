@@ -121,7 +121,7 @@ PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 DEAD_CHECK_FIRST = tl.constexpr(os.environ.get("SPECPILOT_DEAD_CHECK_FIRST", "1") != "0")
 
 # Modes (constexpr globals, which @triton.jit functions may read)
-ROPE_KV, SILU = tl.constexpr(0), tl.constexpr(1)
+ROPE_KV, SILU, PLAIN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -157,7 +157,13 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
-                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                    SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NORM: tl.constexpr = True):
+    """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
+    add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
+    one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
+    the head's pre-norm output)."""
+    TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -169,7 +175,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         head = pairs // HALF
         rows_a = head * HEAD_DIM + pairs % HALF
         rows_b = rows_a + HALF
-    else:  # SILU: gate row j and up row n_pairs + j
+    else:  # SILU: gate row j and up row n_pairs + j; PLAIN: row j alone
         rows_a = pairs
         rows_b = pairs + n_pairs
     cols = tl.arange(0, BLOCK_K)
@@ -181,11 +187,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     if SINGLE:
         w_ok = pair_ok[:, None] & (cols < K)[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
-        wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
-        nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if TWO:
+            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
+        if NORM:
+            nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-        bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+        if TWO:
+            bias_b = tl.load(bias_ptr + rows_b, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     if MODE == ROPE_KV:
         dims = pairs % HALF
         if not QK_NORM:  # (with it, _qk_norm_rope rotates q and k)
@@ -205,7 +214,10 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
     # square. With all of K in one tile, h is then made from r as it is (pass 2 reads no activations again: at
     # Llama-3.1-8B's K = 4096, a program of two rows read 16 KB of weights and twice 16 KB of x and delta).
-    if SINGLE:
+    if SINGLE and not NORM:
+        ok = token_ok[:, None] & (cols < K)[None, :]
+        h_single = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    elif SINGLE:
         ok = token_ok[:, None] & (cols < K)[None, :]
         offs = tokens[:, None] * K + cols[None, :]
         r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -214,7 +226,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
         inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / K + eps)
         h_single = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
-    else:
+    elif NORM:
         sq = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ok = token_ok[:, None] & (k0 + cols < K)[None, :]
@@ -238,30 +250,38 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         if not SINGLE:
             w_ok = pair_ok[:, None] & col_ok[None, :]
             wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-            wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-        if not SINGLE:
-            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if TWO:
+                wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
         if SINGLE:
             h = h_single
-        else:
+        elif NORM:
+            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
             h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+        else:
+            h = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
         if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
             h = h.to(wa.dtype)
             ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
-            yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
+            if TWO:
+                yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
         else:  # one token: [rows, K] * [1, K] on the FMA units
             ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
-            yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
+            if TWO:
+                yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
     if DOT:
         ya = tl.trans(ya_t)
         yb = tl.trans(yb_t)
     if HAS_BIAS:
         ya += bias_a
-        yb += bias_b
+        if TWO:
+            yb += bias_b
     ya = _rounded(ya, x_ptr)  # the linear's output dtype
     yb = _rounded(yb, x_ptr)
 
-    if MODE == SILU:
+    if MODE == PLAIN:
+        tl.store(out_ptr + tokens[:, None] * n_pairs + pairs[None, :], ya.to(out_ptr.dtype.element_ty), mask=out_ok)
+    elif MODE == SILU:
         act = ya / (1.0 + tl.exp(-ya)) * yb
         tl.store(out_ptr + tokens[:, None] * n_pairs + pairs[None, :], act.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
@@ -635,7 +655,8 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 
 
 # -- the layer ---------------------------------------------------------------------------------------------------
-def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None):
+def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None,
+                qkv_input=None):
     """Block.forward's contract (engine/model.py) in five kernels (six with a per-head q/k norm): (x, delta) in,
     (x', delta') out, the tokens' K/V written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed:
     each token's `positions` and `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows
@@ -650,7 +671,10 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     valid drafts. On the FMA path (up to FMA_MAX_TOKENS tokens, a program a token) every kernel skips such tokens:
     their outputs and cache slots are left as they were. Since every kernel skips the same tokens, and a live token
     reads only live tokens' K/V (valid drafts are a prefix), nothing reads what was skipped. On the tensor-core path
-    no kernel skips them (a GEMV tile holds 16 tokens), so every value they leave, in the cache too, is computed."""
+    no kernel skips them (a GEMV tile holds 16 tokens), so every value they leave, in the cache too, is computed.
+
+    `qkv_input` [B, T, K] (an EAGLE-3 head's layer, `draft_layer`): q/k/v read it as it is (normed by the caller, K
+    may differ from the hidden size), and the residual stream is `x` alone (`delta` is not read)."""
     cfg = block.cfg
     if kv_cache.stride(-1) != 1:
         raise ValueError("fused layer: the KV cache needs unit stride along head_dim")
@@ -677,19 +701,25 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     live = live if live is not None else pos  # a pointer either way; read only with SKIP_DEAD
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
-    # 1. residual + norm + q/k/v + RoPE + cache write
-    resid = torch.empty_like(x)
+    # 1. residual + norm + q/k/v + RoPE + cache write (a head's layer: q/k/v of its given input; the residual is x)
+    if qkv_input is None:
+        resid, x1, k1 = torch.empty_like(x), x, hidden
+    else:
+        resid, k1 = x, qkv_input.shape[-1]
+        x1 = qkv_input.reshape(M, k1).contiguous()
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
-    cfg1 = gemv_blocks(n_pairs, hidden, M, width, pairs=True, role="qkv")
+    cfg1 = gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv")
     # With Qwen3's per-head q/k norm, q and k go as computed to `raw`, and a kernel of their own norms and rotates them
     raw = torch.empty(M, H + Hkv, D, dtype=dt, device=dev) if cfg.qk_norm else q
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
-        x, delta, resid, block.attn_norm, block.wqkv, block.bqkv if block.bqkv is not None else block.wqkv, raw,
-        cos, sin, pos, token_rows, kv_cache, live, M, hidden, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
+        x1, delta if qkv_input is None else x1, resid, block.attn_norm, block.wqkv,
+        block.bqkv if block.bqkv is not None else block.wqkv, raw,
+        cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
-        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= hidden, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **pdl, **_token_skip(skip, cfg1))
+        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= k1, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], NORM=qkv_input is None, **pdl,
+        **_token_skip(skip, cfg1))
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
             raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
@@ -737,6 +767,43 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
         SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, **pdl, **_token_skip(skip, cfg5))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
+
+
+def draft_layer(block, x_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, positions: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An EAGLE-3 head's decoder layer and LM head over tokens [B, T] at `positions` of its cache, in six kernels: q/k/v
+    of `x_in` [B, T, K] (its [embedding; hidden] pair, normed by the caller), RoPE and the cache write, attention to
+    slots 0..position of the row, o, the post-attention norm with gate/up and SwiGLU, down (`fused_layer` with
+    `qkv_input`, the residual stream `residual`), then `draft_logits`. `block` holds the layer's weights as a Block
+    does. Returns (pre-norm output [B, T, H], logits [B, T, rows of lm_head]), or None where this file cannot run the
+    step (`supports`): the caller runs its modular layer."""
+    B, T = x_in.shape[:2]
+    if supports(block, B * T, x_in.device) is not None:
+        return None
+    rows = torch.arange(B, device=x_in.device)[:, None].expand(B, T).contiguous()
+    h, mlp = fused_layer(block, residual, residual, cos, sin, kv_cache, rows, positions, None, None,
+                         qkv_input=x_in)
+    return draft_logits(h, mlp, norm, lm_head, eps)
+
+
+def draft_logits(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft head's tail in one kernel: out = x + delta (its pre-norm output, which its next draft step reads) and
+    logits = RMSNorm(out) @ lm_head^T [.., rows of lm_head] (`_norm_pair_gemv`, MODE PLAIN). x, delta [.., hidden]."""
+    hidden, n = x.shape[-1], lm_head.shape[0]
+    x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
+    M, dev = x2.shape[0], x.device
+    out, logits = torch.empty_like(x2), torch.empty(M, n, dtype=x.dtype, device=dev)
+    cfg = gemv_blocks(n, hidden, M, MIN_PROGRAMS if dev.type == "cuda" else 1, pairs=True)
+    on = M <= FMA_MAX_TOKENS and _pdl(dev)
+    _norm_pair_gemv[grid(cfg, n, M)](
+        x2, d2, out, norm, lm_head, lm_head, logits, x2, x2, x2, x2, x2, x2, M, hidden, n, eps, 1, 1, 0, 0, 0, 0,
+        MODE=PLAIN, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=2, DOT=cfg["DOT"],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SINGLE=cfg["BLOCK_K"] >= hidden,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_P=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        PDL=on, launch_pdl=on, SKIP_DEAD=False)
+    return out.view(x.shape), logits.view(*x.shape[:-1], n)
 
 
 def skips_dead_tokens(n_tokens: int) -> bool:
@@ -800,6 +867,7 @@ def layer_function(fallback):
     layer.takes_tree_ancestors = True  # Transformer.forward passes TreeStep.ancestor_bits
     layer.final_norm = last
     layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
+    layer.draft_layer = draft_layer  # an EAGLE-3 head's chain steps (engine/eagle3.py)
     return layer
 
 

@@ -15,12 +15,13 @@ from safetensors.torch import load_file
 
 from conftest import _COMMON, TINY_FAMILIES, build_tiny_hf
 from eagle3_head import default_aux_ids, head_config, save_head, write_head
-from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, midlayer
+from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, fused_step, midlayer
 from specpilot.engine.engine import Engine
 from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.loader import load
 from specpilot.engine.recipe import RecipeError, parse
 from specpilot.engine.sampling import SamplingParams
+from specpilot.kernels.triton_fused_layer import draft_layer
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
 
 
@@ -174,12 +175,14 @@ def test_aux_hidden_states_are_the_layer_outputs(tiny):
 
 
 # -- the head's forward against the reference ---------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True], ids=["modular", "fused-kernels"])
 @pytest.mark.parametrize("variant", ["plain", "narrow-own-embeddings", "vllm-options"])
-def test_head_forward_matches_the_reference(llama_target, tmp_path, variant):
+def test_head_forward_matches_the_reference(llama_target, tmp_path, variant, fused):
     """fc, the midlayer with attention over [input_layernorm(embedding); hidden_norm(hidden)], the final norm, the
     LM head and the d2t map, on random inputs: the engine's fused forward equals the reference written from the
     files. Variants: a head narrower than the target (fc 3 x 64 -> 32, its own embeddings) and vLLM's options
-    (q/k/v/o biases, norm_before_residual)."""
+    (q/k/v/o biases, norm_before_residual). `fused`: the chain step on the fused layer's kernels (`fused_step`, under
+    Triton's interpreter), steps of 4 and 3 tokens a row."""
     loaded, _ = llama_target
     hf_cfg = loaded.hf_config
     kwargs = {"plain": {}, "narrow-own-embeddings": {"hidden": 32, "own_embeddings": True},
@@ -201,9 +204,16 @@ def test_head_forward_matches_the_reference(llama_target, tmp_path, variant):
     positions = torch.arange(T)[None].expand(B, T)
     cache = head.new_cache(B, 32)
     with torch.no_grad():  # in two calls: the second attends to the first's K/V in the head's cache
-        out = torch.cat([midlayer(head, tokens[:, s], fuse(head, states[:, s], ops), positions[:, s], cache.kv[:, 0],
-                                  ops) for s in (slice(0, 4), slice(4, T))], 1)
-        logits = draft_logits(head, out, ops)
+        if fused:
+            head.ensure_rope(32)
+            steps = [fused_step(head, tokens[:, s], fuse(head, states[:, s], ops), positions[:, s].contiguous(),
+                                cache.kv[:, 0], ops, draft_layer) for s in (slice(0, 4), slice(4, T))]
+            assert all(step is not None for step in steps)
+            out, logits = (torch.cat(parts, 1) for parts in zip(*steps))
+        else:
+            out = torch.cat([midlayer(head, tokens[:, s], fuse(head, states[:, s], ops), positions[:, s],
+                                      cache.kv[:, 0], ops) for s in (slice(0, 4), slice(4, T))], 1)
+            logits = draft_logits(head, out, ops)
     for b in range(B):
         hidden = F.linear(states[b], ref.w["fc.weight"])
         want = ref.layer(tokens[b], hidden, positions[b])
@@ -391,9 +401,20 @@ def test_proposals_after_partial_acceptance_are_the_reference_heads(bigram_targe
             return real_update(accepted, hidden=hidden.masked_fill(past[..., None], float("nan")))
 
         drafter.update = update
+    ran = []  # fused: whether each draft step ran on the fused layer's kernels (kernels/triton_fused_layer.py)
+    if variant == "fused":
+        drafter, real_layer = eng.decoder.drafter, eng.decoder.drafter.draft_layer
+
+        def counted(*args):
+            out = real_layer(*args)
+            ran.append(out is not None)
+            return out
+
+        drafter.draft_layer = counted
     calls = record_proposals(eng)
     n = 12 if variant == "fused" else TINY_NEW
     rows = eng.generate(tiny_prompts(), n, ignore_eos=True)
+    assert (variant != "fused") or (ran and all(ran)), ran
     want = Engine(loaded, parse({})).generate(tiny_prompts(), n, ignore_eos=True)
     assert [r.tokens for r in rows] == [r.tokens for r in want]
     accepted = {a for r in rows for a in r.accepted}
