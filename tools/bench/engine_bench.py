@@ -91,6 +91,9 @@ SYSTEMS = {
                                      "overlap": True, "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4},
                                      "verification": "tree",
                                      "tree": {"kind": "static", "paths": [list(p) for p in chains(3, 4).paths[1:]]}},
+    # chains of smollm2-135m's packaged EAGLE-3 head (docs/TRAINING.md), its steps on the fused layer's kernels
+    **{f"eagle3-k{k}-fused-overlap": {"name": f"eagle3-k{k}-fused-overlap", "k": k, "layer": "fused", "overlap": True,
+                                      "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}} for k in (2, 3, 4)},
     "layerskip8-k4-fused": {"name": "layerskip8-k4-fused", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4,
                             "layer": "fused"},
     "selfdraft-fp16-k4-fused": {"name": "selfdraft-fp16-k4-fused", "drafter": {"kind": "model",
