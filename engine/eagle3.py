@@ -417,49 +417,62 @@ def draft_logits(head: Eagle3Head, out: torch.Tensor, ops) -> torch.Tensor:
     return ops.linear(ops.rmsnorm(out, head.norm, head.cfg.rms_eps), head.lm_head, None)
 
 
-def fused_step(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               kv: torch.Tensor, ops, draft_layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`midlayer` and `draft_logits` of a chain step's pairs (tokens [B, T], hidden [B, T, H], each at its position's
-    cache slot) on the fused layer's kernels (`draft_layer`, kernels/triton_fused_layer.py): the pair's norms and
-    RoPE's table rows here, then six kernels where the modular forward runs some fifteen. (pre-norm outputs, logits
-    [B, T, Vd]), or None where the kernels cannot run the step."""
+def pair_inputs(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ops):
+    """What the fused layer's kernels take for a chain step's pairs (tokens [B, T], hidden [B, T, H] at `positions`):
+    q/k/v's input [embedding; hidden] with each half normed, the residual stream, and RoPE's table rows."""
     cfg = head.cfg
     normed = ops.rmsnorm(hidden, head.hidden_norm, cfg.rms_eps)
     residual = normed if cfg.norm_before_residual else hidden
     x = torch.cat([ops.rmsnorm(F.embedding(tokens, head.embed), head.input_norm, cfg.rms_eps), normed], -1)
     cos, sin = (t[positions] for t in head.rope)
-    return draft_layer(head.block, x, residual.contiguous(), cos, sin, kv, positions, head.norm, head.lm_head,
-                       cfg.rms_eps)
+    return x, residual.contiguous(), cos, sin
 
 
-def first_draft(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
-                lengths: torch.Tensor, kv: torch.Tensor, ops, draft_layer=None):
-    """The new pairs of each row (module docstring) in one forward over `pending.shape[1]` slots; returns the
-    pre-norm output at each row's last new pair [B, 1, H] and its draft logits [B, Vd]. With `draft_layer` (the
-    fused layer's), on its kernels where they run the step."""
-    B, S = history.shape
+def first_pairs(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
+                lengths: torch.Tensor, kv: torch.Tensor, ops):
+    """The new pairs of each row (module docstring) over `pending.shape[1]` slots: (tokens, fc's states, positions)."""
+    S = history.shape[1]
     j = torch.arange(pending.shape[1], device=history.device)[None]
     positions = (lengths[:, None] - 2 - n_new[:, None] + j).clamp(0, S - 1)
     tokens = history.gather(1, (positions + 1).clamp(max=S - 1))
-    fused = None if draft_layer is None else fused_step(head, tokens, fuse(head, pending, ops), positions, kv, ops,
-                                                         draft_layer)
-    if fused is not None:
-        out, logits = fused
-        last = out.gather(1, n_new[:, None, None].expand(B, 1, out.shape[-1]))
-        return last, logits.gather(1, n_new[:, None, None].expand(B, 1, logits.shape[-1]))[:, 0]
-    out = midlayer(head, tokens, fuse(head, pending, ops), positions, kv, ops)
-    last = out.gather(1, n_new[:, None, None].expand(B, 1, out.shape[-1]))
+    return tokens, fuse(head, pending, ops), positions
+
+
+def first_fused_inputs(head: Eagle3Head, pending, n_new, history, lengths, kv, ops):
+    """first_draft's pairs as the fused layer's kernels take them (`pair_inputs`), and their positions."""
+    tokens, hidden, positions = first_pairs(head, pending, n_new, history, lengths, kv, ops)
+    return (*pair_inputs(head, tokens, hidden, positions, ops), positions)
+
+
+def next_fused_inputs(head: Eagle3Head, token, last, position, kv, ops):
+    """next_draft's pair as the fused layer's kernels take it (`pair_inputs`), and its position."""
+    position = position.clamp(max=kv.shape[3] - 1)
+    return (*pair_inputs(head, token[:, None], last, position, ops), position)
+
+
+def fused_step(head: Eagle3Head, inputs: tuple, kv: torch.Tensor, draft_layer):
+    """`midlayer` and `draft_logits` of a chain step's pairs on the fused layer's kernels (`draft_layer`,
+    kernels/triton_fused_layer.py: six kernels where the modular forward runs some fifteen), from `pair_inputs` and
+    the pairs' positions: (pre-norm outputs, logits [B, T, Vd]), or None where the kernels cannot run the step. Never
+    inside torch.compile (Dynamo does not trace these launches); `inputs` may come from compiled code."""
+    x, residual, cos, sin, positions = inputs
+    return draft_layer(head.block, x, residual, cos, sin, kv, positions, head.norm, head.lm_head, head.cfg.rms_eps)
+
+
+def first_draft(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
+                lengths: torch.Tensor, kv: torch.Tensor, ops):
+    """The new pairs of each row (module docstring) in one forward over `pending.shape[1]` slots; returns the
+    pre-norm output at each row's last new pair [B, 1, H] and its draft logits [B, Vd]."""
+    tokens, hidden, positions = first_pairs(head, pending, n_new, history, lengths, kv, ops)
+    out = midlayer(head, tokens, hidden, positions, kv, ops)
+    last = out.gather(1, n_new[:, None, None].expand(out.shape[0], 1, out.shape[-1]))
     return last, draft_logits(head, last[:, 0], ops)
 
 
 def next_draft(head: Eagle3Head, token: torch.Tensor, last: torch.Tensor, position: torch.Tensor,
-               kv: torch.Tensor, ops, draft_layer=None):
+               kv: torch.Tensor, ops):
     """One more draft step: (the head's previous output, the token it drafted) at `position` [B, 1]."""
-    position = position.clamp(max=kv.shape[3] - 1)
-    fused = None if draft_layer is None else fused_step(head, token[:, None], last, position, kv, ops, draft_layer)
-    if fused is not None:
-        return fused[0], fused[1][:, 0]
-    out = midlayer(head, token[:, None], last, position, kv, ops)
+    out = midlayer(head, token[:, None], last, position.clamp(max=kv.shape[3] - 1), kv, ops)
     return out, draft_logits(head, out[:, 0], ops)
 
 
@@ -518,6 +531,7 @@ class Eagle3Drafter(Drafter):
         self.ops = resolve_kernels()
         self.draft_layer = None
         self._first, self._next, self._nodes = first_draft, next_draft, draft_nodes
+        self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
         self.cache: KVCache | None = None  # the current batch's rows of `_base`
@@ -535,6 +549,7 @@ class Eagle3Drafter(Drafter):
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
             self._nodes = compiled(draft_nodes)
+            self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
 
     def reserve(self, rows, max_len):
         head = self.head
@@ -566,9 +581,31 @@ class Eagle3Drafter(Drafter):
         self._pending[:, :1].copy_(last)
         self._new.zero_()
 
-    def propose(self, history, lengths, k, sampling, generator):
+    def _draft_first(self, history, lengths):
+        """`first_draft`: on the fused layer's kernels where the recipe's layer is fused and they run the step."""
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
-        last, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
+        args = (head, self._pending, self._new, history, lengths, kv, ops)
+        if self.draft_layer is not None:
+            fused = fused_step(head, self._first_inputs(*args), kv, self.draft_layer)
+            if fused is not None:
+                out, logits = fused
+                at = self._new[:, None, None]
+                return (out.gather(1, at.expand(-1, 1, out.shape[-1])),
+                        logits.gather(1, at.expand(-1, 1, logits.shape[-1]))[:, 0])
+        return self._first(*args)
+
+    def _draft_next(self, token, last, position):
+        """`next_draft`, on the fused layer's kernels where they run the step."""
+        head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
+        if self.draft_layer is not None:
+            fused = fused_step(head, self._next_inputs(head, token, last, position, kv, ops), kv, self.draft_layer)
+            if fused is not None:
+                return fused[0], fused[1][:, 0]
+        return self._next(head, token, last, position, kv, ops)
+
+    def propose(self, history, lengths, k, sampling, generator):
+        head = self.head
+        last, logits = self._draft_first(history, lengths)
         tokens, probs = [], []
         for i in range(k):
             if sampling.greedy:
@@ -580,8 +617,7 @@ class Eagle3Drafter(Drafter):
                 probs.append(full.scatter_(1, head.draft_to_target[None].expand_as(q), q))
             tokens.append(tok)
             if i + 1 < k:
-                last, logits = self._next(head, tok, last, (lengths - 2 + i + 1)[:, None], kv, ops,
-                                          self.draft_layer)
+                last, logits = self._draft_next(tok, last, (lengths - 2 + i + 1)[:, None])
         valid = torch.full_like(lengths, k)
         return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)
 
@@ -606,7 +642,7 @@ class Eagle3Drafter(Drafter):
         root_entry = lengths - 2
         positions, slots = (t.clamp(max=S - 1) for t in tree_positions(root_entry, depths))
         visible = tree_mask(root_entry, ancestors, S)
-        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
+        out, logits = self._draft_first(history, lengths)
         logits = logits[:, None]  # [B, nodes expanded at the level above, Vd]: the root
         drafts = []
         for level in levels:
@@ -634,7 +670,7 @@ class Eagle3Drafter(Drafter):
         S, K = kv.shape[3], spec.topk
         root_entry = lengths - 2
         slot = torch.arange(S, device=history.device)
-        out, logits = self._first(head, self._pending, self._new, history, lengths, kv, ops, self.draft_layer)
+        out, logits = self._draft_first(history, lengths)
         seen = (slot[None] <= root_entry[:, None])[:, None]  # [B, nodes of the last forward, S]: the root's
         beam_slots = root_entry[:, None] + 1 + torch.arange(K, device=history.device)[None]
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import _COMMON, TINY_FAMILIES, build_tiny_hf
 from eagle3_head import default_aux_ids, head_config, save_head, write_head
-from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, fused_step, midlayer
+from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, fused_step, midlayer, pair_inputs
 from specpilot.engine.engine import Engine
 from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.loader import load
@@ -206,8 +206,9 @@ def test_head_forward_matches_the_reference(llama_target, tmp_path, variant, fus
     with torch.no_grad():  # in two calls: the second attends to the first's K/V in the head's cache
         if fused:
             head.ensure_rope(32)
-            steps = [fused_step(head, tokens[:, s], fuse(head, states[:, s], ops), positions[:, s].contiguous(),
-                                cache.kv[:, 0], ops, draft_layer) for s in (slice(0, 4), slice(4, T))]
+            steps = [fused_step(head, (*pair_inputs(head, tokens[:, s], fuse(head, states[:, s], ops),
+                                                    positions[:, s].contiguous(), ops), positions[:, s].contiguous()),
+                                cache.kv[:, 0], draft_layer) for s in (slice(0, 4), slice(4, T))]
             assert all(step is not None for step in steps)
             out, logits = (torch.cat(parts, 1) for parts in zip(*steps))
         else:
