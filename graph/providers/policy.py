@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
+from ...engine.loader import ALIASES
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
 from ...engine.tree import chains
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
@@ -597,10 +598,13 @@ def _replay_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, s
 
 
 def head_shape(directory: str) -> ModelShape | None:
-    """An EAGLE-3 head's shape for the cost model (its one layer over the draft vocabulary), from its config.json;
-    None when there is none to read."""
+    """An EAGLE-3 head's shape for the cost model (its one layer over the draft vocabulary), from the config.json of
+    its directory or alias; None when there is none to read."""
     try:
-        raw = json.loads((Path(directory) / "config.json").read_text())
+        where = Path(directory)
+        if not where.is_dir() and directory in ALIASES:  # a packaged head, by its alias
+            where = ALIASES[directory]()
+        raw = json.loads((where / "config.json").read_text())
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         return ModelShape(int(raw.get("draft_vocab_size") or raw["vocab_size"]), hidden, int(raw["intermediate_size"]),
                           1, heads, int(raw.get("num_key_value_heads") or heads),
