@@ -34,6 +34,10 @@ How the fusions work.
   predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
   outputs (`PDL` below).
 * After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
+* An EAGLE-3 head's chain steps (`draft_layer`, engine/eagle3.py) run the same kernels: q/k/v read the head's
+  [embedding; hidden] pair as given (NORM off: the caller norms each half), the residual stream is the hidden state,
+  and the LM head is the pair kernel's PLAIN mode (one row set) with the final norm in its prologue, which also
+  writes the pre-norm output the next draft step reads.
 
 Numerics follow the modular layer (`engine.model.Block` with the torch slots) where it stores a tensor: the residual
 add, the norm's fp32 statistics, the norm output, the linear outputs and the scores (where `q @ k^T` rounds) are
