@@ -37,3 +37,9 @@ def test_the_packaged_head_loads_by_alias_and_its_chain_decodes_ar_tokens(smollm
     assert [r.tokens for r in rows] == ar
     stats = chain.decoder.last_stats
     assert stats.steps < 2 * 23  # drafts were accepted: fewer verification steps than tokens after the first
+    # an EAGLE-2 dynamic tree of the head (issue #22's "done when": AR-identical greedy tokens on a CPU)
+    tree = Engine(loaded, parse({"drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}, "k": 3,
+                                 "verification": "tree", "tree": {"kind": "dynamic", "depth": 3, "topk": 2,
+                                                                  "tokens": 8}}))
+    assert [r.tokens for r in tree.generate(prompts, 24)] == ar
+    assert tree.decoder.last_stats.steps < 2 * 23

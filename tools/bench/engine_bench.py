@@ -94,6 +94,13 @@ SYSTEMS = {
     # chains of smollm2-135m's packaged EAGLE-3 head (docs/TRAINING.md), its steps on the fused layer's kernels
     **{f"eagle3-k{k}-fused-overlap": {"name": f"eagle3-k{k}-fused-overlap", "k": k, "layer": "fused", "overlap": True,
                                       "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}} for k in (2, 3, 4)},
+    # ... and its EAGLE-2 dynamic trees small enough for the fused layer's tree steps (at most 16 tokens): depth d,
+    # top-k children a node, t tokens verified (the twenty-third lease's 32-token tree took 4.7 AR steps a step)
+    **{f"eagle3-dyn-d{d}-k{topk}-t{t}-fused-overlap": {
+        "name": f"eagle3-dyn-d{d}-k{topk}-t{t}-fused-overlap", "k": d, "layer": "fused", "overlap": True,
+        "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}, "verification": "tree",
+        "tree": {"kind": "dynamic", "depth": d, "topk": topk, "tokens": t}} for d, topk, t in ((3, 2, 8), (4, 3, 12),
+                                                                                             (4, 4, 16))},
     "layerskip8-k4-fused": {"name": "layerskip8-k4-fused", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4,
                             "layer": "fused"},
     "selfdraft-fp16-k4-fused": {"name": "selfdraft-fp16-k4-fused", "drafter": {"kind": "model",
