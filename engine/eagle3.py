@@ -529,7 +529,7 @@ class Eagle3Drafter(Drafter):
         self.head, self.k = head, k
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
-        self.draft_layer = None
+        self.draft_layer = self.draft_supports = None
         self._first, self._next, self._nodes = first_draft, next_draft, draft_nodes
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
@@ -544,8 +544,10 @@ class Eagle3Drafter(Drafter):
 
     def prepare(self, ops, layer_fn, compile):
         self.ops = ops
-        # the fused layer's (`layer: fused`): chain steps on its kernels where they run them
+        # the fused layer's (`layer: fused`): chain steps on its kernels where they run them (`draft_supports`: asked
+        # before the step's inputs are made, so that a step the kernels cannot run costs nothing extra)
         self.draft_layer = getattr(layer_fn, "draft_layer", None)
+        self.draft_supports = getattr(layer_fn, "draft_supports", None)
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
             self._nodes = compiled(draft_nodes)
@@ -581,11 +583,16 @@ class Eagle3Drafter(Drafter):
         self._pending[:, :1].copy_(last)
         self._new.zero_()
 
+    def _fused(self, n_tokens: int, device) -> bool:
+        """Whether a chain step of `n_tokens` pairs runs on the fused layer's kernels."""
+        return self.draft_layer is not None and (self.draft_supports is None
+                                                 or self.draft_supports(self.head.block, n_tokens, device))
+
     def _draft_first(self, history, lengths):
         """`first_draft`: on the fused layer's kernels where the recipe's layer is fused and they run the step."""
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
         args = (head, self._pending, self._new, history, lengths, kv, ops)
-        if self.draft_layer is not None:
+        if self._fused(history.shape[0] * self._pending.shape[1], history.device):
             fused = fused_step(head, self._first_inputs(*args), kv, self.draft_layer)
             if fused is not None:
                 out, logits = fused
@@ -597,7 +604,7 @@ class Eagle3Drafter(Drafter):
     def _draft_next(self, token, last, position):
         """`next_draft`, on the fused layer's kernels where they run the step."""
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
-        if self.draft_layer is not None:
+        if self._fused(token.shape[0], token.device):
             fused = fused_step(head, self._next_inputs(head, token, last, position, kv, ops), kv, self.draft_layer)
             if fused is not None:
                 return fused[0], fused[1][:, 0]

@@ -872,6 +872,7 @@ def layer_function(fallback):
     layer.final_norm = last
     layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
     layer.draft_layer = draft_layer  # an EAGLE-3 head's chain steps (engine/eagle3.py)
+    layer.draft_supports = lambda block, n_tokens, device: supports(block, n_tokens, device) is None
     return layer
 
 
