@@ -190,3 +190,44 @@ def test_the_packaged_target_brings_its_head_to_the_algorithm_agent(tmp_path):
     options = algorithm_options(load_recipe("stock"), CostView.from_context(deployment, prof))
     eagle = [o for o in options if o.patch.get("drafter", {}).get("kind") == "eagle3"]
     assert [o.patch["drafter"]["model"] for o in eagle] == ["smollm2-135m-eagle3"]
+
+
+def test_a_recipe_drafting_with_a_head_is_tuned_by_length_and_tree():
+    """Once the recipe drafts with an EAGLE-3 head, the algorithm agent tries its draft length one shorter and one
+    longer and an EAGLE-2 tree of its depth. On a CPU (modular layer) the lengths are priced with the head's measured
+    acceptance; on the fused layer (CUDA) the cost model cannot price the FMA path's per-token verify, so the shorter
+    length comes first, unpriced; the tree keeps a step within the fused layer's tokens. Every patch is a recipe the
+    engine takes."""
+    from specpilot.graph.providers.policy import CostView, HEAD_TREE_TOPK, Skips, algorithm_options, apply_patch
+
+    head = ModelShape(vocab=8192, hidden=576, intermediate=1536, layers=1, heads=9, kv_heads=3, head_dim=64,
+                      tied_embeddings=False)
+    dep = Deployment(SMOLLM2, bytes_per_param=2, dtype_bytes=2, k=3, drafter_kind="eagle3", drafter_model=head,
+                     cuda_graphs=True)
+    per_position = [0.7, 0.55, 0.45]
+    prof = {"meta": {"device": "cuda", "dtype": "bfloat16", "batch_size": 1, "target": "smollm2-135m"},
+            "acceptance": {"k": 3, "per_position": per_position, "tau": expected_tokens(3, per_position)},
+            "ceilings": asdict(CPU), "prediction": {"deployment": asdict(dep) | {"model": asdict(SMOLLM2)}},
+            "gaps": []}
+    base = {"drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}, "k": 3}
+    for device, layer in (("cpu", "modular"), ("cuda", "fused")):
+        recipe = apply_patch(asdict(load_recipe("stock")), base | {"layer": layer})
+        deployment = {"device": device, "dtype": "bf16", "batch_size": 1, "ceilings": prof["ceilings"]}
+        skipped = Skips()
+        options = algorithm_options(recipe, CostView.from_context(deployment, prof), skipped)
+        lengths = [o for o in options if set(o.patch) == {"k"}]
+        trees = [o for o in options if o.patch.get("verification") == "tree"]
+        for o in lengths + trees:
+            assert apply_patch(asdict(recipe), o.patch).drafter.kind == "eagle3"
+        if layer == "fused":
+            assert [o.patch["k"] for o in sorted(lengths, key=lambda o: o.rank)] == [2, 4]
+            assert all("FMA path" in o.reason for o in lengths)
+        else:
+            assert all(o.rank[1] < 0 for o in lengths)  # priced: a gain, or left out with the cost model's figure
+            left_out = {k for k in (2, 4) if any(f"k={k}: the cost model predicts" in why for why in skipped)}
+            assert {o.patch["k"] for o in lengths} | left_out == {2, 4}
+        for o in trees:
+            tree = apply_patch(asdict(recipe), o.patch).tree
+            assert tree.kind == "dynamic" and tree.depth == 3 and tree.topk == HEAD_TREE_TOPK
+            assert 3 + 1 < tree.tokens <= 16
+        assert trees or any("EAGLE-2 dynamic tree" in why for why in skipped)

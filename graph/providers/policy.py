@@ -17,7 +17,7 @@ from pathlib import Path
 from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
 from ...engine.loader import ALIASES
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
-from ...engine.tree import chains
+from ...engine.tree import DynamicTree, chains
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
 from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
@@ -40,6 +40,12 @@ TREE_MAX_STEP_COST = 0.15
 # An EAGLE-3 head's chain as serving engines deploy it: 3 draft steps, top-1 (SGLang --speculative-num-steps 3
 # --speculative-eagle-topk 1 --speculative-num-draft-tokens 4).
 HEAD_K = 3
+# The draft lengths and dynamic trees the algorithm agent tries once a recipe drafts with a head: k one shorter or
+# one longer (1..HEAD_K_MAX), and an EAGLE-2 tree of the same depth, HEAD_TREE_TOPK children a node, as many tokens
+# as keep a step on the fused layer's kernels (at most FUSED_LAYER_MAX_TOKENS a batch; HEAD_TREE_TOKENS a row).
+HEAD_K_MAX = 6
+HEAD_TREE_TOPK = 2
+HEAD_TREE_TOKENS = 16
 # Ragged verification is proposed only when at most this fraction of rows have drafts a step: above it few draft
 # slots of a padded step are left empty, so there is little for packing to hand to other rows.
 RAGGED_MAX_AVAILABILITY = 0.8
@@ -355,7 +361,9 @@ def _describe_current(recipe: Recipe) -> str:
         return f"n-gram k={recipe.k}, max_ngram={d.max_ngram}"
     if d.kind == "layerskip":
         return f"layer-skip k={recipe.k}, {d.layers} layers"
-    return f"draft model {d.model} k={recipe.k}"
+    if d.kind == "eagle3":
+        return f"EAGLE-3 head {d.model} k={recipe.k}" + (" (tree)" if recipe.verification == "tree" else "")
+    return f"{d.kind} drafter {d.model} k={recipe.k}" if d.kind != "model" else f"draft model {d.model} k={recipe.k}"
 
 
 def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = None) -> list[Option]:
@@ -464,6 +472,7 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
                     f"(the calibrated cost model's draft and verify cost more than the extra tokens bring)")
     options += _layerskip_options(recipe, view, cur, now, skipped)
     options += _head_options(recipe, view, cur, now, skipped)
+    options += _head_tuning_options(recipe, view, cur, now, measured_note, skipped)
     if recipe.drafter.kind != "none" and not recipe.drafter.adaptive and view.per_position:
         # Not priced by the cost model (it verifies k drafts a step): after every option it predicts a gain for.
         options.append(Option({"drafter": {"adaptive": True}}, (
@@ -641,6 +650,70 @@ def _head_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, ski
             f"deploy with a head; the calibrated cost model's {_phases(p)} against {ms(cur.step_s)} now, so it beats "
             f"the current {cur.tokens_per_s:.0f} tok/s with {now} once drafts are accepted at a per-token rate above "
             f"{rate:.2f} (tau above {need:.2f}); its acceptance is the evaluation's to measure"), (2, -2, rate)))
+    return out
+
+
+def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, measured_note: str,
+                         skipped: Skips) -> list[Option]:
+    """A recipe that drafts with an EAGLE-3 head, tuned: its draft length one shorter and one longer, and (a chain)
+    an EAGLE-2 dynamic tree of its depth. Lengths are priced with the head's measured acceptance, except on the
+    fused layer's FMA path, whose verify step grows with every token where the cost model reads the weights once: there
+    the nearer, shorter length comes first and the evaluation measures it (on the H200 the packaged SmolLM2 head's
+    chain of 2 beat its chains of 3 and 4 on every workload, docs/benchmarks/2026-12-03-twenty-third-lease.md, C).
+    A tree accepts at least what its chain does; it is proposed where the cost model puts its step within
+    TREE_MAX_STEP_COST of the chain's and it keeps the step on the fused layer's kernels (at most
+    FUSED_LAYER_MAX_TOKENS tokens a batch; its 32-token trees cost 4.7 AR steps a step there)."""
+    if recipe.drafter.kind != "eagle3" or view.dep.drafter_kind != "eagle3":
+        return []
+    out, dep, fma = [], view.dep, fused_fma_tokens(recipe, view)
+    head = recipe.drafter.model
+    for k in (recipe.k - 1, recipe.k + 1):
+        if not 1 <= k <= HEAD_K_MAX:
+            continue
+        patch = {"k": k}
+        name = f"EAGLE-3 head {head}, k={k}"
+        if recipe.verification == "tree":
+            patch["tree"] = {"kind": "dynamic", "depth": k, "topk": recipe.tree.topk, "tokens": recipe.tree.tokens}
+            if recipe.tree.kind != "dynamic" or recipe.tree.tokens <= k:
+                continue
+        hdep = replace(dep, k=k, draft_widths=None if dep.draft_widths is None else (dep.draft_widths[0],) * (k - 1))
+        p = view.predict(hdep, view.acceptance(k))
+        if fma and (k + 1) * dep.batch <= fma and recipe.verification == "chain":
+            out.append(Option(patch, (
+                f"{name} on the fused layer: its FMA path runs a program per token, so a verify step of {k + 1} "
+                f"tokens costs {'less' if k < recipe.k else 'more'} than the {recipe.k + 1} now, which the calibrated "
+                f"cost model (weights read once: {p.tokens_per_s:.0f} against {cur.tokens_per_s:.0f} tok/s) does not "
+                f"price; at {measured_note} the evaluation measures it"), (1, 0.0, abs(k - recipe.k), k > recipe.k)))
+            continue
+        gain = p.tokens_per_s / cur.tokens_per_s - 1.0
+        if gain < MIN_GAIN:
+            skipped.add(f"{name}: the cost model predicts {gain:+.0%} tok/s against {now} (below {MIN_GAIN:.0%})")
+            continue
+        out.append(Option(patch, (
+            f"{name}: the calibrated cost model predicts {p.tokens_per_s:.0f} tok/s against {cur.tokens_per_s:.0f} "
+            f"with {now} (+{gain:.0%}): {p.tokens_per_step:.2f} tokens a step from {measured_note}; {_phases(p)}"),
+            (1, -gain, k)))
+    if recipe.verification != "chain":
+        return out
+    tokens = min(HEAD_TREE_TOKENS, FUSED_LAYER_MAX_TOKENS // max(1, dep.batch),
+                 1 + DynamicTree(recipe.k, HEAD_TREE_TOPK, 2).candidates)  # (the root and every draft it scores)
+    if recipe.k < 2 or tokens <= recipe.k + 1:
+        skipped.add(f"an EAGLE-3 tree of depth {recipe.k}: a step at B = {dep.batch} keeps at most {tokens} tokens a "
+                    f"row on the fused layer's kernels, no more than the chain's {recipe.k + 1}")
+        return out
+    tree = {"kind": "dynamic", "depth": recipe.k, "topk": HEAD_TREE_TOPK, "tokens": tokens}
+    name = f"an EAGLE-2 dynamic tree of the head (depth {recipe.k}, top-{HEAD_TREE_TOPK}, {tokens} tokens a row)"
+    tdep = replace(dep, tree_nodes=tokens, draft_widths=(HEAD_TREE_TOPK,) * (recipe.k - 1))
+    t = view.predict(tdep, view.acceptance(recipe.k))
+    cost = t.step_s / cur.step_s - 1.0
+    if cost > TREE_MAX_STEP_COST:
+        skipped.add(f"{name}: the cost model puts its step {cost:+.0%} over the chain's ({ms(t.step_s)} against "
+                    f"{ms(cur.step_s)}), above {TREE_MAX_STEP_COST:.0%}")
+        return out
+    out.append(Option({"verification": "tree", "tree": tree}, (
+        f"{name} for {now}: at {measured_note} a tree verifies the head's next-best drafts as further branches in the "
+        f"same step, which the calibrated cost model puts at {ms(t.step_s)} against {ms(cur.step_s)} ({cost:+.0%}); "
+        f"it accepts at least what the chain does, and its gain is the evaluation's to measure"), (2, 1)))
     return out
 
 

@@ -503,7 +503,7 @@ class Prediction:
 
 def ar_deployment(dep: Deployment) -> Deployment:
     return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None,
-                   controller="none", ragged=False)
+                   controller="none", ragged=False, tree_nodes=None, draft_widths=None)
 
 
 def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float], drafts: int,
