@@ -421,13 +421,9 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
                     # FMA path runs a program per token, so its verify step grows with every draft. Prices of
                     # another k are not to be trusted there: the nearest lengths are measured, shorter first (on
                     # the H200 the fused layer's k = 2 beat its k = 4 on code and chat, 2026-12-02 grid).
-                    p = view.predict(ndep, view.acceptance(k))
-                    options.append(Option(patch, (
-                        f"{name} on the fused layer: its FMA path runs a program per token, so a verify step of "
-                        f"{k + 1} tokens costs {'less' if k < recipe.k else 'more'} than the {recipe.k + 1} now, "
-                        f"which the calibrated cost model (weights read once: {p.tokens_per_s:.0f} against "
-                        f"{cur_tps:.0f} tok/s) does not price; at {measured_note} the evaluation measures it"),
-                        (1, 0.0, abs(k - recipe.k), k > recipe.k)))
+                    options.append(_fma_length_option(patch, name, k, recipe.k,
+                                                      view.predict(ndep, view.acceptance(k)), cur_tps,
+                                                      measured_note))
                 continue
             if dep.drafter_kind == "ngram":
                 acc = view.acceptance(k)
@@ -653,6 +649,18 @@ def _head_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, ski
     return out
 
 
+def _fma_length_option(patch: dict, name: str, k: int, now_k: int, p: Prediction, now_tps: float,
+                       measured_note: str) -> Option:
+    """Another draft length on the fused layer's FMA path, unpriced: the cost model reads a layer's weights once a
+    step, the FMA path runs a program per token, so its verify step grows with every draft. The nearest lengths
+    first, the shorter before the longer (the evaluation measures them)."""
+    return Option(patch, (
+        f"{name} on the fused layer: its FMA path runs a program per token, so a verify step of {k + 1} tokens costs "
+        f"{'less' if k < now_k else 'more'} than the {now_k + 1} now, which the calibrated cost model (weights read "
+        f"once: {p.tokens_per_s:.0f} against {now_tps:.0f} tok/s) does not price; at {measured_note} the evaluation "
+        f"measures it"), (1, 0.0, abs(k - now_k), k > now_k))
+
+
 def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, measured_note: str,
                          skipped: Skips) -> list[Option]:
     """A recipe that drafts with an EAGLE-3 head, tuned: its draft length one shorter and one longer, and (a chain)
@@ -679,11 +687,7 @@ def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: s
         hdep = replace(dep, k=k, draft_widths=None if dep.draft_widths is None else (dep.draft_widths[0],) * (k - 1))
         p = view.predict(hdep, view.acceptance(k))
         if fma and (k + 1) * dep.batch <= fma and recipe.verification == "chain":
-            out.append(Option(patch, (
-                f"{name} on the fused layer: its FMA path runs a program per token, so a verify step of {k + 1} "
-                f"tokens costs {'less' if k < recipe.k else 'more'} than the {recipe.k + 1} now, which the calibrated "
-                f"cost model (weights read once: {p.tokens_per_s:.0f} against {cur.tokens_per_s:.0f} tok/s) does not "
-                f"price; at {measured_note} the evaluation measures it"), (1, 0.0, abs(k - recipe.k), k > recipe.k)))
+            out.append(_fma_length_option(patch, name, k, recipe.k, p, cur.tokens_per_s, measured_note))
             continue
         gain = p.tokens_per_s / cur.tokens_per_s - 1.0
         if gain < MIN_GAIN:
