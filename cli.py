@@ -37,7 +37,7 @@ def cmd_generate(args) -> int:
     from .engine.recipe import load_recipe
     from .engine.sampling import SamplingParams
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, args.target)
     device = args.device or _default_device()
     target = loader.load(args.target, args.dtype or ("bf16" if device.startswith("cuda") else "fp32"), device)
     engine = Engine(target, recipe)

@@ -2,7 +2,9 @@
 
 A recipe is the contract between the engine and everything else: the engine runs one, tools measure one, agents
 propose changes to one. The schema is the dataclasses below (documented in docs/RECIPE.md); `parse` rejects unknown
-keys and wrong types naming the key's path. `ar` and `stock` are built in; anything else is a file path.
+keys and wrong types naming the key's path. `ar`, `stock` and `stock-ngram` are built in; anything else is a file
+path. `stock` depends on the target (`stock_recipe`): a target that ships a trained drafter head gets the chain its
+users deploy with it, any other the n-gram chain that `stock-ngram` always names.
 """
 from __future__ import annotations
 
@@ -94,11 +96,18 @@ class Recipe:
         Path(path).write_text(self.to_json())
 
 
+_NGRAM_STOCK = dict(description="chain speculative decoding with an n-gram prompt-lookup drafter",
+                    drafter=DrafterSpec(kind="ngram", max_ngram=3, min_ngram=1), k=4)
 BUILTIN = {
     "ar": Recipe(name="ar", description="autoregressive greedy decoding, no speculation"),
-    "stock": Recipe(name="stock", description="chain speculative decoding with an n-gram prompt-lookup drafter",
-                    drafter=DrafterSpec(kind="ngram", max_ngram=3, min_ngram=1), k=4),
+    # for a target without a packaged head; `stock_recipe(target)` says which stock a target gets
+    "stock": Recipe(name="stock", **_NGRAM_STOCK),
+    "stock-ngram": Recipe(name="stock-ngram", **_NGRAM_STOCK),
 }
+# Drafts a step of the stock chain with a trained EAGLE-3 head: vLLM's EAGLE-3 example speculates 2 tokens a step
+# (docs.vllm.ai, features/speculative_decoding/eagle: "num_speculative_tokens": 2), with the rest of the recipe at
+# its defaults (the modular layer, no overlap), as a user of vLLM or SGLang would first deploy the head.
+STOCK_HEAD_K = 2
 
 
 def _build(cls, data, path: str):
@@ -267,8 +276,25 @@ def parse(data: dict) -> Recipe:
     return _check(_build(Recipe, data, ""))
 
 
-def load_recipe(spec: str | Path) -> Recipe:
-    """A built-in recipe name (`ar`, `stock`) or a recipe file path."""
+def stock_recipe(target: str | None) -> Recipe:
+    """`stock` for `target` (an alias, GGUF or directory as the user named it): with a head that ships for it
+    (engine/loader.packaged_heads), a chain of STOCK_HEAD_K drafts from that head; else, or with no target, the
+    n-gram chain (`stock-ngram`)."""
+    from .loader import packaged_heads  # here: reading a recipe needs none of the loader's imports
+
+    heads = packaged_heads(target) if target else []
+    if not heads:
+        return parse(asdict(BUILTIN["stock"]))
+    return parse(asdict(Recipe(name="stock", k=STOCK_HEAD_K, drafter=DrafterSpec(kind="eagle3", model=heads[0]),
+                               description=f"chain speculative decoding with the packaged EAGLE-3 head {heads[0]}, "
+                                           f"{STOCK_HEAD_K} drafts a step")))
+
+
+def load_recipe(spec: str | Path, target: str | None = None) -> Recipe:
+    """A built-in recipe name (`ar`, `stock`, `stock-ngram`) or a recipe file path; `stock` is `target`'s
+    (`stock_recipe`)."""
+    if spec == "stock":
+        return stock_recipe(target)
     if isinstance(spec, str) and spec in BUILTIN:
         return parse(asdict(BUILTIN[spec]))
     path = Path(spec)

@@ -95,7 +95,8 @@ def bench(settings: dict, recipes: list[str], out_dir: Path) -> tuple[dict, floa
             return ({"ok": False, "error": f"{type(e).__name__}: {e}", "systems": {}, "errors": [],
                      "dir": str(out_dir)}, time.perf_counter() - t0)
     # The bench names a replay recipe's system NAME-replay (tools/bench/run.py); the graph knows its recipes by NAME.
-    named = {system: recipe.name for system, recipe in recipes_to_measure([str(r) for r in recipes])}
+    named = {system: recipe.name
+             for system, recipe in recipes_to_measure([str(r) for r in recipes], settings["target"])}
     runs = {named.get(r["system"], r["system"]): r for r in results["runs"]}
     stock = (runs.get("stock") or {}).get("tokens_per_s")
     systems = {}

@@ -79,7 +79,7 @@ def _start(settings: dict, out: Path) -> dict:
         log_evaluation(out, "baseline", "start")
         device_s, gates = 0.0, {}
         for name in ("stock", "ar"):
-            recipe = asdict(load_recipe(name))
+            recipe = asdict(load_recipe(name, settings["target"]))
             g, sec = gate(settings, name, out / "baseline" / f"gate-{name}", gate_batch(settings, recipe))
             device_s, gates[name] = device_s + sec, g
             if g["passed"]:
@@ -439,7 +439,8 @@ def best_outcome(state: dict, when: str) -> tuple[str, Outcome] | None:
     best, progression = state.get("best") or {}, state.get("progression") or []
     if not best or best.get("round", 0) == 0 or not progression:
         return None
-    start = load_recipe(progression[0]["source"]) if progression[0]["source"] in ("ar", "stock") else None
+    source = progression[0]["source"]
+    start = load_recipe(source, state["settings"].get("target")) if source in ("ar", "stock") else None
     if start is None:
         return None
     patch: dict = {}

@@ -152,6 +152,8 @@ def test_smollm2_bench(tmp_path):
     assert set(runs) == {"ar", "stock"}
     assert runs["stock"]["mean_accepted"] >= 1.0
     assert runs["stock"]["identical_to_ar"] == 1.0
+    # smollm2-135m's stock is the chain of its packaged EAGLE-3 head (engine/recipe.stock_recipe)
+    assert results["header"]["recipes"]["stock"]["drafter"]["kind"] == "eagle3"
 
 
 @pytest.mark.parametrize("broken", ["load", "decode"])

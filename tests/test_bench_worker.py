@@ -73,7 +73,7 @@ def measure_isolated(args, out: Path, timeout_s: float = 300):
     pool = concurrent.futures.ThreadPoolExecutor(1)
     try:
         job = pool.submit(bench_run.measure, args, BATCH_SIZES, bench_run.load_workloads("code", LIMIT),
-                          bench_run.recipes_to_measure(args.recipe), "cpu", "fp32", out, isolate=True)
+                          bench_run.recipes_to_measure(args.recipe, args.target), "cpu", "fp32", out, isolate=True)
         return job.result(timeout=timeout_s)
     finally:
         pool.shutdown(wait=False)
@@ -136,8 +136,10 @@ def test_the_surviving_runs_are_whole_and_compared_in_one_process(broken_run):
 def test_the_header_comes_from_the_worker_as_the_in_process_bench_writes_it(broken_run):
     args, _, results = broken_run
     head = results["header"]
-    here = header(args, torch.device("cpu"), "fp32", ["code"], BATCH_SIZES)
+    here = header(args, torch.device("cpu"), "fp32", ["code"], BATCH_SIZES,
+                  bench_run.recipes_to_measure(args.recipe, args.target))
     assert set(head) == set(here)
+    assert set(head["recipes"]) == {"ar", "stock", "boom", "dud"}  # what each system ran, from the worker
     assert {k: v for k, v in head.items() if k != "date"} == {k: v for k, v in here.items() if k != "date"}
 
 

@@ -201,7 +201,7 @@ def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
     for r in e.recipes:
         files.append(tmp_path / f"{r.name}.json")
         files[-1].write_text(json.dumps(r.recipe))
-    assert [name for name, _ in recipes_to_measure([str(f) for f in files])][2:] == [r.name for r in e.recipes]
+    assert [name for name, _ in recipes_to_measure([str(f) for f in files], None)][2:] == [r.name for r in e.recipes]
     assert sum("replay" in r.name for r in e.recipes) == 9
     assert len(e.recipes) == 10 and not (e.refused or e.excluded or e.duplicates)
     assert "**10 recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()

@@ -181,6 +181,27 @@ def test_builtin_stock():
     assert (r.drafter.max_ngram, r.drafter.min_ngram) == (3, 1)
 
 
+def test_stock_is_the_targets(tmp_path):
+    """A target with a packaged head (by alias, or its GGUF anywhere) gets that head's chain of STOCK_HEAD_K drafts,
+    vLLM's EAGLE-3 default; any other target, or none, the n-gram stock, which `stock-ngram` names for every target."""
+    from specpilot.engine import packaged
+    from specpilot.engine.recipe import STOCK_HEAD_K, stock_recipe
+
+    assert STOCK_HEAD_K == 2
+    for target in ("smollm2-135m", str(packaged.path())):
+        r = load_recipe("stock", target)
+        assert r.name == "stock" and r.drafter.kind == "eagle3" and r.k == 2
+        assert r.drafter.model == "smollm2-135m-eagle3" and r.verification == "chain" and r.layer == "modular"
+        assert asdict(stock_recipe(target)) == asdict(r)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF not the packaged one")
+    for target in (None, str(other), str(tmp_path)):
+        assert asdict(load_recipe("stock", target)) == asdict(BUILTIN["stock"])
+    named = load_recipe("stock-ngram", "smollm2-135m")
+    assert named.name == "stock-ngram" and named.drafter.kind == "ngram" and named.k == 4
+    assert {**asdict(named), "name": "stock"} == asdict(BUILTIN["stock"])
+
+
 def test_builtins_are_copies():
     """Mutating a loaded built-in must not change the next load."""
     r = load_recipe("stock")

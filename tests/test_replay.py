@@ -173,7 +173,7 @@ def test_the_bench_names_replay_and_prepares_its_references(loaded, tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"name": "eagle-profile", "drafter": {"kind": "replay", "acceptance": [0.9, 0.5]},
                                 "k": 2, "cuda_graphs": False}))
-    (name, recipe), = recipes_to_measure([str(path)])[2:]
+    (name, recipe), = recipes_to_measure([str(path)], None)[2:]
     assert name == "eagle-profile-replay"
     system = EngineSystem(name, loaded, recipe)
     system.prepare([prompts(2), prompts(3)[2:]], 8)

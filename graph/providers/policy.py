@@ -397,7 +397,7 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
         return sorted(options, key=lambda o: o.rank)
 
     min_ngram = recipe.drafter.min_ngram if recipe.drafter.kind == "ngram" else 1
-    stock = BUILTIN["stock"]
+    stock = BUILTIN["stock-ngram"]
     best_ngram: tuple[float, str] | None = None  # the best n-gram option left out, for the reason
     unreachable = 0  # n-gram options that no acceptance rate below 1 makes pay
     fma = fused_fma_tokens(recipe, view)
@@ -450,7 +450,7 @@ def algorithm_options(recipe: Recipe, view: CostView, skipped: Skips | None = No
                     continue
                 first = k == stock.k and max_ngram == stock.drafter.max_ngram and min_ngram == stock.drafter.min_ngram
                 options.append(Option(patch, (
-                    f"{name}{' (the built-in stock configuration)' if first else ''}: no n-gram acceptance measured "
+                    f"{name}{' (the built-in stock-ngram)' if first else ''}: no n-gram acceptance measured "
                     f"yet (the profile ran {now}); the calibrated cost model's {_phases(p)} against "
                     f"{ms(cur.step_s)} now, so it beats the current {cur_tps:.0f} tok/s once drafts are accepted "
                     f"at a per-token rate above {rate:.2f} (tau above {need:.2f})"),

@@ -30,7 +30,7 @@ SYSTEMS = {
     "ar": "ar",
     "ar-eager": {"name": "ar-eager", "cuda_graphs": False, "compile": False},
     "ar-graphs": {"name": "ar-graphs", "compile": False},
-    "ngram-k4": "stock",
+    "ngram-k4": "stock-ngram",
     "ngram-k8": {"name": "ngram-k8", "drafter": {"kind": "ngram"}, "k": 8},
     "layerskip8-k4": {"name": "layerskip8-k4", "drafter": {"kind": "layerskip", "layers": 8}, "k": 4},
     "selfdraft-fp16-k4": {"name": "selfdraft-fp16-k4", "drafter": {"kind": "model", "model": "smollm2-135m",

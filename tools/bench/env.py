@@ -4,6 +4,7 @@ Every probe degrades to null rather than failing: a missing triton or git must n
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import platform
@@ -69,7 +70,10 @@ def device_facts(device: torch.device) -> tuple[str, str | None]:
     return cpu_name(), None
 
 
-def header(args, device: torch.device, dtype: str, workloads: list[str], batch_sizes: list[int]) -> dict:
+def header(args, device: torch.device, dtype: str, workloads: list[str], batch_sizes: list[int],
+           recipes: list | None = None) -> dict:
+    """The run's settings and environment; `recipes` ([(system, Recipe)]) go in as `recipes` {system: recipe}, so
+    that a results file says what each engine system ran (`stock` depends on the target)."""
     commit, dirty = git_commit()
     argv = getattr(args, "argv", None) or sys.argv[1:]  # cli.main stores the argv it parsed
     name, driver = device_facts(device)
@@ -84,4 +88,5 @@ def header(args, device: torch.device, dtype: str, workloads: list[str], batch_s
         "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None),
         "waves": getattr(args, "waves", 1) or 1, "batching": getattr(args, "batching", "continuous"),
         "threads": torch.get_num_threads(),
+        "recipes": {name: dataclasses.asdict(r) for name, r in recipes or []},
     }

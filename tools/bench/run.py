@@ -43,8 +43,7 @@ from ..argtypes import (add_device_arguments, add_target_argument, check, positi
                         positive_int_list)
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
-from ...engine.recipe import BUILTIN as BUILTIN_RECIPES
-from ...engine.recipe import Recipe, load_recipe, with_absolute_paths
+from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
 from ...engine.workloads import Question, absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import report as bench_report
@@ -131,14 +130,15 @@ def load_workloads(text: str, limit: int | None) -> dict[str, list[Question]]:
     return {spec: load_workload(spec, limit) for spec in dict.fromkeys(specs)}
 
 
-def recipes_to_measure(specs: list[str]) -> list[tuple[str, Recipe]]:
-    """(system name, recipe): ar and stock always, then each --recipe; a repeated name gets a numeric suffix, and a
-    replay recipe's name says `replay` (its acceptance is replayed from a profile, engine/replay.py)."""
-    chosen = [("ar", load_recipe("ar")), ("stock", load_recipe("stock"))]
+def recipes_to_measure(specs: list[str], target: str | None, stock: Recipe | None = None) -> list[tuple[str, Recipe]]:
+    """(system name, recipe): ar and stock always (stock: the target's, engine/recipe.stock_recipe, unless given),
+    then each --recipe; a repeated name gets a numeric suffix, and a replay recipe's name says `replay` (its
+    acceptance is replayed from a profile, engine/replay.py)."""
+    chosen = [("ar", load_recipe("ar")), ("stock", stock or load_recipe("stock", target))]
     for spec in specs:
-        if spec in BUILTIN_RECIPES:  # ar and stock are measured anyway
+        if spec in ("ar", "stock"):  # measured anyway
             continue
-        recipe = load_recipe(spec)
+        recipe = load_recipe(spec, target)
         names = {name for name, _ in chosen}
         base = recipe.name
         if recipe.drafter.kind == "replay" and "replay" not in base:
@@ -326,7 +326,7 @@ def run_bench(args, sandbox=None) -> int:
             check(positive_int, flag, value)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     workloads = load_workloads(args.workload, args.limit)
-    recipes = recipes_to_measure(args.recipe or [])
+    recipes = recipes_to_measure(args.recipe or [], args.target)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -377,7 +377,7 @@ def measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out
 
     target = loader.load(args.target, dtype, device)
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args, out, header(args, target.model.device, dtype, list(workloads), batch_sizes))
+    bench = Bench(args, out, header(args, target.model.device, dtype, list(workloads), batch_sizes, recipes))
     systems = build_systems(bench, target, recipes, args.baselines)
     reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
     requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
@@ -577,7 +577,9 @@ class WorkerRun:
         """The worker has loaded the target and built its systems; the first one's header is the run's."""
         if self.bench is None:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.bench = Bench(self.args, self.out, event["header"])
+            # every system's recipe, those the first worker to report left out after a fault included
+            head = {**event["header"], "recipes": {name: dataclasses.asdict(r) for name, r in self.recipes}}
+            self.bench = Bench(self.args, self.out, head)
             # the worker printed its own errors (an HF baseline that cannot be built); later workers repeat them
             self.bench.results["errors"] = self.early_errors + event["errors"]
         if self.requests is None:
@@ -606,7 +608,8 @@ class WorkerRun:
         if self.bench is not None:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        head = header(self.args, torch.device("cpu"), self.dtype, list(self.workloads), self.batch_sizes)
+        head = header(self.args, torch.device("cpu"), self.dtype, list(self.workloads), self.batch_sizes,
+                      self.recipes)
         if self.device != "cpu":
             head.update(device=self.device, device_name=f"unknown (no bench worker reached the {self.device} device)",
                         cuda=torch.version.cuda)
@@ -711,10 +714,13 @@ def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe
     argv += [f"--cell-requests={args.cell_requests}"] if args.cell_requests else []
     argv += [f"--waves={waves(args)}", f"--batching={getattr(args, 'batching', 'continuous')}"]
     argv += ["--ignore-eos"] if args.ignore_eos else []
-    # ar and stock come first and the child adds them itself (recipes_to_measure); the rest go as JSON
+    # ar and stock come first and the child adds them itself (recipes_to_measure), with the target's stock as
+    # resolved here (the child sees the target's directory, not the name a packaged head is known by); the rest go
+    # as JSON
     # isolation as decided here (SPECPILOT_BENCH_ISOLATE is not in the sandbox's environment): on CUDA the child's
     # cells run in a worker process of its own, inside the same sandbox
     payload = {"argv": argv, "recipes": [recipe_for_child(r) for _, r in recipes[2:]],
+               "stock": recipe_for_child(recipes[1][1]),
                "command": list(getattr(args, "argv", None) or sys.argv[1:]), "isolate": isolation_wanted(device)}
     cuda = device.startswith("cuda")
     limits = sandbox.SandboxLimits(wall_s=float(getattr(args, "sandbox_timeout", None) or SANDBOX_TIMEOUT_S),
@@ -743,8 +749,8 @@ def bench_in_sandbox(args, workloads: list[str], recipes: list[tuple[str, Recipe
 
 
 def main() -> int:
-    """The sandboxed child: the payload {"argv", "recipes", "command", "isolate"} on stdin, the results as the last
-    stdout line."""
+    """The sandboxed child: the payload {"argv", "recipes", "stock", "command", "isolate"} on stdin, the results as
+    the last stdout line."""
     payload = json.load(sys.stdin)
     work = Path.cwd()  # the sandbox's temp dir
     try:
@@ -756,7 +762,8 @@ def main() -> int:
         args.argv = payload["command"]
         with contextlib.redirect_stdout(sys.stderr):
             bench = measure(args, parse_batch_sizes(args.batch_sizes), load_workloads(args.workload, args.limit),
-                            recipes_to_measure(args.recipe), args.device, args.dtype, work / "out", report=False,
+                            recipes_to_measure(args.recipe, args.target, parse(payload["stock"])), args.device,
+                            args.dtype, work / "out", report=False,
                             isolate=payload.get("isolate"))
         answer = {"results": bench.results}
     except Exception as e:  # noqa: BLE001 - the parent reports it as one line

@@ -144,7 +144,7 @@ def measure_cells(config: dict, send) -> None:
                  for w, qs in config["workloads"].items()}
     recipes = [(name, parse(data)) for name, data in config["recipes"]]
     target = loader.load(args.target, dtype, device)
-    bench = WorkerBench(args, header(args, target.model.device, dtype, list(workloads), batch_sizes), send)
+    bench = WorkerBench(args, header(args, target.model.device, dtype, list(workloads), batch_sizes, recipes), send)
     systems = build_systems(bench, target, recipes, args.baselines)
     built_here = config["requests"] is None
     if built_here:

@@ -128,7 +128,7 @@ def _inputs(target, recipe, workload, limit, max_new_tokens, device, dtype, patc
         raise GateInputError("--max-new-tokens, --limit and the timeout must be positive")
     loader.parse_dtype(dtype)
     loader.check_device(device)
-    rec = load_recipe(recipe)
+    rec = load_recipe(recipe, target)
     if batch_size is not None:
         if batch_size < 1:
             raise GateInputError(f"--batch-size must be >= 1, got {batch_size}")

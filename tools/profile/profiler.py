@@ -219,7 +219,8 @@ def profile(target: str | LoadedModel, recipe: str | Recipe = "stock", workload:
     tools/sandbox/process (the module), in which a recipe naming candidate kernel files is profiled."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # What was typed (recipe, workload) is read before the model loads: a bad one fails at once.
-    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, target if isinstance(target, str) else None)  # `stock` is the target's
     questions = load_workload(workload, limit or batch_size) if prompts is None else None
     args = (workload, limit, max_new_tokens, batch_size, device, dtype, prompts, repeats, ceilings, profiled_tokens)
     if [impl for impl in recipe.kernels.values() if is_candidate_path(impl)]:

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, lines, out) -> int:
 
     try:
         target = loader.load(args.target, args.dtype, args.device)
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, args.target)
         if args.batch_size is not None:
             recipe.batch.max_batch_size = args.batch_size
     except SpecPilotError as e:
