@@ -5,8 +5,9 @@ subprocess), bf16, 4 questions x 128 new tokens a workload (`--limit 8` for the 
 `armiss` (B = 1: the adaptive min-2 n-gram with ar_after_miss on the fused layer, overlap on: verification with
 dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit weights and the 12-bit linear
 kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
-n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), or a recipe
-JSON file. Per run:
+n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), `stock-head` (smollm2's
+stock: its packaged EAGLE-3 head's chain of 2, modular layer), `eagle3-k2` and `eagle3-tree` (that head's chain of 2
+and a dynamic tree of 8 tokens on the fused layer with overlap), or a recipe JSON file. Per run:
 PASS/FAIL, tokens checked, exact, ties forced. `--identity` adds token identity without forcing (4 prompts x 192
 tokens, 2 code and 2 summarization): fp32 against our modular AR, bf16 against the fused AR.
 
@@ -42,6 +43,16 @@ RECIPES = {
                    "tree": {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
                                                         [1], [1, 0], [1, 0, 0], [1, 0, 0, 0]]},
                    "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4}},
+    # issues #21 / #22: the packaged EAGLE-3 head, a chain of 2 and an EAGLE-2 dynamic tree (depth 3, topk 2, 8
+    # tokens), on the fused layer with overlap
+    # smollm2-135m's stock (engine/recipe.stock_recipe): the head's chain of 2 on the modular layer
+    "stock-head": {"k": 2, "batch": {"max_batch_size": 1},
+                   "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
+    "eagle3-k2": {"k": 2, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
+                  "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
+    "eagle3-tree": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
+                    "verification": "tree", "tree": {"kind": "dynamic", "depth": 3, "topk": 2, "tokens": 8},
+                    "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
 }
 
 
