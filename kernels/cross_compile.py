@@ -132,19 +132,15 @@ def _meta_block(hidden, heads, kv_heads, head_dim, inter, qk_norm, bias):
 
 def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[str, tuple]]:
     """The launches of a fused layer for each shape, (B, T) step and dead-token mask or none, as on the GPU (PDL on,
-    the GPU's program counts), and SmolLM2's again with K in two tiles (FMA_TAIL): [(what, (kernel, args, kwargs))]."""
+    the GPU's program counts): [(what, (kernel, args, kwargs))]."""
     from . import triton_fused_layer as F
 
     out = []
     names = ["_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"]
-    saved, tail_saved = F._pdl, F.FMA_TAIL
-    cases = [(shape, dims, F.FMA_TAIL) for shape, dims in SHAPES.items()]
-    cases.append(("smollm2-135m tail" if not F.FMA_TAIL else "smollm2-135m no tail", SHAPES["smollm2-135m"],
-                  not F.FMA_TAIL))
+    saved = F._pdl
     try:
         F._pdl = lambda device: True
-        for shape, dims, tail in cases:
-            F.FMA_TAIL = tail
+        for shape, dims in SHAPES.items():
             block = _meta_block(*dims)
             hidden, head_dim = dims[0], dims[3]
             for B, T in steps:
@@ -172,7 +168,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                             F.draft_logits(x, x, block.attn_norm, lm_head, 1e-5)))
                     out += [(what + " draft head", call) for call in calls]
     finally:
-        F._pdl, F.FMA_TAIL = saved, tail_saved
+        F._pdl = saved
     return out
 
 

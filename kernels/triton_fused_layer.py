@@ -110,12 +110,6 @@ FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1")
 # 31.1 at four (docs/benchmarks/2026-12-02-fifteenth-lease.md, C). The extra programs' L2 reads cost less than the
 # longer programs.)
 
-# A K that is not a power of two (SmolLM2's 576 and 1,536) read as two power-of-two tiles on the FMA path, 512 + 64
-# and 1,024 + 512 (`tail_tiles`), instead of one tile padded to 1,024 and 2,048 whose masked lanes still hold
-# registers and issue: SPECPILOT_FMA_TAIL=1. Off until the H200 times it (`fused_tokens --tail`): it changes the
-# order of each dot product's sum, so bf16 outputs move in their last bits.
-FMA_TAIL = os.environ.get("SPECPILOT_FMA_TAIL", "0") != "0"
-
 # Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
 # as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
 # tables, positions) before it waits for its predecessor (gdc_wait), so those loads and the launch overlap the
@@ -168,12 +162,11 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NORM: tl.constexpr = True, TAIL_K: tl.constexpr = 0):
+                    NORM: tl.constexpr = True):
     """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
     add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
     one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
-    the head's pre-norm output). TAIL_K > 0 (SINGLE, FMA path): K is a BLOCK_K tile and a TAIL_K tile after it
-    (`tail_tiles`)."""
+    the head's pre-norm output)."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
@@ -202,15 +195,6 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
         if NORM:
             nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if TAIL_K > 0:  # the columns past BLOCK_K, in a tile of their own
-            tail = BLOCK_K + tl.arange(0, TAIL_K)
-            tail_ok = tail < K
-            wt_ok = pair_ok[:, None] & tail_ok[None, :]
-            wa_tail = tl.load(w_ptr + rows_a[:, None] * K + tail[None, :], mask=wt_ok, other=0.0)
-            if TWO:
-                wb_tail = tl.load(w_ptr + rows_b[:, None] * K + tail[None, :], mask=wt_ok, other=0.0)
-            if NORM:
-                nw_tail = tl.load(norm_ptr + tail, mask=tail_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         if TWO:
@@ -237,9 +221,6 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     if SINGLE and not NORM:
         ok = token_ok[:, None] & (cols < K)[None, :]
         h_single = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        if TAIL_K > 0:
-            h_tail = tl.load(x_ptr + tokens[:, None] * K + tail[None, :], mask=token_ok[:, None] & tail_ok[None, :],
-                             other=0.0).to(tl.float32)
     elif SINGLE:
         ok = token_ok[:, None] & (cols < K)[None, :]
         offs = tokens[:, None] * K + cols[None, :]
@@ -247,19 +228,8 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                      + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
         if pid == 0:
             tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
-        sq = tl.sum(r * r, axis=1)
-        if TAIL_K > 0:
-            ok_tail = token_ok[:, None] & tail_ok[None, :]
-            offs_tail = tokens[:, None] * K + tail[None, :]
-            r_tail = _rounded(tl.load(x_ptr + offs_tail, mask=ok_tail, other=0.0).to(tl.float32)
-                              + tl.load(delta_ptr + offs_tail, mask=ok_tail, other=0.0).to(tl.float32), x_ptr)
-            if pid == 0:
-                tl.store(resid_ptr + offs_tail, r_tail.to(resid_ptr.dtype.element_ty), mask=ok_tail)
-            sq += tl.sum(r_tail * r_tail, axis=1)
-        inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / K + eps)
         h_single = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
-        if TAIL_K > 0:
-            h_tail = _rounded(nw_tail[None, :] * _rounded(r_tail * inv_rms[:, None], x_ptr), x_ptr)
     elif NORM:
         sq = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -279,10 +249,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     else:
         ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
         yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-    k_end = K
-    if TAIL_K > 0:
-        k_end = BLOCK_K  # the tail is added below
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         col_ok = k0 + cols < K
         if not SINGLE:
             w_ok = pair_ok[:, None] & col_ok[None, :]
@@ -306,10 +273,6 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
             if TWO:
                 yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
-    if TAIL_K > 0:
-        ya += tl.sum(wa_tail.to(tl.float32) * h_tail, axis=1)[None, :]
-        if TWO:
-            yb += tl.sum(wb_tail.to(tl.float32) * h_tail, axis=1)[None, :]
     if DOT:
         ya = tl.trans(ya_t)
         yb = tl.trans(yb_t)
@@ -509,9 +472,8 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
 def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, TAIL_K: tl.constexpr = 0):
-    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores. TAIL_K > 0
-    (SINGLE, FMA path): K is a BLOCK_K tile and a TAIL_K tile after it (`tail_tiles`)."""
+          BLOCK_K: tl.constexpr):
+    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -521,10 +483,6 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     cols = tl.arange(0, BLOCK_K)
     if SINGLE:  # all of K in one tile: the weights before the wait
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-        if TAIL_K > 0:
-            tail = BLOCK_K + tl.arange(0, TAIL_K)
-            w_tail = tl.load(w_ptr + rows[:, None] * K + tail[None, :], mask=row_ok[:, None] & (tail < K)[None, :],
-                             other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
@@ -536,10 +494,7 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
         y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    k_end = K
-    if TAIL_K > 0:
-        k_end = BLOCK_K  # the tail is added below
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         col_ok = k0 + cols < K
         if not SINGLE:
             w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
@@ -550,10 +505,6 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
             y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
         else:  # one token
             y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    if TAIL_K > 0:
-        x_tail = tl.load(x_ptr + tokens[:, None] * K + tail[None, :], mask=token_ok[:, None] & (tail < K)[None, :],
-                         other=0.0)
-        y += tl.sum(w_tail.to(tl.float32) * x_tail.to(tl.float32), axis=1)[None, :]
     if DOT:
         y = tl.trans(y_t)
     if HAS_BIAS:
@@ -597,37 +548,19 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     tokens a program (more tokens: more token blocks side by side)."""
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
-                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), TAIL_K=0,
-                    num_warps=4)
+                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), num_warps=4)
     tile = FMA_TILES.get(role)
     if tile is not None:
         return dict(DOT=False, BLOCK_M=1, BLOCK_N=tile["rows"],
-                    BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)), TAIL_K=0, num_warps=tile["warps"])
+                    BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)), num_warps=tile["warps"])
     block_k = triton.next_power_of_2(k)
     if block_k > TILE_VALUES:  # K in CHUNK_K tiles, one row a program
-        return dict(DOT=False, BLOCK_M=1, BLOCK_N=1, BLOCK_K=CHUNK_K, TAIL_K=0, num_warps=4)
+        return dict(DOT=False, BLOCK_M=1, BLOCK_N=1, BLOCK_K=CHUNK_K, num_warps=4)
     block_n = max(1, min(16, TILE_VALUES // block_k))
     programs_per_row_block = 1 if FMA_TILES_AS_ONE_TOKEN else n_tokens
     while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
         block_n //= 2
-    first, tail = tail_tiles(k) if FMA_TAIL else (block_k, 0)
-    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=first, TAIL_K=tail, num_warps=4)
-
-
-def tail_tiles(k: int) -> tuple[int, int]:
-    """All of K in two power-of-two tiles (first, tail) with less padding than one, e.g. 576 -> (512, 64),
-    1,536 -> (1,024, 512); (next power of two, 0) where two tiles pad as much (960 -> 512 + 512) or K is a power
-    of two."""
-    first = 1 << (k.bit_length() - 1)
-    if first == k:
-        return k, 0
-    tail = triton.next_power_of_2(k - first)
-    return (first, tail) if first + tail < 2 * first else (2 * first, 0)
-
-
-def single_tile(cfg: dict, k: int) -> bool:
-    """Whether a launch configuration holds all of K at once (its tile and its tail), so weights load before the wait."""
-    return cfg["BLOCK_K"] + cfg["TAIL_K"] >= k
+    return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
 
 
 def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:
@@ -788,8 +721,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         block.bqkv if block.bqkv is not None else block.wqkv, raw,
         cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
-        DOT_PRECISION=precision, SINGLE=single_tile(cfg1, k1), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], TAIL_K=cfg1["TAIL_K"], num_warps=cfg1["num_warps"], NORM=qkv_input is None, **pdl,
+        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= k1, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], NORM=qkv_input is None, **pdl,
         **_token_skip(skip, cfg1))
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
@@ -817,7 +750,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg3 = gemv_blocks(hidden, H * D, M, width, role="o")
     _gemv[grid(cfg3, hidden, M)](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=single_tile(cfg3, H * D), **cfg3, **pdl,
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3, **pdl,
         **_token_skip(skip, cfg3))
 
     # 4. residual + norm + gate/up + SwiGLU
@@ -828,15 +761,15 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
-        SINGLE=single_tile(cfg4, hidden), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        TAIL_K=cfg4["TAIL_K"], num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
+        SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
+        num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
     cfg5 = gemv_blocks(hidden, inter, M, width, role="down")
     _gemv[grid(cfg5, hidden, M)](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=single_tile(cfg5, inter), **cfg5, **pdl, **_token_skip(skip, cfg5))
+        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, **pdl, **_token_skip(skip, cfg5))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 
@@ -871,9 +804,8 @@ def draft_logits(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_he
     _norm_pair_gemv[grid(cfg, n, M)](
         x2, d2, out, norm, lm_head, lm_head, logits, x2, x2, x2, x2, x2, x2, M, hidden, n, eps, 1, 1, 0, 0, 0, 0,
         MODE=PLAIN, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=2, DOT=cfg["DOT"],
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SINGLE=single_tile(cfg, hidden),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_P=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], TAIL_K=cfg["TAIL_K"],
-        num_warps=cfg["num_warps"],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SINGLE=cfg["BLOCK_K"] >= hidden,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_P=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         PDL=on, launch_pdl=on, SKIP_DEAD=False)
     return out.view(x.shape), logits.view(*x.shape[:-1], n)
 
@@ -1019,14 +951,13 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
-              tails=(None,)) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
-    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values`, each FMA_TILES in
-    `fma_tiles` and each FMA_TAIL in `tails` (None: as set). GPU only."""
+    None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
+    `fma_tiles` (None: as set). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     require_gpu_compiled(_gemv)
@@ -1050,25 +981,22 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TAIL
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
         current = attention_setting(batch * T)
-        fma_saved, tile_saved, tiles_saved, tail_saved = FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TAIL
+        fma_saved, tile_saved, tiles_saved = FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
         saved = dict(current)
-        for fma, tile, tiles, tail, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, tails,
-                                                                  attention):
+        for fma, tile, tiles, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
             FMA_TILES = tiles_saved if tiles is None else tiles
-            FMA_TAIL = tail_saved if tail is None else tail
             try:
                 run(fused_layer)()
                 fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
             finally:
                 current.clear()
                 current.update(saved)
-                FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TAIL = fma_saved, tile_saved, tiles_saved, tail_saved
+                FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES = fma_saved, tile_saved, tiles_saved
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
-                            tail=tail_saved if tail is None else tail,
                             fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
     return out

@@ -231,34 +231,6 @@ def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
-def test_tail_tiles_cover_k_with_less_padding():
-    tiles = {k: triton_fused_layer.tail_tiles(k) for k in (576, 1536, 1152, 960, 1024, 48, 96, 4096, 14336)}
-    assert tiles == {576: (512, 64), 1536: (1024, 512), 1152: (1024, 128), 960: (1024, 0), 1024: (1024, 0),
-                     48: (32, 16), 96: (64, 32), 4096: (4096, 0), 14336: (16384, 0)}
-    assert all(first + tail >= k for k, (first, tail) in tiles.items())
-
-
-def test_fused_layer_with_tail_tiles(tiny_model_dir, monkeypatch):
-    """SPECPILOT_FMA_TAIL: widths that are not powers of two (hidden 48 and intermediate 96, as SmolLM2's 576 and
-    1,536) read as two tiles each on the FMA path (32 + 16, 64 + 32), weights loaded before the wait as with one:
-    the layer (steps of one token, five, three rows of two) and a draft head's tail kernel (`draft_logits`) agree
-    with the modular layer and with torch."""
-    monkeypatch.setattr(triton_fused_layer, "FMA_TAIL", True)
-    cfg = triton_fused_layer.gemv_blocks(96, 48, 1, 1, pairs=True)
-    assert (cfg["BLOCK_K"], cfg["TAIL_K"]) == (32, 16) and triton_fused_layer.single_tile(cfg, 48)
-    assert triton_fused_layer.gemv_blocks(48, 96, 1, 1)["TAIL_K"] == 32
-    assert triton_fused_layer.gemv_blocks(48, 96, 8, 1)["TAIL_K"] == 0  # the tensor cores' path: no tail
-    loaded = load(str(tiny_model_dir("llama", hidden_size=48, intermediate_size=96, num_attention_heads=3,
-                                     num_key_value_heads=1, num_hidden_layers=1)), "fp32", "cpu")
-    assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
-    g = torch.Generator().manual_seed(3)
-    x, delta = torch.randn(2, 3, 48, generator=g), torch.randn(2, 3, 48, generator=g)
-    norm, lm_head = torch.rand(48, generator=g) + 0.5, torch.randn(40, 48, generator=g)
-    out, logits = triton_fused_layer.draft_logits(x, delta, norm, lm_head, 1e-5)
-    torch.testing.assert_close(out, x + delta)
-    torch.testing.assert_close(logits, rmsnorm_torch(x + delta, norm, 1e-5) @ lm_head.T, rtol=1e-5, atol=1e-5)
-
-
 def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
     """FMA_TILES sets each GEMV role's tile (rows or pairs a program, the K tile, warps) in place of the TILE_VALUES
     rule, whatever the step's tokens: tiles of K in several chunks and of several rows (the pair kernels' chunked
@@ -267,7 +239,7 @@ def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
              "mlp": {"rows": 4, "block_k": 16, "warps": 4}, "down": {"rows": 1, "block_k": 64, "warps": 4}}
     monkeypatch.setattr(triton_fused_layer, "FMA_TILES", tiles)
     assert [triton_fused_layer.gemv_blocks(64, 64, t, role="o") for t in (1, 5)] == [
-        dict(DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, TAIL_K=0, num_warps=8)] * 2
+        dict(DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=8)] * 2
     assert triton_fused_layer.gemv_blocks(64, 16, 1, role="down")["BLOCK_K"] == 16  # never past K's power of two
     assert triton_fused_layer.gemv_blocks(64, 64, 1)["num_warps"] == 4  # no role: the rule
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")

@@ -26,15 +26,17 @@ With `--tile-values 4096,8192,...`: each row also at those FMA-path tiles (TILE_
 at Llama-3.1-8B's shapes the default tile holds one row of K = 4096 (eighteenth lease, E: level with cuBLAS at 81%
 of the copy bandwidth).
 
-With `--tail`: each row also with K read as two power-of-two tiles on the FMA path (SPECPILOT_FMA_TAIL: SmolLM2's
-576 as 512 + 64, 1,536 as 1,024 + 512, not one tile padded to 1,024 and 2,048), and whether that pays (`tail_pays`)
-goes to WORK/fused_tail.env for a later call of the same machine; with `--fma-tiles '[{...}, ...]'`
-each row also at those FMA_TILES settings (role -> rows, block_k, warps; `{}` is the shipped rule): whether a step of
-a few tokens (verification of a short chain) pays for its programs' padding or their number.
+With `--fma-tiles '[{...}, ...]'`: each row also at those FMA_TILES settings (role -> rows, block_k, warps; `{}` is
+the shipped rule): whether a step of a few tokens (verification of a short chain) pays for its programs' number or
+their size (24th lease: smaller gate/up and down tiles, more programs, took a 3-token step from 17.2 to 18.0-21.3 µs a
+layer; K read as two power-of-two tiles instead of one padded tile, half the registers, took one token from 12.9 to
+19.2 and was removed).
 
 Device minutes: about 2.
 """
 from __future__ import annotations
+
+import json
 
 import harness
 
@@ -50,7 +52,6 @@ def arguments(p) -> None:
     p.add_argument("--tile-values", default=None,
                    help="also time the fused layer with these TILE_VALUES (the FMA path's weight values a program, "
                         "e.g. 4096,8192,16384,32768); the thresholds use the default tile's rows")
-    p.add_argument("--tail", action="store_true", help="also time the FMA path with K in two tiles (FMA_TAIL)")
     p.add_argument("--fma-tiles", default=None,
                    help="a JSON list of FMA_TILES settings to time too, e.g. '[{\"mlp\": {\"rows\": 2, "
                         "\"block_k\": 1024, \"warps\": 4}}]'")
@@ -80,18 +81,6 @@ def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: 
     return {"SPECPILOT_FMA_MAX_TOKENS": fma, "SPECPILOT_FUSED_MAX_TOKENS": fused}
 
 
-def tail_pays(rows: list[dict], fma_max_tokens: int, margin: float = 0.02) -> bool:
-    """Whether K in two tiles (FMA_TAIL) pays on the FMA path the engine runs: at every tested step of up to
-    `fma_max_tokens` tokens no slower than one padded tile, and `margin` faster over them all together."""
-    pairs = [(r, o) for r in rows if r["tail"] and r["tokens"] <= fma_max_tokens and r["fma_max_tokens"] >= r["tokens"]
-             for o in rows if not o["tail"] and (o["tokens"], o["fma_max_tokens"], str(o["fma_tiles"]))
-             == (r["tokens"], r["fma_max_tokens"], str(r["fma_tiles"])) and o["tile_values"] == r["tile_values"]]
-    if not pairs:
-        return False
-    return (all(r["fused_us"] <= o["fused_us"] for r, o in pairs)
-            and sum(r["fused_us"] for r, _ in pairs) <= (1 - margin) * sum(o["fused_us"] for _, o in pairs))
-
-
 def run(out_dir, args):
     from specpilot.engine import loader
     from specpilot.engine.model import Block, compiled
@@ -103,29 +92,20 @@ def run(out_dir, args):
     target = loader.load(args.ctx.target, "bf16", "cuda")
     modular = compiled(Block.forward)
     tiles = tuple(int(t) for t in args.tile_values.split(",")) if args.tile_values else (None,)
-    import json
-
     fma_tiles = (None, *json.loads(args.fma_tiles)) if args.fma_tiles else (None,)
     rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles,
-                                        tails=(False, True) if args.tail else (None,))
+                                        batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
     default_tile = [r for r in rows if r["tile_values"] == triton_fused_layer.TILE_VALUES
-                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["tail"] == triton_fused_layer.FMA_TAIL]
+                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES]
     chosen = thresholds(default_tile) if args.batch == 1 and default_tile else {}
     if chosen:
         (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
-    tail = None
-    if args.tail:  # what a later call of the same machine runs with (`. /tmp/fused_tail.env`)
-        tail = tail_pays(rows, triton_fused_layer.FMA_MAX_TOKENS)
-        (harness.WORK / "fused_tail.env").write_text(f"export SPECPILOT_FMA_TAIL={int(tail)}\n")
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
                                      for k in keys] for r in rows])
     summary = f"\n\n{args.batch} rows a step: no thresholds (B = 1 only)"
     if chosen:
         summary = "\n\nThresholds these rows support: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
-    if tail is not None:
-        summary += f"\n\nK in two tiles (FMA_TAIL) {'pays' if tail else 'does not pay'} on the FMA path"
-    return {"rows": rows, "thresholds": chosen, "tail_pays": tail}, table + summary
+    return {"rows": rows, "thresholds": chosen}, table + summary
