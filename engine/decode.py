@@ -12,8 +12,9 @@ skip them (the fused layer) does; with `drafter.adaptive` each row's draft budge
 nothing at the latest step it has read, since even a dead slot costs something; the drafter still searches in AR
 steps, so verification resumes as soon as it finds drafts again. With more requests than rows, a row whose request
 finishes starts the next waiting one between two steps (continuous batching): waiting prompts are prefilled apart, a
-group at a time, and a request's K/V copied into the row it takes, all enqueued behind the step in flight; once no
-request waits, a batch whose rows run out moves to a smaller bucket. With `batch.controller` each step's kind (how
+group at a time, and a request's K/V copied into the row it takes (a drafter with state of its own sets the row up
+anew: `Drafter.start_rows`), all enqueued behind the step in flight; once no request waits, a batch whose rows run
+out moves to a smaller bucket (the drafter's rows too: `Drafter.move_rows`). With `batch.controller` each step's kind (how
 many drafts it verifies, down to an AR step) is the batch controller's choice (engine/batch_controller.py).
 """
 from __future__ import annotations
@@ -315,6 +316,7 @@ class Prefilled:
     first: torch.Tensor  # [m]
     salts: torch.Tensor  # [m]: the requests' indices in the call (their sampling salts)
     first_host: tuple
+    hidden: torch.Tensor | None = None  # [m, width, n * hidden]: the prompts' states, for a drafter that reads them
 
 
 class EagerStep:
@@ -347,7 +349,7 @@ class Decoder:
         self.adaptive_drafts = adaptive_drafts and k > 0
         # Continuous batching (`generate`): a row may switch requests between steps unless the drafter keeps per-row
         # state of its own that would have to switch with it (a draft model's cache, an EAGLE-3 head's states)
-        self.continuous = drafter is None or drafter.stateless
+        self.continuous = drafter is None or drafter.stateless or drafter.refills
         # ... and with this share of a batch's rows free before waiting requests start in them: each start is host
         # work and a step that waits for it, paid per start, whatever the number of requests started
         self.refill_at = refill_at
@@ -842,8 +844,9 @@ class Decoder:
         """Decode token-id prompts of any lengths, up to `max_batch` rows at once (None: all at once); each row stops
         on its own, and the results come in the prompts' order. With more prompts than rows, a row whose request
         finishes takes the next waiting prompt before the next step (continuous batching): the batch stays full,
-        and no request waits for the slowest of its batch. A drafter with per-row state of its own (a draft model,
-        an EAGLE-3 head) cannot switch a row's request, so its prompts decode in batches of `max_batch`, in order."""
+        and no request waits for the slowest of its batch (a drafter with per-row state of its own sets a started
+        row up anew: an EAGLE-3 head, `Drafter.refills`). One that cannot (a draft model) decodes its prompts in
+        batches of `max_batch`, in order."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if max_batch is not None and max_batch < 1:
@@ -1118,6 +1121,8 @@ class Decoder:
         small.active[n:] = False
         small.seed.copy_(st.seed)
         small.salt[:n] = st.salt[index]
+        if self.drafter is not None:
+            self.drafter.move_rows(index, bucket)
         return small
 
     def _prefill_requests(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -1138,17 +1143,20 @@ class Decoder:
         salts = to_device(torch.tensor(ids), device)
         positions = torch.arange(width, device=device)[None].expand(group, width)
         logits = self._prefill(padded, positions, lengths, scratch=True)
+        hidden = None
+        if self.aux_layers is not None:  # (a copy: the prefill graph's output is rewritten by its next replay)
+            logits, hidden = logits[0], logits[1][:m].clone()
         if sampling.greedy:
             first = logits.argmax(-1)[:m]
         else:
             first = categorical(probabilities(logits[:m], sampling), CounterRng(self._state.seed, salts, lengths))
         if device.type != "cuda":
-            return Prefilled(padded[:m], lengths[:m], first, salts, (first, None))
+            return Prefilled(padded[:m], lengths[:m], first, salts, (first, None), hidden)
         buf = torch.empty(m, dtype=torch.long, pin_memory=True)
         buf.copy_(first, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Prefilled(padded[:m], lengths[:m], first, salts, (buf, done))
+        return Prefilled(padded[:m], lengths[:m], first, salts, (buf, done), hidden)
 
     def _move_in(self, st: DecodeState, rows: list[int], prefilled: "Prefilled", slots: list[int]) -> None:
         """Start prefilled requests (their rows `slots` of the scratch cache) in the finished `rows` of the running
@@ -1166,6 +1174,10 @@ class Decoder:
         st.lengths.index_copy_(0, index, lengths + 1)
         st.salt.index_copy_(0, index, prefilled.salts[src])
         st.budget.index_fill_(0, index, self.k)
+        if self.drafter is not None and self.drafter.refills:  # its own state of those rows, for the new requests
+            positions = torch.arange(width, device=device)[None].expand(len(rows), width)
+            self.drafter.start_rows(index, prefilled.tokens[src], positions, lengths,
+                                    hidden=None if prefilled.hidden is None else prefilled.hidden[src])
 
     def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:
         """Append a step's tokens to a row, cut at the first stop condition; False when the row is finished."""

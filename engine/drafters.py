@@ -47,6 +47,9 @@ class Drafter(ABC):
     # True when the proposals depend on the history alone (no per-row state of the drafter's own): a row of the
     # batch may then take a new request between steps (continuous batching).
     stateless = False
+    # True when the drafter keeps per-row state but can set a row's up for a new request (`start_rows`): continuous
+    # batching then works as for a stateless one.
+    refills = False
 
     def reserve(self, rows: int, max_len: int) -> None:
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
@@ -62,6 +65,18 @@ class Drafter(ABC):
     def propose(self, history: torch.Tensor, lengths: torch.Tensor, k: int, sampling: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         """Up to k tokens per row after `history[b, :lengths[b]]`."""
+
+    def start_rows(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                   hidden: torch.Tensor | None = None) -> None:
+        """With `refills`: rows `rows` ([m] long) of the running batch start new requests, prefilled elsewhere
+        (right-padded prompts `tokens` [m, T] at `positions`, `lengths` [m], and with `needs_hidden_states` the
+        target's states of the prompts `hidden` [m, T, n * hidden]), as `prefill` would have seen them. Enqueued
+        behind the step in flight, whose own update of these rows it overrides."""
+        raise NotImplementedError(f"the {self.name} drafter cannot start a request in a running batch (refills)")
+
+    def move_rows(self, live: torch.Tensor, rows: int) -> None:
+        """The batch moved to a smaller bucket of `rows` rows: the state of rows `live` ([n] long, in order) goes to
+        rows 0..n-1, and the current batch is the first `rows` rows. Nothing to move without per-row state."""
 
     def update(self, accepted: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         """Learn from the number of drafts each row accepted this step ([B] long, on device). Called after every

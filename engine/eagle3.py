@@ -522,6 +522,7 @@ class Eagle3Drafter(Drafter):
     drawn from the head's warped distribution, returned as q over the target vocabulary)."""
 
     name = "eagle3"
+    refills = True  # a row's head cache and pending pair are set up anew for a request started in it (start_rows)
 
     def __init__(self, head: Eagle3Head, k: int):
         if k < 1:
@@ -565,23 +566,54 @@ class Eagle3Drafter(Drafter):
     def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
         if hidden is None or lengths is None:
             raise ValueError("the EAGLE-3 drafter's prefill needs the prompt's hidden states and lengths")
-        B, T = tokens.shape
+        B = tokens.shape[0]
         self.reserve(B, max_len)
         self.cache = rows_of(self._base, B)
         self._pending, self._new = self._pending_base[:B], self._new_base[:B]
-        head, kv = self.head, self.cache.kv[:, 0]
+        self._prompt_pairs(tokens, positions, hidden, lengths, self.cache.kv[:, 0])
+        self._pending.zero_()
+        self._pending[:, :1].copy_(self._last_states(hidden, lengths))
+        self._new.zero_()
+
+    def start_rows(self, rows, tokens, positions, lengths, hidden=None):
+        if hidden is None:
+            raise ValueError("the EAGLE-3 drafter's start_rows needs the prompts' hidden states")
+        # the prompts' pairs into a cache of their own, then into their rows (a row's slots past its prompt hold the
+        # previous request's entries, which the first propose and its draft steps overwrite before any is read)
+        m, T = tokens.shape
+        scratch = self.head.new_cache(m, T)
+        self._prompt_pairs(tokens, positions, hidden, lengths, scratch.kv[:, 0])
+        self.cache.kv[:, :, rows, :, :T] = scratch.kv[:, :, :, :, :T]
+        pending = torch.zeros(m, *self._pending.shape[1:], dtype=self._pending.dtype, device=self._pending.device)
+        pending[:, :1].copy_(self._last_states(hidden, lengths))
+        self._pending.index_copy_(0, rows, pending)
+        self._new.index_fill_(0, rows, 0)
+
+    def move_rows(self, live, rows):
+        n = live.shape[0]
+        kv = self._base.kv
+        kv[:, :, :n] = kv[:, :, live]  # (the gather copies before the write)
+        self._pending_base[:n] = self._pending_base[live]
+        self._new_base[:n] = self._new_base[live]
+        self.cache = rows_of(self._base, rows)
+        self._pending, self._new = self._pending_base[:rows], self._new_base[:rows]
+
+    def _prompt_pairs(self, tokens, positions, hidden, lengths, kv) -> None:
+        """The head's cache entries of right-padded prompts [B, T]: pairs (state of token t, token t + 1) for t up to
+        each prompt's second-to-last token; those past it (padding) are zeroed and land in slots that the first
+        propose and its draft steps overwrite."""
+        T = tokens.shape[1]
         if T > 1:
-            # pairs (state of token t, token t + 1) for t up to each prompt's second-to-last token; those past it
-            # (padding) are zeroed and land in slots that the first propose and its draft steps overwrite
             inside = (torch.arange(T - 1, device=tokens.device)[None] < (lengths - 1)[:, None])[..., None]
             states = torch.where(inside, hidden[:, :-1], 0)
-            midlayer(head, tokens[:, 1:], fuse(head, states, self.ops), positions[:, :-1], kv,
+            midlayer(self.head, tokens[:, 1:], fuse(self.head, states, self.ops), positions[:, :-1], kv,
                      self.ops._replace(attention=attention_sdpa))
-        # the new pair: (state of the last prompt token, the first generated token), at the next propose
-        self._pending.zero_()
-        last = hidden.gather(1, (lengths - 1)[:, None, None].expand(B, 1, hidden.shape[-1]))
-        self._pending[:, :1].copy_(last)
-        self._new.zero_()
+
+    @staticmethod
+    def _last_states(hidden, lengths) -> torch.Tensor:
+        """Each prompt's last token's states [B, 1, n * hidden]: the first pair, with the first generated token,
+        which the next propose runs."""
+        return hidden.gather(1, (lengths - 1)[:, None, None].expand(hidden.shape[0], 1, hidden.shape[-1]))
 
     def _fused(self, n_tokens: int, device) -> bool:
         """Whether a chain step of `n_tokens` pairs runs on the fused layer's kernels."""

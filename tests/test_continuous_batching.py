@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
+from eagle3_head import write_head
 from specpilot.engine.decode import Decoder, StopCondition
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import parse
@@ -37,10 +38,22 @@ RECIPES = {
                     "batch": {"controller": "cost", "refill_at": 0.5}},
     "tree": {"drafter": {"kind": "ngram"}, "k": 2, "verification": "tree",
              "tree": {"kind": "static", "paths": [[0], [0, 0], [1], [1, 0]]}},
+    # a drafter with per-row state that sets a started row up anew (Drafter.refills): an EAGLE-3 head (random, of
+    # the family's shape: `head`), whose cache rows and pending pair follow each row's request
+    "eagle3": {"drafter": {"kind": "eagle3", "model": "HEAD"}, "k": 3, "overlap": True},
+    "eagle3-controller": {"drafter": {"kind": "eagle3", "model": "HEAD"}, "k": 3, "batch": {"controller": "cost"}},
 }
 
 
-def engine(tiny, spec: dict, rows: int) -> Engine:
+@pytest.fixture(scope="module")
+def head(tiny, tmp_path_factory):
+    """A random EAGLE-3 head for the family (engine() puts its path where a recipe says HEAD)."""
+    return write_head(tmp_path_factory.mktemp(f"head-{tiny.family}"), tiny.hf.config, seed=3)
+
+
+def engine(tiny, spec: dict, rows: int, head=None) -> Engine:
+    if spec.get("drafter", {}).get("model") == "HEAD":
+        spec = {**spec, "drafter": {**spec["drafter"], "model": str(head)}}
     return Engine(tiny.loaded, parse({"cuda_graphs": False, **spec, "batch": {"max_batch_size": rows,
                                                                                 **spec.get("batch", {})}}))
 
@@ -60,9 +73,9 @@ def alone(tiny):
 
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("rows", (1, 3))
-def test_each_request_decodes_as_alone(tiny, alone, name, rows):
+def test_each_request_decodes_as_alone(tiny, alone, head, name, rows):
     eos, want = alone
-    eng = engine(tiny, RECIPES[name], rows)
+    eng = engine(tiny, RECIPES[name], rows, head)
     got = eng.decoder.generate(prompts(), StopCondition(N_NEW, eos), max_batch=rows)
     assert [r.tokens for r in got] == want
     assert len({len(t) for t in want}) > 2 and min(len(t) for t in want) == 1  # ends at different steps
@@ -82,7 +95,8 @@ def test_engine_generate_batches_continuously_up_to_max_batch_size(tiny):
 
 
 def test_drafter_with_per_row_state_decodes_in_batches(tiny, alone, tiny_draft):
-    """A layer-skip draft keeps a KV cache per row: its requests decode in batches of max_batch, in order."""
+    """A layer-skip draft keeps a KV cache per row and cannot set a row up anew (no `refills`): its requests decode
+    in batches of max_batch, in order."""
     eos, want = alone
     eng = Engine(tiny.loaded, parse({"cuda_graphs": False, "drafter": {"kind": "layerskip", "layers": 1}, "k": 3}))
     assert not eng.decoder.continuous
@@ -111,11 +125,12 @@ def test_bad_max_batch_is_refused(tiny):
 
 
 @pytest.mark.parametrize("name", [n for n in RECIPES if n != "ar"] + ["ar"])
-def test_a_draining_batch_moves_to_smaller_ready_buckets_and_keeps_every_token(tiny, alone, name):
+def test_a_draining_batch_moves_to_smaller_ready_buckets_and_keeps_every_token(tiny, alone, head, name):
     """Once no request waits, a batch whose live rows fit a smaller bucket that has run before (its steps ready)
-    moves there, rows and K/V compacted, and every request still decodes what it decodes alone."""
+    moves there, rows and K/V compacted (an EAGLE-3 head's rows too), and every request still decodes what it
+    decodes alone."""
     eos, want = alone
-    eng = engine(tiny, RECIPES[name], 4)
+    eng = engine(tiny, RECIPES[name], 4, head)
     eng.warmup([1, 2, 4], max(len(p) for p in prompts()), N_NEW)  # the smaller buckets' steps (and prices)
     got = eng.decoder.generate(prompts(), StopCondition(N_NEW, eos), max_batch=4)
     assert [r.tokens for r in got] == want

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import _COMMON, TINY_FAMILIES, build_tiny_hf
 from eagle3_head import default_aux_ids, head_config, save_head, write_head
+from specpilot.engine.decode import StopCondition
 from specpilot.engine.eagle3 import Eagle3Head, draft_logits, fuse, fused_step, midlayer, pair_inputs
 from specpilot.engine.engine import Engine
 from specpilot.engine.errors import SpecPilotError
@@ -252,6 +253,42 @@ def test_eagle3_proposals_are_the_reference_heads(tiny, tiny_reference, head_dir
     assert checked >= 3 * 4
 
 
+def test_eagle3_continuous_batching_proposals_are_the_reference_heads(tiny, head_dir):
+    """Six requests two rows at a time: each request after the first two starts in a row another finished, its
+    head cache rows and pending pair set up anew (`start_rows`), and the last ones move to a smaller bucket with
+    their head rows (`move_rows`). Every request decodes AR's tokens, and every draft of every step is the
+    reference head's on HF's states of the row's own context."""
+    prompts = tiny_prompts() + [p[::-1] for p in tiny_prompts()]
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3, batch={"max_batch_size": 2}))
+    assert eng.decoder.continuous
+    eng.warmup([1, 2], max(len(p) for p in prompts), 12)  # the smaller bucket's steps: a drained batch moves there
+    calls = record_proposals(eng)
+    stop = StopCondition(12, (tiny_prompts()[1][0],))  # (requests end at different steps)
+    rows = eng.decoder.generate(prompts, stop, max_batch=2)
+    want = [Engine(tiny.loaded, parse({"cuda_graphs": False})).decoder.generate([p], stop)[0].tokens for p in prompts]
+    assert [r.tokens for r in rows] == want
+    stats = eng.decoder.last_stats
+    assert stats.refills == len(prompts) - 2
+    if tiny.family == "llama":  # the reference check once (it replays HF per row and step)
+        assert stats.shrinks >= 1  # (in this family the last two requests end at different steps)
+        assert check_proposals(calls, tiny.hf, head_dir, tiny.loaded.model.embed.detach(),
+                               eng.decoder.drafter.needs_hidden_states) > 20
+
+
+def test_a_row_moved_to_a_smaller_bucket_keeps_its_proposals(tiny, head_dir):
+    """`move_rows` (a draining batch moving to a smaller bucket): row 1's head cache rows and pending pair move to
+    row 0, and the row's next proposals are what they would have been where it was."""
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3))
+    eng.generate(tiny_prompts()[:2], 6, ignore_eos=True)
+    st, drafter = eng.decoder._state, eng.decoder.drafter
+    with torch.inference_mode():
+        there = drafter.propose(st.history, st.lengths, 3, SamplingParams(), None).tokens[1]
+        drafter.move_rows(torch.tensor([1]), 1)
+        here = drafter.propose(st.history[1:], st.lengths[1:], 3, SamplingParams(), None).tokens[0]
+    assert here.tolist() == there.tolist()
+    assert drafter._pending.shape[0] == 1 and drafter.cache.kv.shape[2] == 1  # the current batch: one row
+
+
 def test_eagle3_ragged_steps_and_measured_prices(tiny, tiny_reference, head_dir):
     """With the batch controller and ragged verification (each kind of step in turn, AR steps among them; the
     hidden states of packed tokens go back to their rows), AR's tokens; and the steps the controller times for its
@@ -378,19 +415,25 @@ def test_a_head_built_to_know_the_target_is_always_accepted(bigram_target, tmp_p
         assert r.accepted[:-1] == [k] * (len(r.accepted) - 1), r.accepted
 
 
-@pytest.mark.parametrize("variant", ["padded", "ragged", "junk-past-accepted", "fused"])
+@pytest.mark.parametrize("variant", ["padded", "ragged", "junk-past-accepted", "fused", "continuous"])
 def test_proposals_after_partial_acceptance_are_the_reference_heads(bigram_target, tmp_path, variant):
     """The random heads above are never right, so each of their steps adds one new pair; this head (noisy
     head_that_knows) is right some of the time: steps accept 0, some or all of k drafts, and every proposal after
     any of them is still the reference head's on HF's states. Padded; ragged with every kind of step in turn (AR
     steps among them) and the controller's prices measured in the middle of the batch; with NaN in the hidden
-    states of the slots past each row's accepted drafts (what a layer that skips dead tokens may leave there); and
-    on the fused layer (Triton's interpreter), which does skip them."""
+    states of the slots past each row's accepted drafts (what a layer that skips dead tokens may leave there); on
+    the fused layer (Triton's interpreter), which does skip them; and continuously batched, six requests two rows at
+    a time, each started in a row another finished (`start_rows`), the last ones moved to a smaller bucket
+    (`move_rows`)."""
     hf, loaded = bigram_target
     head = head_that_knows(hf, tmp_path / "head", noise=0.05)
     k = 4
-    extra = {"ragged": {"batch": {"controller": "cost", "ragged": True}}, "fused": {"layer": "fused"}}.get(variant, {})
+    extra = {"ragged": {"batch": {"controller": "cost", "ragged": True}}, "fused": {"layer": "fused"},
+             "continuous": {"batch": {"max_batch_size": 2}}}.get(variant, {})
     eng = Engine(loaded, eagle3_recipe(head, k, **extra))
+    prompts = tiny_prompts() + [p[::-1] for p in tiny_prompts()] if variant == "continuous" else tiny_prompts()
+    if variant == "continuous":  # the smaller bucket's steps, so that a draining batch can move there
+        eng.warmup([1, 2], max(len(p) for p in prompts), TINY_NEW)
     if variant == "ragged":
         kinds = iter([4, 1, 0, 2, 3] * 1000)
         eng.decoder.controller.choose = lambda prices: next(kinds)
@@ -414,9 +457,12 @@ def test_proposals_after_partial_acceptance_are_the_reference_heads(bigram_targe
         drafter.draft_layer = counted
     calls = record_proposals(eng)
     n = 12 if variant == "fused" else TINY_NEW
-    rows = eng.generate(tiny_prompts(), n, ignore_eos=True)
+    rows = eng.generate(prompts, n, ignore_eos=True)
     assert (variant != "fused") or (ran and all(ran)), ran
-    want = Engine(loaded, parse({})).generate(tiny_prompts(), n, ignore_eos=True)
+    if variant == "continuous":
+        stats = eng.decoder.last_stats
+        assert stats.refills == len(prompts) - 2 and stats.shrinks >= 1, (stats.refills, stats.shrinks)
+    want = Engine(loaded, parse({})).generate(prompts, n, ignore_eos=True)
     assert [r.tokens for r in rows] == [r.tokens for r in want]
     accepted = {a for r in rows for a in r.accepted}
     assert 0 in accepted and accepted & {2, 3}, accepted

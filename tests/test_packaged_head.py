@@ -43,3 +43,6 @@ def test_the_packaged_head_loads_by_alias_and_its_chain_decodes_ar_tokens(smollm
                                                                   "tokens": 8}}))
     assert [r.tokens for r in tree.generate(prompts, 24)] == ar
     assert tree.decoder.last_stats.steps < 2 * 23
+    # continuously batched: three requests, one row at a time, each started in the row the last one finished
+    rows = chain.generate(prompts + prompts[:1], 24, max_batch=1)
+    assert [r.tokens for r in rows] == ar + ar[:1] and chain.decoder.last_stats.refills == 2

@@ -7,7 +7,8 @@ dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit w
 kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
 n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), `stock-head` (smollm2's
 stock: its packaged EAGLE-3 head's chain of 2, modular layer), `eagle3-k2` and `eagle3-tree` (that head's chain of 2
-and a dynamic tree of 8 tokens on the fused layer with overlap), or a recipe JSON file. Per run:
+and a dynamic tree of 8 tokens on the fused layer with overlap), `eagle3-k2-b4` (the chain at B = 4, continuously
+batched with `--limit 8`), or a recipe JSON file. Per run:
 PASS/FAIL, tokens checked, exact, ties forced. `--identity` adds token identity without forcing (4 prompts x 192
 tokens, 2 code and 2 summarization): fp32 against our modular AR, bf16 against the fused AR.
 
@@ -50,6 +51,10 @@ RECIPES = {
                    "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
     "eagle3-k2": {"k": 2, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
                   "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
+    # ... at B = 4 with more questions than rows (`--limit 8`): requests started in rows others finished, the head's
+    # rows set up anew for each (continuous batching, Drafter.start_rows)
+    "eagle3-k2-b4": {"k": 2, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 4},
+                     "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
     "eagle3-tree": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
                     "verification": "tree", "tree": {"kind": "dynamic", "depth": 3, "topk": 2, "tokens": 8},
                     "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
