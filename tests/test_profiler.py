@@ -106,6 +106,23 @@ def test_profile_smollm2_stock(smollm2, ceilings):
     assert p.prediction["deployment"]["model"]["params"] == 134_515_008
 
 
+def test_profile_an_eagle3_chain(tiny_llama, tiny_model_dir, ceilings, tmp_path):
+    """A recipe that drafts with an EAGLE-3 head (smollm2-135m's `stock`) is profiled and priced as one: its head as
+    the cost model's drafter, its draft phase's kernels spread over its k forwards."""
+    from transformers import AutoConfig
+
+    from eagle3_head import write_head
+    from specpilot.engine.recipe import parse
+
+    head = write_head(tmp_path / "head", AutoConfig.from_pretrained(str(tiny_model_dir("llama"))), seed=3)
+    recipe = parse({"drafter": {"kind": "eagle3", "model": str(head)}, "k": 3})
+    p = profile(tiny_llama, recipe, prompts=motif_prompts()[:1], max_new_tokens=48, ceilings=ceilings, repeats=3)
+    check_profile(p, k=3, batch=1)
+    dep = p.prediction["deployment"]
+    assert dep["drafter_kind"] == "eagle3" and dep["drafter_model"]["hidden"] == 64
+    assert dep["kernels_per_draft_forward"] == max(1, round(p.phases["kernels"]["draft"] / 3) - 1)
+
+
 def test_phase_timer_leaves_decoding_unchanged(tiny_llama):
     eng = Engine(tiny_llama, load_recipe("stock"))
     stop = StopCondition(24)

@@ -108,16 +108,18 @@ def _acceptance(rows_by_batch: list[list], k: int) -> dict:
 def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int, kernels: dict) -> Deployment:
     model, dec = target.model, engine.decoder
     draft_kernels = kernels.get("draft")
-    if recipe.drafter.kind in ("layerskip", "model") and draft_kernels:
-        draft_kernels = max(1, round(draft_kernels / recipe.k) - 1)  # per draft forward, less its argmax
+    if recipe.drafter.kind in ("layerskip", "model", "eagle3") and draft_kernels:
+        # per draft forward (k of them a step: a chain's drafts, a tree's levels), less its argmax or top-k
+        draft_kernels = max(1, round(draft_kernels / recipe.k) - 1)
     drafter_model = None
-    kind = recipe.drafter.kind
+    kind, head_drafter = recipe.drafter.kind, dec.drafter
     if kind == "replay":  # priced as what it runs: its cost head's drafting, or (none) a search over the history
-        kind = "eagle3" if dec.drafter.cost is not None else "ngram"
+        head_drafter = dec.drafter.cost
+        kind = "eagle3" if head_drafter is not None else "ngram"
     if kind == "model":
         drafter_model = ModelShape.from_config(dec.drafter.model.cfg)
     elif kind == "eagle3":
-        drafter_model = eagle3_shape((dec.drafter.cost or dec.drafter).head.cfg)
+        drafter_model = eagle3_shape(head_drafter.head.cfg)
     elem = model.embed.element_size()
     book = (kernels.get("bookkeeping") or 0) + (kernels.get("launch") or 0)
     attention = "sdpa" if recipe.kernels.get("attention") == "builtin:sdpa" else "math"
