@@ -1174,7 +1174,7 @@ class Decoder:
         st.lengths.index_copy_(0, index, lengths + 1)
         st.salt.index_copy_(0, index, prefilled.salts[src])
         st.budget.index_fill_(0, index, self.k)
-        if self.drafter is not None and self.drafter.refills:  # its own state of those rows, for the new requests
+        if self.drafter is not None:  # its own state of those rows (if any), for the new requests
             positions = torch.arange(width, device=device)[None].expand(len(rows), width)
             self.drafter.start_rows(index, prefilled.tokens[src], positions, lengths,
                                     hidden=None if prefilled.hidden is None else prefilled.hidden[src])

@@ -68,11 +68,11 @@ class Drafter(ABC):
 
     def start_rows(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
                    hidden: torch.Tensor | None = None) -> None:
-        """With `refills`: rows `rows` ([m] long) of the running batch start new requests, prefilled elsewhere
-        (right-padded prompts `tokens` [m, T] at `positions`, `lengths` [m], and with `needs_hidden_states` the
-        target's states of the prompts `hidden` [m, T, n * hidden]), as `prefill` would have seen them. Enqueued
-        behind the step in flight, whose own update of these rows it overrides."""
-        raise NotImplementedError(f"the {self.name} drafter cannot start a request in a running batch (refills)")
+        """Rows `rows` ([m] long) of the running batch start new requests, prefilled elsewhere (right-padded prompts
+        `tokens` [m, T] at `positions`, `lengths` [m], and with `needs_hidden_states` the target's states of the
+        prompts `hidden` [m, T, n * hidden]), as `prefill` would have seen them. Enqueued behind the step in flight,
+        whose own update of these rows it overrides. Nothing to set up without per-row state; a drafter with some
+        sets its rows up here and says so with `refills` (one that cannot never runs continuously batched)."""
 
     def move_rows(self, live: torch.Tensor, rows: int) -> None:
         """The batch moved to a smaller bucket of `rows` rows: the state of rows `live` ([n] long, in order) goes to
