@@ -21,6 +21,12 @@ a step, and the kernels whose time differs most from the first system's AR step;
 launch, the same kind each time against the kinds in turn (`ar-attention-triton-overlap` is
 AR with the Triton attention, which reads only the cache blocks a row has written).
 
+Any of the bench's systems runs too (`stock` is the target's), and NAME+compiled-prefill is NAME with its prefill's
+layers compiled. `--eos` ends requests at the target's end of turn, as the bench does. `--probe-refills N` adds a
+third call whose first N refills are timed phase by phase with the device drained around each (prefilling the
+started requests, moving them in, the drafter's own `start_rows`), their kernels traced: where a refill's time goes
+(the twenty-fourth lease's `stock` at B = 8 spent 27 ms a refill beyond a step, the overlapped chains 1 ms).
+
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (why the controller's replayed prices fell short at
 large batches): the eleventh lease's D, docs/benchmarks/2026-12-01-eleventh-lease.md; with `--kernels`, the
 nineteenth lease's A and B (the controller's AR step is AR's), docs/benchmarks/2026-12-02-nineteenth-lease.md.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
 
 MINUTES = 3
 CUDA_ONLY = True
@@ -41,6 +48,9 @@ PHASES = ("_read", "_launch", "_prefill_requests", "_move_in", "_shrink")
 SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
           "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
           "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
+# A system's name with this suffix: the same system with its prefill's layers compiled (`Decoder.prefill_layer_fn`,
+# off by default until timed: a refill's eager prefill of 16 chat prompts took 11-13 ms on the H200)
+COMPILED_PREFILL = "+compiled-prefill"
 SYSTEMS = {
     "ar-fused-overlap": {"layer": "fused", "overlap": True},
     "ngram-k4-fused-overlap": {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4}, "k": 4,
@@ -61,6 +71,11 @@ def arguments(p) -> None:
     p.add_argument("--kernels", action="store_true",
                    help="also profile each kind of step's graph at the end, kernel by kernel (CUDA)")
     p.add_argument("--workload", default="", help="the staged target on this workload's prompts (default: random)")
+    p.add_argument("--eos", action="store_true", help="requests end at the target's end of turn (as the bench's do), "
+                                                      "not after exactly --max-new-tokens")
+    p.add_argument("--probe-refills", type=int, default=0,
+                   help="then a third call whose first N refills are timed alone (device drained before and after "
+                        "each phase) and their kernels traced: where a started request's time goes")
 
 
 def random_target(layers: int, device: str, scratch):
@@ -83,6 +98,70 @@ def timed(counter: dict, name: str, fn):
         finally:
             counter[name] = counter.get(name, 0.0) + time.perf_counter() - t0
     return wrapper
+
+
+def system_recipe(name: str, target: str | None, device: str):
+    """A system of this experiment's own (SYSTEMS), else any of the bench's (tools/bench/engine_bench.SYSTEMS: a
+    built-in name such as `stock`, the target's, or a recipe's fields)."""
+    from specpilot.engine.recipe import load_recipe, parse
+    from specpilot.tools.bench.engine_bench import SYSTEMS as BENCH
+
+    eager = {"cuda_graphs": False} if device == "cpu" else {}
+    spec = SYSTEMS.get(name, BENCH.get(name, name))
+    if isinstance(spec, str):  # (a built-in or a recipe file)
+        return parse({**asdict(load_recipe(spec, target)), **eager})
+    return parse({**spec, **eager})
+
+
+def probe_refills(dec, eng, prompts, new: int, eos: bool, rows: int, n: int) -> dict:
+    """A call whose first `n` refills are timed phase by phase, each phase alone: the device drained before and after
+    `_prefill_requests`, `_move_in` and the drafter's `start_rows` (inside `_move_in`), so each figure is its host
+    and device time together; and the CUDA kernels of each probed phase under torch.profiler (device µs by
+    kernel). The call's own figures are not measurements (every probe drains the device)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    probed: dict[str, list] = {}
+    kernels: dict[str, dict] = {}
+
+    def probe(owner, method: str):
+        fn = getattr(owner, method)
+
+        def wrapper(*a, **kw):
+            calls = probed.setdefault(method, [])
+            if len(calls) >= n:
+                return fn(*a, **kw)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                out = fn(*a, **kw)
+                torch.cuda.synchronize()
+                calls.append((time.perf_counter() - t0) * 1e3)
+            by = kernels.setdefault(method, {})
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    entry = by.setdefault(e.name, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += e.device_time
+            return out
+        setattr(owner, method, wrapper)
+
+    probe(dec, "_prefill_requests")
+    probe(dec, "_move_in")
+    if dec.drafter is not None:
+        probe(dec.drafter, "start_rows")
+    try:
+        eng.generate(prompts, new, ignore_eos=not eos, max_batch=rows)
+    finally:
+        for owner in (dec, dec.drafter):
+            if owner is not None:
+                for method in ("_prefill_requests", "_move_in", "start_rows"):
+                    owner.__dict__.pop(method, None)
+    top = {m: sorted(({"kernel": k, "count": c, "us": us} for k, (c, us) in by.items()), key=lambda e: -e["us"])[:8]
+           for m, by in kernels.items()}
+    return {"ms": probed, "kernels": top,
+            "device_us": {m: sum(us for _, us in by.values()) for m, by in kernels.items()},
+            "kernel_count": {m: sum(c for c, _ in by.values()) for m, by in kernels.items()}}
 
 
 def step_kernels(dec, kind: int, replays: int = 5) -> dict:
@@ -236,24 +315,33 @@ def run(out_dir, args):
                                  generator=g).tolist() for _ in range(requests)]
     found, lines = {}, []
     for name in args.systems.split(","):
-        spec = SYSTEMS[name]
-        eng = Engine(target, parse({**spec, **({"cuda_graphs": False} if device == "cpu" else {})}))
+        system, compiled_prefill = name.removesuffix(COMPILED_PREFILL), name.endswith(COMPILED_PREFILL)
+        eng = Engine(target, system_recipe(system, ctx.target if args.workload else None, device))
         dec = eng.decoder
+        if compiled_prefill:  # (what SPECPILOT_COMPILED_PREFILL=1 sets for every decoder of a process)
+            from specpilot.engine.decode import Block
+            from specpilot.engine.model import compiled_dynamic
+
+            dec.prefill_layer_fn = compiled_dynamic(Block.forward)
         t_warm = time.perf_counter()
         print(f"loop_overhead: {name}: warming up", file=sys.stderr, flush=True)  # (minutes on a real workload)
         eng.warmup([rows], max(map(len, prompts)), new)
         print(f"loop_overhead: {name}: warm in {time.perf_counter() - t_warm:.0f} s", file=sys.stderr, flush=True)
-        eng.generate(prompts, new, ignore_eos=True, max_batch=rows)  # the first real call: caches, allocator
+        eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)  # the first real call: caches, allocator
         phases = {}
         for method in PHASES:
             setattr(dec, method, timed(phases, method, getattr(dec, method)))
+        if dec.drafter is not None:  # (inside _move_in: its share of it)
+            dec.drafter.start_rows = timed(phases, "start_rows", dec.drafter.start_rows)
         torch.cuda.synchronize() if device == "cuda" else None
         t0 = time.perf_counter()
-        out = eng.generate(prompts, new, ignore_eos=True, max_batch=rows)
+        out = eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)
         torch.cuda.synchronize() if device == "cuda" else None
         wall = time.perf_counter() - t0
-        for method in phases:
+        for method in PHASES:
             delattr(dec, method)
+        if dec.drafter is not None:
+            del dec.drafter.start_rows
         stats = dec.last_stats
         kinds = sorted(set(stats.draft_lengths))
         # Replays and kernels on the call's own bucket, the state its rows left there (a batch that drained into
@@ -263,13 +351,15 @@ def run(out_dir, args):
         warm = {k: v * 1e3 for k, v in dec.prices.get(st.batch, {}).items()}
         loop = {k: v * 1e3 for k, v in dec.step_seconds.get(st.batch, {}).items()}
         tokens = sum(len(r.tokens) for r in out)
-        rest = wall - sum(phases.values())
+        rest = wall - sum(phases.get(m, 0.0) for m in PHASES)  # (start_rows runs inside _move_in)
         budget = time_budget(stats.step_log)
         found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
                        "live_rows_per_step": stats.row_steps / max(1, stats.steps), "shrinks": stats.shrinks,
                        "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
                        "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
                        "time_budget": budget}
+        if args.probe_refills and device == "cuda":
+            found[name]["refill_probe"] = probe_refills(dec, eng, prompts, new, args.eos, rows, args.probe_refills)
         if args.kernels and device == "cuda":
             found[name]["kernels"] = {k: step_kernels(dec, k) for k in dec._step_kinds()}
             found[name]["launch_us"] = launch_costs(dec, [k for k in dec._step_kinds() if k in (-1, 0, 3, 4)])
@@ -279,13 +369,35 @@ def run(out_dir, args):
                      + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
                      + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
                      + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in PHASES)
-                     + f" / {rest * 1e3:.0f} | {stats.refills} | {budget['refill_steps']} | "
+                     + f" / {rest * 1e3:.0f} | {phases.get('start_rows', 0) * 1e3:.0f} | {stats.refill_prefills}, "
+                     f"{stats.refill_prefill_s * 1e3:.0f} | {stats.refills} | {budget['refill_steps']} | "
                      f"{budget['refill_extra_s'] * 1e3:.0f} | {budget['drain_steps']} | {budget['drain_s'] * 1e3:.0f} |")
         print(f"loop_overhead: {name}: {tokens / wall:,.0f} tok/s", file=sys.stderr, flush=True)
         del eng, dec
         torch.cuda.empty_cache() if device == "cuda" else None
     head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
             "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
-            "| requests started | steps behind a refill | their ms beyond a typical step | drain steps | drain ms |\n"
-            "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|")
-    return found, head + "\n" + "\n".join(lines) + "\n\n" + kernel_table(found)
+            "| of which the drafter's start_rows ms | refill prefills, their device ms | requests started | steps behind a "
+            "refill | their ms beyond a typical step | drain steps | drain ms |\n"
+            "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    return found, head + "\n" + "\n".join(lines) + "\n\n" + probe_table(found) + kernel_table(found)
+
+
+def probe_table(found: dict) -> str:
+    """The probed refills: each phase's ms (host and device, the device drained around it), its kernels' device µs,
+    and its costliest kernels."""
+    rows = []
+    for name, r in found.items():
+        p = r.get("refill_probe")
+        if not p:
+            continue
+        rows.append(f"{name}, refills probed alone (ms each: host and device; kernels and their device µs a call):\n")
+        for method, ms in p["ms"].items():
+            calls = max(1, len(ms))
+            rows.append(f"- {method}: " + ", ".join(f"{v:.2f}" for v in ms)
+                        + f" ms; {p['kernel_count'].get(method, 0) / calls:.0f} kernels, "
+                        f"{p['device_us'].get(method, 0.0) / calls:,.0f} µs a call; costliest: "
+                        + ", ".join(f"{e['kernel'][:60]} {e['us'] / calls:,.0f} µs x{e['count'] / calls:.0f}"
+                                    for e in p["kernels"].get(method, [])[:4]))
+        rows.append("")
+    return "\n".join(rows) + "\n" if rows else ""
