@@ -123,6 +123,7 @@ def probe_refills(dec, eng, prompts, new: int, eos: bool, rows: int, n: int) -> 
 
     probed: dict[str, list] = {}
     kernels: dict[str, dict] = {}
+    depth: list[str] = []  # the probed phase being traced (one trace at a time: start_rows runs inside _move_in)
 
     def probe(owner, method: str):
         fn = getattr(owner, method)
@@ -132,11 +133,21 @@ def probe_refills(dec, eng, prompts, new: int, eos: bool, rows: int, n: int) -> 
             if len(calls) >= n:
                 return fn(*a, **kw)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if depth:  # (inside another probed phase, which traces it: timed only)
                 t0 = time.perf_counter()
                 out = fn(*a, **kw)
                 torch.cuda.synchronize()
                 calls.append((time.perf_counter() - t0) * 1e3)
+                return out
+            depth.append(method)
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    t0 = time.perf_counter()
+                    out = fn(*a, **kw)
+                    torch.cuda.synchronize()
+                    calls.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                depth.pop()
             by = kernels.setdefault(method, {})
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
