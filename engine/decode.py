@@ -316,7 +316,6 @@ class Prefilled:
     first: torch.Tensor  # [m]
     salts: torch.Tensor  # [m]: the requests' indices in the call (their sampling salts)
     first_host: tuple
-    hidden: torch.Tensor | None = None  # [m, width, n * hidden]: the prompts' states, for a drafter that reads them
 
 
 class EagerStep:
@@ -712,12 +711,17 @@ class Decoder:
             self._step(st, sampling, drafts_k)
         return graph
 
-    def _prefill_forward(self, tokens, positions, lengths, cache):
-        """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's."""
+    def _prefill_forward(self, tokens, positions, lengths, cache, refill: bool = False):
+        """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's.
+        `refill` (waiting requests, into the scratch cache): the drafter's own pass over them follows, part of the
+        same graph (`Drafter.prefill_refills`)."""
         aux = {} if self.aux_layers is None else {"aux_layers": self.aux_layers}
         out = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops,
                          layer_fn=self.prefill_layer_fn, **aux)
-        return out[:, 0] if self.aux_layers is None else (out[0][:, 0], out[1])
+        logits, hidden = (out[:, 0], None) if self.aux_layers is None else (out[0][:, 0], out[1])
+        if refill and self.drafter is not None:
+            self.drafter.prefill_refills(tokens, positions, lengths, hidden=hidden)
+        return logits if self.aux_layers is None else (logits, hidden)
 
     def _prefill_cache(self, batch: int, scratch: bool) -> KVCache:
         """The cache a prefill of `batch` rows writes: the batch's own rows, or (`scratch`, for requests started in
@@ -729,6 +733,8 @@ class Decoder:
             # over, in a fresh pool (PyTorch cannot capture into a pool whose graphs are gone).
             rows = max(batch, min(REFILL_GROUP, self._base_cache.k.shape[1]))
             self._scratch = self.model.new_cache(rows, self._base_cache.max_len)
+            if self.drafter is not None:
+                self.drafter.reserve_refills(rows, self._base_cache.max_len)
             self._prefill_graphs, self._prefill_pool = {}, None
         return rows_of(self._scratch, batch)
 
@@ -751,13 +757,13 @@ class Decoder:
             stream = torch.cuda.Stream()  # warm up (lazy library init must not happen during capture)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
-                self._prefill_forward(*static, cache)
+                self._prefill_forward(*static, cache, refill=scratch)
             torch.cuda.current_stream().wait_stream(stream)
             if self._prefill_pool is None:  # one memory pool for all prefill graphs: they never run at once
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with capture(graph, pool=self._prefill_pool), torch.inference_mode():
-                logits = self._prefill_forward(*static, cache)
+                logits = self._prefill_forward(*static, cache, refill=scratch)
             entry = (graph, static, logits)
         self._prefill_graphs[key] = entry
         return entry
@@ -772,7 +778,8 @@ class Decoder:
         ~25 ms for a prompt the device computes in a few)."""
         entry = self._prefill_graph(*tokens.shape, scratch=scratch)
         if entry is None:
-            return self._prefill_forward(tokens, positions, lengths, self._prefill_cache(tokens.shape[0], scratch))
+            return self._prefill_forward(tokens, positions, lengths, self._prefill_cache(tokens.shape[0], scratch),
+                                         refill=scratch)
         graph, static, logits = entry
         for buf, value in zip(static, (tokens, positions, lengths)):
             buf.copy_(value)
@@ -1143,20 +1150,19 @@ class Decoder:
         salts = to_device(torch.tensor(ids), device)
         positions = torch.arange(width, device=device)[None].expand(group, width)
         logits = self._prefill(padded, positions, lengths, scratch=True)
-        hidden = None
-        if self.aux_layers is not None:  # (a copy: the prefill graph's output is rewritten by its next replay)
-            logits, hidden = logits[0], logits[1][:m].clone()
+        if self.aux_layers is not None:  # (the drafter's pass over the states ran inside the prefill)
+            logits = logits[0]
         if sampling.greedy:
             first = logits.argmax(-1)[:m]
         else:
             first = categorical(probabilities(logits[:m], sampling), CounterRng(self._state.seed, salts, lengths))
         if device.type != "cuda":
-            return Prefilled(padded[:m], lengths[:m], first, salts, (first, None), hidden)
+            return Prefilled(padded[:m], lengths[:m], first, salts, (first, None))
         buf = torch.empty(m, dtype=torch.long, pin_memory=True)
         buf.copy_(first, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Prefilled(padded[:m], lengths[:m], first, salts, (buf, done), hidden)
+        return Prefilled(padded[:m], lengths[:m], first, salts, (buf, done))
 
     def _move_in(self, st: DecodeState, rows: list[int], prefilled: "Prefilled", slots: list[int]) -> None:
         """Start prefilled requests (their rows `slots` of the scratch cache) in the finished `rows` of the running
@@ -1174,10 +1180,8 @@ class Decoder:
         st.lengths.index_copy_(0, index, lengths + 1)
         st.salt.index_copy_(0, index, prefilled.salts[src])
         st.budget.index_fill_(0, index, self.k)
-        if self.drafter is not None:  # its own state of those rows (if any), for the new requests
-            positions = torch.arange(width, device=device)[None].expand(len(rows), width)
-            self.drafter.start_rows(index, prefilled.tokens[src], positions, lengths,
-                                    hidden=None if prefilled.hidden is None else prefilled.hidden[src])
+        if self.drafter is not None:  # its own state of those rows (if any), from its pass in the prefill
+            self.drafter.start_rows(index, src, width)
 
     def _append(self, r: RowResult, new: list[int], now: float, stop: StopCondition, eos: set[int]) -> bool:
         """Append a step's tokens to a row, cut at the first stop condition; False when the row is finished."""

@@ -66,13 +66,26 @@ class Drafter(ABC):
                 generator: torch.Generator | None) -> Proposal:
         """Up to k tokens per row after `history[b, :lengths[b]]`."""
 
-    def start_rows(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-                   hidden: torch.Tensor | None = None) -> None:
-        """Rows `rows` ([m] long) of the running batch start new requests, prefilled elsewhere (right-padded prompts
-        `tokens` [m, T] at `positions`, `lengths` [m], and with `needs_hidden_states` the target's states of the
-        prompts `hidden` [m, T, n * hidden]), as `prefill` would have seen them. Enqueued behind the step in flight,
-        whose own update of these rows it overrides. Nothing to set up without per-row state; a drafter with some
-        sets its rows up here and says so with `refills` (one that cannot never runs continuously batched)."""
+    def reserve_refills(self, rows: int, max_len: int) -> None:
+        """Make room for `rows` waiting requests of up to `max_len` prompt tokens, prefilled ahead of the rows they
+        will take (continuous batching): the decoder calls it when it (re)allocates its scratch cache, before any
+        prefill graph that runs `prefill_refills` is captured on that memory."""
+
+    def prefill_refills(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                        hidden: torch.Tensor | None = None) -> None:
+        """Inside the prefill of waiting requests (right-padded prompts `tokens` [m, T] at `positions`, `lengths`
+        [m], with `needs_hidden_states` the target's states of them `hidden` [m, T, n * hidden]), and with CUDA
+        graphs captured with it: the drafter's own pass over them, kept in its refill rows 0..m-1 until
+        `start_rows` moves them into the running batch. Its shapes are the prefill's (a group of requests padded
+        to a bucket, a padded width), so a warm-up that captures every prefill leaves nothing for a refill to
+        compile, plan or capture, and a refill launches it as part of one graph. Nothing by default."""
+
+    def start_rows(self, rows: torch.Tensor, slots: torch.Tensor, width: int) -> None:
+        """Rows `rows` ([m] long) of the running batch start the requests prefilled in refill rows `slots` ([m]
+        long) of the last `prefill_refills` (prompts of at most `width` tokens), as `prefill` would have set them
+        up. Enqueued behind the step in flight, whose own update of these rows it overrides. Nothing to set up
+        without per-row state; a drafter with some sets its rows up here and says so with `refills` (one that
+        cannot never runs continuously batched)."""
 
     def move_rows(self, live: torch.Tensor, rows: int) -> None:
         """The batch moved to a smaller bucket of `rows` rows: the state of rows `live` ([n] long, in order) goes to

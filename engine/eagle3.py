@@ -542,6 +542,9 @@ class Eagle3Drafter(Drafter):
         self._new_base: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
         self._new: torch.Tensor | None = None
+        # Waiting requests' pairs and last states, made inside their prefill (`prefill_refills`) until they start
+        self._refill: KVCache | None = None
+        self._refill_last: torch.Tensor | None = None
 
     def prepare(self, ops, layer_fn, compile):
         self.ops = ops
@@ -575,17 +578,27 @@ class Eagle3Drafter(Drafter):
         self._pending[:, :1].copy_(self._last_states(hidden, lengths))
         self._new.zero_()
 
-    def start_rows(self, rows, tokens, positions, lengths, hidden=None):
+    def reserve_refills(self, rows, max_len):
+        head = self.head
+        if self._refill is None or self._refill.k.shape[1] < rows or self._refill.max_len < max_len:
+            self._refill = head.new_cache(rows, max_len)
+            self._refill_last = torch.zeros(rows, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
+                                            device=head.device)
+
+    def prefill_refills(self, tokens, positions, lengths, hidden=None):
         if hidden is None:
-            raise ValueError("the EAGLE-3 drafter's start_rows needs the prompts' hidden states")
-        # the prompts' pairs into a cache of their own, then into their rows (a row's slots past its prompt hold the
-        # previous request's entries, which the first propose and its draft steps overwrite before any is read)
-        m, T = tokens.shape
-        scratch = self.head.new_cache(m, T)
-        self._prompt_pairs(tokens, positions, hidden, lengths, scratch.kv[:, 0])
-        self.cache.kv[:, :, rows, :, :T] = scratch.kv[:, :, :, :, :T]
-        pending = torch.zeros(m, *self._pending.shape[1:], dtype=self._pending.dtype, device=self._pending.device)
-        pending[:, :1].copy_(self._last_states(hidden, lengths))
+            raise ValueError("the EAGLE-3 drafter's refill prefill needs the prompts' hidden states")
+        m = tokens.shape[0]
+        self._prompt_pairs(tokens, positions, hidden, lengths, rows_of(self._refill, m).kv[:, 0])
+        self._refill_last[:m].copy_(self._last_states(hidden, lengths)[:, 0])
+
+    def start_rows(self, rows, slots, width):
+        # a row's slots past its prompt hold the previous request's entries, which the first propose and its draft
+        # steps overwrite before any is read
+        self.cache.kv[:, :, rows, :, :width] = self._refill.kv[:, :, slots, :, :width]
+        pending = torch.zeros(rows.shape[0], *self._pending.shape[1:], dtype=self._pending.dtype,
+                              device=self._pending.device)
+        pending[:, 0].copy_(self._refill_last[slots])
         self._pending.index_copy_(0, rows, pending)
         self._new.index_fill_(0, rows, 0)
 

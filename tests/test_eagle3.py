@@ -275,6 +275,39 @@ def test_eagle3_continuous_batching_proposals_are_the_reference_heads(tiny, head
                                eng.decoder.drafter.needs_hidden_states) > 20
 
 
+def test_a_refill_runs_the_heads_prompt_pass_inside_its_prefill(tiny, head_dir, monkeypatch):
+    """A request started in a running batch gets its head cache entries from a pass inside the prefill of the
+    waiting requests (`Drafter.prefill_refills`: with CUDA graphs part of that captured graph, so a warmed-up refill
+    compiles, plans and launches nothing of the head's on its own; on the H200 the eager pass had cost 2-3.5 ms of
+    host time a refill, and its attention's first plans 27 ms a refill in a bench); `start_rows` only copies rows.
+    The batch's own prompts keep their pass in `Drafter.prefill`."""
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3, batch={"max_batch_size": 2}))
+    dec = eng.decoder
+    inside, passes = [], []
+    forward, pairs = dec._prefill_forward, dec.drafter._prompt_pairs
+
+    def prefill_forward(*a, refill=False, **kw):
+        inside.append(refill)
+        try:
+            return forward(*a, refill=refill, **kw)
+        finally:
+            inside.pop()
+
+    def prompt_pairs(*a):
+        passes.append(tuple(inside))
+        return pairs(*a)
+
+    monkeypatch.setattr(dec, "_prefill_forward", prefill_forward)
+    monkeypatch.setattr(dec.drafter, "_prompt_pairs", prompt_pairs)
+    prompts = tiny_prompts() + [p[::-1] for p in tiny_prompts()]
+    rows = dec.generate(prompts, StopCondition(8, ()), max_batch=2)
+    assert [r.tokens for r in rows] == [Engine(tiny.loaded, parse({"cuda_graphs": False})).decoder.generate(
+        [p], StopCondition(8, ()))[0].tokens for p in prompts]
+    stats = dec.last_stats
+    assert stats.refills == len(prompts) - 2 and stats.refill_prefills >= 2
+    assert passes == [()] + [(True,)] * stats.refill_prefills
+
+
 def test_a_row_moved_to_a_smaller_bucket_keeps_its_proposals(tiny, head_dir):
     """`move_rows` (a draining batch moving to a smaller bucket): row 1's head cache rows and pending pair move to
     row 0, and the row's next proposals are what they would have been where it was."""
