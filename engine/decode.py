@@ -712,16 +712,19 @@ class Decoder:
         return graph
 
     def _prefill_forward(self, tokens, positions, lengths, cache, refill: bool = False):
-        """Each row's logits at its last prompt token; with a drafter that reads hidden states, also the prompt's.
-        `refill` (waiting requests, into the scratch cache): the drafter's own pass over them follows, part of the
-        same graph (`Drafter.prefill_refills`)."""
+        """Each row's logits at its last prompt token, the drafter's own pass over the prompts after them, part of
+        the same graph (`Drafter.prefill_prompts`; with `refill`, waiting requests prefilled into the scratch cache:
+        `Drafter.prefill_refills`)."""
         aux = {} if self.aux_layers is None else {"aux_layers": self.aux_layers}
         out = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None], ops=self.prefill_ops,
                          layer_fn=self.prefill_layer_fn, **aux)
         logits, hidden = (out[:, 0], None) if self.aux_layers is None else (out[0][:, 0], out[1])
-        if refill and self.drafter is not None:
-            self.drafter.prefill_refills(tokens, positions, lengths, hidden=hidden)
-        return logits if self.aux_layers is None else (logits, hidden)
+        if self.drafter is not None:
+            if refill:
+                self.drafter.prefill_refills(tokens, positions, lengths, hidden=hidden)
+            else:
+                self.drafter.prefill_prompts(tokens, positions, lengths, hidden=hidden)
+        return logits
 
     def _prefill_cache(self, batch: int, scratch: bool) -> KVCache:
         """The cache a prefill of `batch` rows writes: the batch's own rows, or (`scratch`, for requests started in
@@ -906,17 +909,12 @@ class Decoder:
             padded = padded.to(device)
             positions = torch.arange(width, device=device)[None].expand(rows, width)
             # Right padding is safe: pad slots lie past each row's end, are masked, and are overwritten later.
-            logits = self._prefill(padded, positions, lengths)
-            prompt_hidden = None
-            if self.aux_layers is not None:
-                logits, prompt_hidden = logits
+            logits = self._prefill(padded, positions, lengths)  # (the drafter's pass over the prompts inside)
             if sampling.greedy:
                 first = logits.argmax(-1)
             else:
                 first = categorical(probabilities(logits, sampling), CounterRng(st.seed, st.salt, lengths))
-            if prompt_hidden is not None:
-                self.drafter.prefill(padded, positions, max_len, hidden=prompt_hidden, lengths=lengths)
-            elif self.drafter is not None:
+            if self.drafter is not None:
                 self.drafter.prefill(padded, positions, max_len)
             st.history.zero_()
             st.history[:, :width] = padded
@@ -1149,9 +1147,7 @@ class Decoder:
         padded, lengths = to_device(padded, device), to_device(lengths, device)
         salts = to_device(torch.tensor(ids), device)
         positions = torch.arange(width, device=device)[None].expand(group, width)
-        logits = self._prefill(padded, positions, lengths, scratch=True)
-        if self.aux_layers is not None:  # (the drafter's pass over the states ran inside the prefill)
-            logits = logits[0]
+        logits = self._prefill(padded, positions, lengths, scratch=True)  # (the drafter's pass inside)
         if sampling.greedy:
             first = logits.argmax(-1)[:m]
         else:

@@ -55,11 +55,20 @@ class Drafter(ABC):
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
         (re)allocates its own cache, and captured steps then keep pointing at the same memory for every batch size."""
 
+    def prefill_prompts(self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                        hidden: torch.Tensor | None = None) -> None:
+        """Inside the batch's prefill (right-padded prompts `tokens` [B, T] at `positions`, `lengths` [B], with
+        `needs_hidden_states` the target's states of them `hidden` [B, T, n * hidden]), and with CUDA graphs
+        captured with it, before `prefill`: the drafter's own pass over the prompts into its rows 0..B-1. As with
+        `prefill_refills`, a warm-up that captures every prefill then leaves nothing of it to compile or plan in a
+        call. Nothing by default."""
+
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
                 hidden: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
-        """See the (right-padded) prompts; `max_len` bounds every position this batch will use. A drafter with
-        `needs_hidden_states` is also given `hidden` ([B, T, n * hidden], the target's states of the prompt tokens)
-        and `lengths` ([B], each prompt's length)."""
+        """See the (right-padded) prompts; `max_len` bounds every position this batch will use. The decoder has
+        run `prefill_prompts` inside the prefill; a caller that has not gives a drafter with `needs_hidden_states`
+        `hidden` ([B, T, n * hidden], the target's states of the prompt tokens) and `lengths` ([B], each
+        prompt's length), and it runs that pass here."""
 
     @abstractmethod
     def propose(self, history: torch.Tensor, lengths: torch.Tensor, k: int, sampling: SamplingParams,

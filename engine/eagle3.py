@@ -542,6 +542,7 @@ class Eagle3Drafter(Drafter):
         self._new_base: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
         self._new: torch.Tensor | None = None
+        self._base_last: torch.Tensor | None = None
         # Waiting requests' pairs and last states, made inside their prefill (`prefill_refills`) until they start
         self._refill: KVCache | None = None
         self._refill_last: torch.Tensor | None = None
@@ -565,17 +566,28 @@ class Eagle3Drafter(Drafter):
             self._pending_base = torch.zeros(rows, self.k + 1, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
                                              device=head.device)
             self._new_base = torch.zeros(rows, dtype=torch.long, device=head.device)
+            # each prompt's last states, from the prefill's pass (`prefill_prompts`), until `prefill` pends them
+            self._base_last = torch.zeros(rows, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
+                                          device=head.device)
+
+    def prefill_prompts(self, tokens, positions, lengths, hidden=None):
+        if hidden is None:
+            raise ValueError("the EAGLE-3 drafter's prefill needs the prompts' hidden states")
+        B = tokens.shape[0]
+        self._prompt_pairs(tokens, positions, hidden, lengths, rows_of(self._base, B).kv[:, 0])
+        self._base_last[:B].copy_(self._last_states(hidden, lengths)[:, 0])
 
     def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
-        if hidden is None or lengths is None:
-            raise ValueError("the EAGLE-3 drafter's prefill needs the prompt's hidden states and lengths")
         B = tokens.shape[0]
         self.reserve(B, max_len)
+        if hidden is not None:  # (a caller whose prefill did not run prefill_prompts)
+            if lengths is None:
+                raise ValueError("the EAGLE-3 drafter's prefill needs the prompts' lengths with their hidden states")
+            self.prefill_prompts(tokens, positions, lengths, hidden)
         self.cache = rows_of(self._base, B)
         self._pending, self._new = self._pending_base[:B], self._new_base[:B]
-        self._prompt_pairs(tokens, positions, hidden, lengths, self.cache.kv[:, 0])
         self._pending.zero_()
-        self._pending[:, :1].copy_(self._last_states(hidden, lengths))
+        self._pending[:, 0].copy_(self._base_last[:B])
         self._new.zero_()
 
     def reserve_refills(self, rows, max_len):

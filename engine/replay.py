@@ -151,6 +151,10 @@ class ReplayDrafter(Drafter):
         if self.cost is not None:
             self.cost.reserve(rows, max_len)
 
+    def prefill_prompts(self, tokens, positions, lengths, hidden=None):
+        if self.cost is not None:
+            self.cost.prefill_prompts(tokens, positions, lengths, hidden=hidden)
+
     def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
         if self.cost is not None:
             self.cost.prefill(tokens, positions, max_len, hidden=hidden, lengths=lengths)

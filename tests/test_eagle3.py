@@ -275,12 +275,12 @@ def test_eagle3_continuous_batching_proposals_are_the_reference_heads(tiny, head
                                eng.decoder.drafter.needs_hidden_states) > 20
 
 
-def test_a_refill_runs_the_heads_prompt_pass_inside_its_prefill(tiny, head_dir, monkeypatch):
+def test_the_heads_prompt_passes_run_inside_the_prefills(tiny, head_dir, monkeypatch):
     """A request started in a running batch gets its head cache entries from a pass inside the prefill of the
     waiting requests (`Drafter.prefill_refills`: with CUDA graphs part of that captured graph, so a warmed-up refill
     compiles, plans and launches nothing of the head's on its own; on the H200 the eager pass had cost 2-3.5 ms of
     host time a refill, and its attention's first plans 27 ms a refill in a bench); `start_rows` only copies rows.
-    The batch's own prompts keep their pass in `Drafter.prefill`."""
+    The batch's own prompts get theirs inside the batch's prefill too (`Drafter.prefill_prompts`)."""
     eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3, batch={"max_batch_size": 2}))
     dec = eng.decoder
     inside, passes = [], []
@@ -305,7 +305,7 @@ def test_a_refill_runs_the_heads_prompt_pass_inside_its_prefill(tiny, head_dir, 
         [p], StopCondition(8, ()))[0].tokens for p in prompts]
     stats = dec.last_stats
     assert stats.refills == len(prompts) - 2 and stats.refill_prefills >= 2
-    assert passes == [()] + [(True,)] * stats.refill_prefills
+    assert passes == [(False,)] + [(True,)] * stats.refill_prefills
 
 
 def test_a_row_moved_to_a_smaller_bucket_keeps_its_proposals(tiny, head_dir):
