@@ -571,11 +571,7 @@ class Eagle3Drafter(Drafter):
                                           device=head.device)
 
     def prefill_prompts(self, tokens, positions, lengths, hidden=None):
-        if hidden is None:
-            raise ValueError("the EAGLE-3 drafter's prefill needs the prompts' hidden states")
-        B = tokens.shape[0]
-        self._prompt_pairs(tokens, positions, hidden, lengths, rows_of(self._base, B).kv[:, 0])
-        self._base_last[:B].copy_(self._last_states(hidden, lengths)[:, 0])
+        self._prompt_pass(tokens, positions, lengths, hidden, self._base, self._base_last)
 
     def prefill(self, tokens, positions, max_len, hidden=None, lengths=None):
         B = tokens.shape[0]
@@ -598,11 +594,7 @@ class Eagle3Drafter(Drafter):
                                             device=head.device)
 
     def prefill_refills(self, tokens, positions, lengths, hidden=None):
-        if hidden is None:
-            raise ValueError("the EAGLE-3 drafter's refill prefill needs the prompts' hidden states")
-        m = tokens.shape[0]
-        self._prompt_pairs(tokens, positions, hidden, lengths, rows_of(self._refill, m).kv[:, 0])
-        self._refill_last[:m].copy_(self._last_states(hidden, lengths)[:, 0])
+        self._prompt_pass(tokens, positions, lengths, hidden, self._refill, self._refill_last)
 
     def start_rows(self, rows, slots, width):
         # a row's slots past its prompt hold the previous request's entries, which the first propose and its draft
@@ -622,6 +614,14 @@ class Eagle3Drafter(Drafter):
         self._new_base[:n] = self._new_base[live]
         self.cache = rows_of(self._base, rows)
         self._pending, self._new = self._pending_base[:rows], self._new_base[:rows]
+
+    def _prompt_pass(self, tokens, positions, lengths, hidden, cache: KVCache, last: torch.Tensor) -> None:
+        """The prompts' pairs into rows 0..B-1 of `cache`, their last states into `last` (the batch's own rows, or
+        the refill rows of requests waiting to start)."""
+        if hidden is None:
+            raise ValueError("the EAGLE-3 drafter's prefill needs the prompts' hidden states")
+        self._prompt_pairs(tokens, positions, hidden, lengths, rows_of(cache, tokens.shape[0]).kv[:, 0])
+        last[: tokens.shape[0]].copy_(self._last_states(hidden, lengths)[:, 0])
 
     def _prompt_pairs(self, tokens, positions, hidden, lengths, kv) -> None:
         """The head's cache entries of right-padded prompts [B, T]: pairs (state of token t, token t + 1) for t up to
