@@ -21,8 +21,10 @@ a step, and the kernels whose time differs most from the first system's AR step;
 launch, the same kind each time against the kinds in turn (`ar-attention-triton-overlap` is
 AR with the Triton attention, which reads only the cache blocks a row has written).
 
-Any of the bench's systems runs too (`stock` is the target's), and NAME+compiled-prefill is NAME with its prefill's
-layers compiled. `--eos` ends requests at the target's end of turn, as the bench does. `--probe-refills N` adds a
+Any of the bench's systems runs too (`stock` is the target's), NAME+compiled-prefill is NAME with its prefill's
+layers compiled, and a system named twice runs twice (the second NAME#2): in the bench's order, with the controller
+first and last, it says whether what ran before a system slows its steps (the twenty-fifth lease's bench replayed
+the controller's steps 15% slower than `loop_overhead` did). `--eos` ends requests at the target's end of turn, as the bench does. `--probe-refills N` adds a
 third call whose first N refills are timed phase by phase with the device drained around each (prefilling the
 started requests, moving them in, the drafter's own `start_rows`), their kernels traced: where a refill's time goes
 (the twenty-fourth lease's `stock` at B = 8 spent 27 ms a refill beyond a step, the overlapped chains 1 ms).
@@ -325,8 +327,12 @@ def run(out_dir, args):
         prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
                                  generator=g).tolist() for _ in range(requests)]
     found, lines = {}, []
-    for name in args.systems.split(","):
-        system, compiled_prefill = name.removesuffix(COMPILED_PREFILL), name.endswith(COMPILED_PREFILL)
+    names = args.systems.split(",")
+    for at, system in enumerate(names):
+        # a system named twice is measured twice, the second time as NAME#2 (in the same process after the others:
+        # whether a system's steps depend on what ran before it, as the bench's controller's seemed to, 25th lease)
+        name = system if system not in names[:at] else f"{system}#{names[:at].count(system) + 1}"
+        system, compiled_prefill = system.removesuffix(COMPILED_PREFILL), system.endswith(COMPILED_PREFILL)
         eng = Engine(target, system_recipe(system, ctx.target if args.workload else None, device))
         dec = eng.decoder
         if compiled_prefill:  # (what SPECPILOT_COMPILED_PREFILL=1 sets for every decoder of a process)
