@@ -123,7 +123,9 @@ def _drive(graph, config: dict, inp, out: Path, stdin, stderr) -> int:
     progress.set_best(graph.get_state(config).values.get("best"))
     while True:
         try:
-            for mode, chunk in graph.stream(inp, config, stream_mode=["updates", "custom"]):
+            # "sync": a step's checkpoint is on disk before the next step starts, so a killed run loses at most
+            # the step that was running (LangGraph's default, "async", can lag several steps behind under load)
+            for mode, chunk in graph.stream(inp, config, stream_mode=["updates", "custom"], durability="sync"):
                 if mode == "custom":
                     progress.show(chunk.get("progress", ""))
                     continue
@@ -210,6 +212,13 @@ def _run_file(out: Path) -> dict:
     return read_json(out / RUN_FILE)
 
 
+def finished(snap) -> bool:
+    """Whether the graph reached END. An empty `next` alone does not say so: a process killed after a step's writes
+    were saved but before the checkpoint that applies them leaves a checkpoint whose tasks have all run (so none is
+    `next`), and streaming from it applies their writes and goes on."""
+    return not snap.tasks and not snap.interrupts
+
+
 def resume(out_dir: str, stdin=None, stderr=None, provider=None, memory=None) -> int:
     """Continue a stopped, killed or paused run: the node that was running runs again (its finished evaluations are
     read from DIR/evaluations/), a pending question is asked again, a finished run just reports."""
@@ -225,7 +234,7 @@ def resume(out_dir: str, stdin=None, stderr=None, provider=None, memory=None) ->
     config = {"configurable": {"thread_id": run["thread_id"]}}
     try:
         snap = graph.get_state(config)
-        if not snap.next and not snap.interrupts:
+        if finished(snap):
             print(f"specpilot resume: {out} has finished", file=stderr)
             return _finish(snap.values, out)
         # None: the node that was running runs again; one waiting at a question asks it again
@@ -234,15 +243,20 @@ def resume(out_dir: str, stdin=None, stderr=None, provider=None, memory=None) ->
         _close(conn, out, memory if ours else None)
 
 
-def load_state(out_dir: str) -> dict:
-    """The run's latest checkpointed state (what `resume` would continue from)."""
+def load_snapshot(out_dir: str):
+    """The run's latest checkpoint as LangGraph's StateSnapshot (what `resume` would continue from)."""
     out = Path(out_dir).resolve()
     run = _run_file(out)
     graph, conn = _compiled(out)
     try:
-        return graph.get_state({"configurable": {"thread_id": run["thread_id"]}}).values
+        return graph.get_state({"configurable": {"thread_id": run["thread_id"]}})
     finally:
         conn.close()
+
+
+def load_state(out_dir: str) -> dict:
+    """The run's latest checkpointed state."""
+    return load_snapshot(out_dir).values
 
 
 def history(out_dir: str, stdout=None) -> int:
@@ -267,10 +281,11 @@ def history(out_dir: str, stdout=None) -> int:
                          f"{t['who']}: {t['decision']}{why}\n")
         seen = max(seen, len(trail))
     last = snaps[-1] if snaps else None
-    if last is not None and last.next:
+    if last is not None and not finished(last):
         waiting = " (waiting for a person: " + ", ".join(i.value["kind"] for i in last.interrupts) + ")" \
             if last.interrupts else ""
-        stdout.write(f"not finished: next {', '.join(last.next)}{waiting}; specpilot resume {out}\n")
+        nodes = last.next or tuple(f"after {t.name}" for t in last.tasks)
+        stdout.write(f"not finished: next {', '.join(nodes)}{waiting}; specpilot resume {out}\n")
     elif last is not None:
         stdout.write(f"finished: {last.values.get('stop_reason')}\n")
     return 0
