@@ -335,7 +335,7 @@ class Decoder:
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
                  ragged: bool = False, tree: TreeShape | DynamicTree | None = None,
-                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0):
+                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0, packed_weights: dict | None = None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -405,7 +405,8 @@ class Decoder:
         if layer == "fused":  # steps of few tokens in five Triton kernels a layer; others stay modular
             from ..kernels.triton_fused_layer import layer_function
 
-            self.layer_fn = layer_function(self.layer_fn)
+            # (packed_weights: the 12-bit planes of `weights.format: lossless12`, which its steps read too)
+            self.layer_fn = layer_function(self.layer_fn, packed_weights)
         self._finish = compiled(_finish_step) if compile else _finish_step
         self._inputs = compiled(_step_inputs) if compile else _step_inputs
         self._update_budget = compiled(_update_budget) if compile else _update_budget

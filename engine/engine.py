@@ -67,15 +67,16 @@ class Engine:
     def __init__(self, target: LoadedModel, recipe: Recipe, draft: LoadedModel | None = None):
         self.target, self.recipe = target, recipe
         ops, compile = resolve_kernels(recipe.kernels), recipe.compile
-        if recipe.weights.format == "lossless12":
-            ops = ops._replace(linear=bind_weights(ops.linear, lossless12_weights(target.model)))
+        packed = lossless12_weights(target.model) if recipe.weights.format == "lossless12" else None
+        if packed is not None:
+            ops = ops._replace(linear=bind_weights(ops.linear, packed))
         self._ops, self._compile = ops, compile
         self.decoder = Decoder(target.model, build_drafter(target, recipe, draft), recipe.k, recipe.cuda_graphs,
                                target.eos_token_ids, target.tokenizer, compile, ops, recipe.overlap,
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
                                recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every,
                                ragged=recipe.batch.ragged, tree=draft_tree(recipe), margin=recipe.batch.margin,
-                               refill_at=recipe.batch.refill_at)
+                               refill_at=recipe.batch.refill_at, packed_weights=packed)
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -189,9 +189,6 @@ def _check(r: Recipe) -> Recipe:
                               "(builtin:lossless12 or a candidate file)")
     if r.layer not in LAYER_KINDS:
         bad("layer", f"{r.layer!r} is not one of {', '.join(LAYER_KINDS)}")
-    if r.layer == "fused" and r.weights.format != "native":
-        bad("layer", "the fused layer reads native weights; it cannot run weights.format "
-                     f"{r.weights.format!r}")
     if r.compile_mode not in COMPILE_MODES:
         bad("compile_mode", f"{r.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if r.batch.max_batch_size < 1:

@@ -34,6 +34,9 @@ DEFAULTS = dict(builtin.DEFAULTS)
 # first); whether that beats the modular layer at 17-64 tokens is the H200's to say: SPECPILOT_FUSED_MAX_TOKENS
 # raises the limit for a run.
 FUSED_LAYER_MAX_TOKENS = int(os.environ.get("SPECPILOT_FUSED_MAX_TOKENS", "16"))
+# Its steps of up to this many tokens run a program per token on the FMA units (the only path that reads 12-bit
+# weights, `weights.format: lossless12`); the reasons for 6 are at FMA_MAX_TOKENS in triton_fused_layer.py.
+FUSED_LAYER_FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "6"))
 
 
 class Kernels(NamedTuple):

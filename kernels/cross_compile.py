@@ -65,7 +65,7 @@ def signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     for i, param in enumerate(fn.params):
         name = param.name
         value = args[i] if i < len(args) else kwargs.get(name, param.default)
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # (Triton makes an argument given as None a constexpr None)
             sig[name] = "constexpr"
             constexprs[name] = getattr(value, "value", value)
         elif isinstance(value, torch.Tensor):
@@ -130,9 +130,23 @@ def _meta_block(hidden, heads, kv_heads, head_dim, inter, qk_norm, bias):
                            w2=w(hidden, inter), window=None, q_norm=w(head_dim), k_norm=w(head_dim))
 
 
+def _meta_planes(w: torch.Tensor):
+    """A [N, K] weight's 12-bit planes (kernels/lossless12_format.Packed12Linear) on the meta device, a few escapes."""
+    from .lossless12_format import Packed12Linear
+
+    n, k = w.shape
+    k8, e = -(-k // 8), 64
+    return Packed12Linear(q=torch.empty(n, 3 * k8, dtype=torch.int32, device="meta"),
+                          exc_row=torch.empty(e, dtype=torch.int32, device="meta"),
+                          exc_col=torch.empty(e, dtype=torch.int32, device="meta"),
+                          exc_val=torch.empty(e, dtype=torch.float32, device="meta"),
+                          row_ptr=torch.empty(n + 1, dtype=torch.int32, device="meta"), shape=(n, k), base=112)
+
+
 def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[str, tuple]]:
     """The launches of a fused layer for each shape, (B, T) step and dead-token mask or none, as on the GPU (PDL on,
-    the GPU's program counts): [(what, (kernel, args, kwargs))]."""
+    the GPU's program counts), and with 12-bit weights for the steps that read them (FMA_MAX_TOKENS tokens at most):
+    [(what, (kernel, args, kwargs))]."""
     from . import triton_fused_layer as F
 
     out = []
@@ -156,6 +170,12 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                         F.final_norm(x, x, block.attn_norm, 1e-5, mask)
                     what = f"{shape} B={B} T={T}{' live mask' if live else ''}"
                     out += [(what, call) for call in calls]
+                    if B * T <= F.FMA_MAX_TOKENS:
+                        planes = tuple(_meta_planes(w) for w in (block.wqkv, block.wo, block.w13, block.w2))
+                        with record(F, names) as calls:
+                            _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
+                                                                   live=mask, weights12=planes))
+                        out += [(what + " 12-bit", call) for call in calls]
                     if live:
                         continue
                     # an EAGLE-3 head's chain step at this shape (draft_layer: q/k/v of its given [embedding;

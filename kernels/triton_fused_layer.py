@@ -33,6 +33,9 @@ How the fusions work.
 * Kernel boundaries (FMA-path steps, Hopper): programmatic dependent launch. Each kernel starts while its
   predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
   outputs (`PDL` below).
+* 12-bit weights (`weights.format: lossless12`, FMA path only): the GEMVs read each matrix's Packed12Linear words
+  (1.5 bytes a weight) and decode them in registers, slot by slot, against activations made at the slot's columns;
+  escapes are added after the dense sum (`_gemv12`, below the modular helpers).
 * After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
 * An EAGLE-3 head's chain steps (`draft_layer`, engine/eagle3.py) run the same kernels: q/k/v read the head's
   [embedding; hidden] pair as given (NORM off: the caller norms each half), the residual stream is the hidden state,
@@ -59,7 +62,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import FUSED_LAYER_FMA_MAX_TOKENS
 from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
+from .lossless12_format import Packed12Linear
+from .lossless12_linear import HALF as W12_HALF
+from .lossless12_linear import _f32, _t67
 from .timing import require_gpu_compiled
 
 # Values of a program's weight tile (per row set) on the one-token path: 32 a thread with 4 warps. Set on SmolLM2
@@ -98,7 +105,7 @@ TREE_MAX_NODES = 64
 # tensor cores. benchmark(fma_max_tokens=...) times the alternatives; SPECPILOT_FMA_MAX_TOKENS sets it for whole runs.
 # 6: on the H200 (SmolLM2-135M, µs a layer, FMA / tensor cores) 5 tokens 25.7 / 30.8, 6 tokens 29.8 / 31.1, 8 tokens
 # 35.8 / 31.4 (docs/BENCHMARKS.md, thirteenth lease, `fused_tokens`): a B = 8 AR step was on the slower side at 8.
-FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "6"))
+FMA_MAX_TOKENS = FUSED_LAYER_FMA_MAX_TOKENS
 # On the FMA path, each token's program takes the tile a one-token step takes (the rows a program holds fix the
 # order of its sums on the GPU): a verified token's layer outputs are then bit for bit those AR decoding computes for
 # it. Off (SPECPILOT_FMA_TILES_AS_ONE_TOKEN=0), a step of more tokens takes more rows a program, so fewer programs.
@@ -145,6 +152,115 @@ def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
 
 
 @triton.jit
+def _act(x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, cols, col_ok, K, NORM: tl.constexpr):
+    """What a GEMV multiplies at `cols` (any 1-D set of columns), [tokens, cols] fp32: the normed residual (NORM,
+    as `_normed`) or x as it is."""
+    if NORM:
+        nw = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        return _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K)
+    else:
+        return tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                       other=0.0).to(tl.float32)
+
+
+# -- 12-bit weights (`weights.format: lossless12`) ----------------------------------------------------------------
+# A matrix in kernels/lossless12_format.Packed12Linear's layout: per row the words W0 of its K8 = K / 8 groups, then
+# W1, then W2; group j holds the weights of columns t * K8 + j, t = 0..7 (a "slot"), at their fp32 bit positions.
+# A program decodes each slot of its tile with shifts and masks (lossless12_linear's decode) and multiplies it with
+# that slot's activations, which it makes from x (and delta and the norm) at those columns: the same values the
+# bf16 path multiplies, read from 1.5 bytes a weight instead of 2. Escapes decode to +0 and are added after the dense
+# sum from the matrix's CSR list, as `_escapes12` does. Only the FMA path (a program a token) reads 12-bit weights.
+
+@triton.jit
+def _words12(q_ptr, rows, row_ok, j, j_ok, K8):
+    """W0, W1, W2 of `rows` x groups `j`, [rows, groups] int32."""
+    at = q_ptr + rows[:, None] * (3 * K8) + j[None, :]
+    ok = row_ok[:, None] & j_ok[None, :]
+    return tl.load(at, mask=ok, other=0), tl.load(at + K8, mask=ok, other=0), tl.load(at + 2 * K8, mask=ok, other=0)
+
+
+@triton.jit
+def _slot12(w0, w1, w2, t: tl.constexpr):
+    """Slot t's f patterns as fp32: each weight divided by 2^(base - 1), exactly (lossless12_linear._gemv_tile)."""
+    if t == 0:
+        bits = w0 & W12_HALF
+    elif t == 1:
+        bits = (w0 << 16) & W12_HALF
+    elif t == 2:
+        bits = w1 & W12_HALF
+    elif t == 3:
+        bits = (w1 << 16) & W12_HALF
+    elif t == 4:
+        bits = w2 & W12_HALF
+    elif t == 5:
+        bits = (w2 << 16) & W12_HALF
+    elif t == 6:
+        bits = _t67(w0, w1, w2) & W12_HALF
+    else:
+        bits = _t67(w0, w1, w2) << 16
+    return _f32(bits)
+
+
+@triton.jit
+def _tile12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, j, j_ok, K8, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens,
+            token_ok, K, x_scale, NORM: tl.constexpr, TWO: tl.constexpr):
+    """acc[rows, groups] += each slot's f patterns times its activations times x_scale (one token: BLOCK_M = 1), for
+    one row set or two (they share the activations)."""
+    for t in tl.static_range(8):
+        cols = t * K8 + j
+        h = _act(x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, cols, j_ok & (cols < K), K, NORM) * x_scale
+        acc_a += _slot12(a0, a1, a2, t) * h
+        if TWO:
+            acc_b += _slot12(b0, b1, b2, t) * h
+    return acc_a, acc_b
+
+
+@triton.jit
+def _escapes12(y, rows, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens,
+               token_ok, K, NORM: tl.constexpr):
+    """y[tokens, rows] += each escape's exact value times the activation at its column (the dense part decoded it
+    as +0): the rows' ranges of the CSR list side by side, as many rounds as the longest has escapes."""
+    lo = tl.load(row_ptr_ptr + rows, mask=row_ok, other=0)
+    hi = tl.load(row_ptr_ptr + rows + 1, mask=row_ok, other=0)
+    for e in range(0, tl.max(hi - lo, axis=0)):
+        ok = lo + e < hi
+        col = tl.load(exc_col_ptr + lo + e, mask=ok, other=0)
+        val = tl.load(exc_val_ptr + lo + e, mask=ok, other=0.0)
+        y += val[None, :] * _act(x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, col, ok, K, NORM)
+    return y
+
+
+@triton.jit
+def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok, K8, x_ptr, delta_ptr, norm_ptr,
+            inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM: tl.constexpr,
+            TWO: tl.constexpr, SINGLE: tl.constexpr, BLOCK_K8: tl.constexpr):
+    """The 12-bit GEMV of one token (or two row sets' of it): [1, rows] fp32 each, escapes included. With SINGLE the
+    words of all K8 groups are a0..b2, loaded by the caller before its PDL wait."""
+    x_scale = tl.load(scales_ptr)
+    sum_scale = tl.load(scales_ptr + 1)
+    jj = tl.arange(0, BLOCK_K8)
+    for j0 in range(0, K8, BLOCK_K8):
+        j = j0 + jj
+        j_ok = j < K8
+        if SINGLE:
+            c0, c1, c2, d0, d1, d2 = a0, a1, a2, b0, b1, b2
+        else:
+            c0, c1, c2 = _words12(q_ptr, rows_a, row_ok, j, j_ok, K8)
+            d0, d1, d2 = c0, c1, c2
+            if TWO:
+                d0, d1, d2 = _words12(q_ptr, rows_b, row_ok, j, j_ok, K8)
+        acc_a, acc_b = _tile12(acc_a, acc_b, c0, c1, c2, d0, d1, d2, j, j_ok, K8, x_ptr, delta_ptr, norm_ptr,
+                               inv_rms, tokens, token_ok, K, x_scale, NORM, TWO)
+    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
+                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+    yb = ya
+    if TWO:
+        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
+                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+    return ya, yb
+
+
+@triton.jit
 def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """A GEMV program's start: with PDL, let the next kernel launch now; then (its tokens, which of them are real,
     its row block). Tokens are grid axis 0 (one a program on the FMA path, BLOCK_M = 1), row blocks axis 1."""
@@ -162,12 +278,16 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NORM: tl.constexpr = True):
+                    NORM: tl.constexpr = True, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None,
+                    scales_ptr=None, W12: tl.constexpr = False):
     """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
     add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
     one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
-    the head's pre-norm output)."""
+    the head's pre-norm output). W12: the weights are q_ptr's 12-bit words (`_gemv12`; w_ptr is not read), SINGLE
+    then meaning that all of K's groups fit one tile of BLOCK_K / 8."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
+    ONE_TILE: tl.constexpr = SINGLE and not W12  # all of K in one tile of bf16 weights and activations
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -188,13 +308,21 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     # Everything the program reads besides x is loaded first, so that all the round trips to memory overlap: with
     # all of K in one tile (SINGLE) the weight tiles and the norm weight; the bias; RoPE's tables, the positions and
     # the q/k norm weights for the epilogue.
-    if SINGLE:
+    if ONE_TILE:
         w_ok = pair_ok[:, None] & (cols < K)[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
         if TWO:
             wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
         if NORM:
             nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    a0, a1, a2, b0, b1, b2 = 0, 0, 0, 0, 0, 0
+    K8 = (K + 7) // 8  # (12-bit words: groups of 8 weights a row)
+    if W12 and SINGLE:
+        jj = tl.arange(0, BLOCK_K8)
+        a0, a1, a2 = _words12(q_ptr, rows_a, pair_ok, jj, jj < K8, K8)
+        b0, b1, b2 = a0, a1, a2
+        if TWO:
+            b0, b1, b2 = _words12(q_ptr, rows_b, pair_ok, jj, jj < K8, K8)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         if TWO:
@@ -218,10 +346,11 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
     # square. With all of K in one tile, h is then made from r as it is (pass 2 reads no activations again: at
     # Llama-3.1-8B's K = 4096, a program of two rows read 16 KB of weights and twice 16 KB of x and delta).
-    if SINGLE and not NORM:
+    inv_rms = tl.zeros((BLOCK_M,), tl.float32)  # (read only where NORM is on)
+    if ONE_TILE and not NORM:
         ok = token_ok[:, None] & (cols < K)[None, :]
         h_single = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    elif SINGLE:
+    elif ONE_TILE:
         ok = token_ok[:, None] & (cols < K)[None, :]
         offs = tokens[:, None] * K + cols[None, :]
         r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -243,39 +372,45 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 
     # Pass 2: both row sets' dot products with h, tile by tile of K.
-    if DOT:
-        ya_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
-        yb_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
+    if W12:
+        ya, yb = _gemv12(tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32),
+                         a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, pair_ok, K8, x_ptr, delta_ptr, norm_ptr,
+                         inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM, TWO,
+                         SINGLE, BLOCK_K8)
     else:
-        ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-        yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        col_ok = k0 + cols < K
-        if not SINGLE:
-            w_ok = pair_ok[:, None] & col_ok[None, :]
-            wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-            if TWO:
-                wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-        if SINGLE:
-            h = h_single
-        elif NORM:
-            nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
-            h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+        if DOT:
+            ya_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
+            yb_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
         else:
-            h = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-        if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
-            h = h.to(wa.dtype)
-            ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
-            if TWO:
-                yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
-        else:  # one token: [rows, K] * [1, K] on the FMA units
-            ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
-            if TWO:
-                yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
-    if DOT:
-        ya = tl.trans(ya_t)
-        yb = tl.trans(yb_t)
+            ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
+            yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            col_ok = k0 + cols < K
+            if not SINGLE:
+                w_ok = pair_ok[:, None] & col_ok[None, :]
+                wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+                if TWO:
+                    wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
+            if SINGLE:
+                h = h_single
+            elif NORM:
+                nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+                h = _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, k0 + cols, col_ok, token_ok, K)
+            else:
+                h = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+            if DOT:  # [rows, K] @ [K, tokens] on tensor cores; h is exact in the weights' dtype (it was rounded to it)
+                h = h.to(wa.dtype)
+                ya_t += tl.dot(wa, tl.trans(h), input_precision=DOT_PRECISION)
+                if TWO:
+                    yb_t += tl.dot(wb, tl.trans(h), input_precision=DOT_PRECISION)
+            else:  # one token: [rows, K] * [1, K] on the FMA units
+                ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
+                if TWO:
+                    yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
+        if DOT:
+            ya = tl.trans(ya_t)
+            yb = tl.trans(yb_t)
     if HAS_BIAS:
         ya += bias_a
         if TWO:
@@ -472,8 +607,10 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
 def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
-    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores."""
+          BLOCK_K: tl.constexpr, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None, scales_ptr=None,
+          W12: tl.constexpr = False):
+    """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores. W12: the
+    weights are q_ptr's 12-bit words, as in `_norm_pair_gemv`."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -481,7 +618,13 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
-    if SINGLE:  # all of K in one tile: the weights before the wait
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    K8 = (K + 7) // 8
+    w0, w1, w2 = 0, 0, 0
+    if W12 and SINGLE:  # all of K's groups in one tile: the words before the wait
+        jj = tl.arange(0, BLOCK_K8)
+        w0, w1, w2 = _words12(q_ptr, rows, row_ok, jj, jj < K8, K8)
+    elif SINGLE:  # all of K in one tile: the weights before the wait
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -490,23 +633,29 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
             return
     if PDL:
         tl.extra.cuda.gdc_wait()
-    if DOT:
-        y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if W12:  # (x as it is: no norm, so x_ptr stands in for delta and the norm weight, which are not read)
+        y, _ = _gemv12(tl.zeros((BLOCK_N, BLOCK_K8), tl.float32), tl.zeros((BLOCK_N, BLOCK_K8), tl.float32),
+                       w0, w1, w2, w0, w1, w2, q_ptr, rows, rows, row_ok, K8, x_ptr, x_ptr, x_ptr,
+                       tl.zeros((BLOCK_M,), tl.float32), tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr,
+                       scales_ptr, False, False, SINGLE, BLOCK_K8)
     else:
-        y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        col_ok = k0 + cols < K
-        if not SINGLE:
-            w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0)
-        x = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                    other=0.0)
         if DOT:
-            y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
-        else:  # one token
-            y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    if DOT:
-        y = tl.trans(y_t)
+            y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            col_ok = k0 + cols < K
+            if not SINGLE:
+                w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                            other=0.0)
+            x = tl.load(x_ptr + tokens[:, None] * K + k0 + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            if DOT:
+                y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
+            else:  # one token
+                y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        if DOT:
+            y = tl.trans(y_t)
     if HAS_BIAS:
         y += bias
     tl.store(out_ptr + tokens[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty),
@@ -638,7 +787,29 @@ def _l2_bytes(device: torch.device) -> int:
     return _L2_BYTES[device]
 
 
-def supports(block, n_tokens: int, device: torch.device) -> str | None:
+def _w12(packed: Packed12Linear | None) -> dict:
+    """A GEMV launch's 12-bit arguments for a packed weight (none for a native one). The window's scales go as a
+    tensor made once per matrix: Python floats would be constants of each launch (and of a compiled caller)."""
+    if packed is None:
+        return {}
+    scales = getattr(packed, "_fused_scales", None)
+    if scales is None or scales.device != packed.q.device:
+        scales = packed._fused_scales = torch.tensor(packed.x_scales, dtype=torch.float32, device=packed.q.device)
+    return dict(q_ptr=packed.q, row_ptr_ptr=packed.row_ptr, exc_col_ptr=packed.exc_col, exc_val_ptr=packed.exc_val,
+                scales_ptr=scales, W12=True)
+
+
+def _cfg12(cfg: dict, packed: Packed12Linear | None) -> dict:
+    """A 12-bit launch's tile holds whole groups of 8 weights: a K tile of at least 16 columns (2 groups)."""
+    return cfg if packed is None else dict(cfg, BLOCK_K=max(cfg["BLOCK_K"], 16))
+
+
+def _single(cfg: dict, k: int, packed: Packed12Linear | None) -> bool:
+    """Whether all of K is one tile: of weights and activations (native), of 12-bit words (their K / 8 groups)."""
+    return cfg["BLOCK_K"] >= k if packed is None else cfg["BLOCK_K"] // 8 >= packed.k8
+
+
+def supports(block, n_tokens: int, device: torch.device, w12: bool = False) -> str | None:
     """Why this layer cannot run a step of `n_tokens` tokens, or None when it can.
 
     Steps of several tokens run here only while a layer's weights fit in the GPU's L2: the FMA path's token programs
@@ -648,6 +819,8 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
     while one token was level (134.5 against 135.1 µs); SmolLM2's 7 MB layers gain at every size up to 16."""
     if n_tokens > MAX_TOKENS:
         return f"{n_tokens} tokens in a step (at most {MAX_TOKENS})"
+    if w12 and n_tokens > FMA_MAX_TOKENS:
+        return f"{n_tokens} tokens in a step with 12-bit weights (the FMA path reads them: at most {FMA_MAX_TOKENS})"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "no GPU (and Triton's interpreter is off)"
     if n_tokens > 1 and device.type == "cuda" and _weight_bytes(block) > _l2_bytes(device):
@@ -660,7 +833,7 @@ def supports(block, n_tokens: int, device: torch.device) -> str | None:
 
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None,
-                qkv_input=None):
+                qkv_input=None, weights12=None):
     """Block.forward's contract (engine/model.py) in five kernels (six with a per-head q/k norm): (x, delta) in,
     (x', delta') out, the tokens' K/V written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed:
     each token's `positions` and `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows
@@ -678,8 +851,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     no kernel skips them (a GEMV tile holds 16 tokens), so every value they leave, in the cache too, is computed.
 
     `qkv_input` [B, T, K] (an EAGLE-3 head's layer, `draft_layer`): q/k/v read it as it is (normed by the caller, K
-    may differ from the hidden size), and the residual stream is `x` alone (`delta` is not read)."""
+    may differ from the hidden size), and the residual stream is `x` alone (`delta` is not read).
+
+    `weights12` (`weights.format: lossless12`): the layer's (wqkv, wo, w13, w2) as Packed12Linear, read instead of
+    the block's bf16 matrices (FMA-path steps only: `supports(..., w12=True)`)."""
     cfg = block.cfg
+    p_qkv, p_o, p_mlp, p_down = weights12 if weights12 is not None else (None,) * 4
+    if weights12 is not None and x.shape[0] * x.shape[1] > FMA_MAX_TOKENS:
+        raise ValueError(f"fused layer: 12-bit weights need a step of at most {FMA_MAX_TOKENS} tokens")
     if kv_cache.stride(-1) != 1:
         raise ValueError("fused layer: the KV cache needs unit stride along head_dim")
     B, T, hidden = x.shape
@@ -713,7 +892,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         x1 = qkv_input.reshape(M, k1).contiguous()
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
-    cfg1 = gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv")
+    cfg1 = _cfg12(gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv"), p_qkv)
     # With Qwen3's per-head q/k norm, q and k go as computed to `raw`, and a kernel of their own norms and rotates them
     raw = torch.empty(M, H + Hkv, D, dtype=dt, device=dev) if cfg.qk_norm else q
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
@@ -721,9 +900,9 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         block.bqkv if block.bqkv is not None else block.wqkv, raw,
         cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
-        DOT_PRECISION=precision, SINGLE=cfg1["BLOCK_K"] >= k1, BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
+        DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
         BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], NORM=qkv_input is None, **pdl,
-        **_token_skip(skip, cfg1))
+        **_token_skip(skip, cfg1), **_w12(p_qkv))
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
             raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
@@ -747,29 +926,29 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
-    cfg3 = gemv_blocks(hidden, H * D, M, width, role="o")
+    cfg3 = _cfg12(gemv_blocks(hidden, H * D, M, width, role="o"), p_o)
     _gemv[grid(cfg3, hidden, M)](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=cfg3["BLOCK_K"] >= H * D, **cfg3, **pdl,
-        **_token_skip(skip, cfg3))
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **cfg3, **pdl,
+        **_token_skip(skip, cfg3), **_w12(p_o))
 
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
     act = torch.empty(M, inter, dtype=dt, device=dev)
-    cfg4 = gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp")
+    cfg4 = _cfg12(gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp"), p_mlp)
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
-        SINGLE=cfg4["BLOCK_K"] >= hidden, BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4))
+        SINGLE=_single(cfg4, hidden, p_mlp), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
+        num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
-    cfg5 = gemv_blocks(hidden, inter, M, width, role="down")
+    cfg5 = _cfg12(gemv_blocks(hidden, inter, M, width, role="down"), p_down)
     _gemv[grid(cfg5, hidden, M)](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=cfg5["BLOCK_K"] >= inter, **cfg5, **pdl, **_token_skip(skip, cfg5))
+        SINGLE=_single(cfg5, inter, p_down), **cfg5, **pdl, **_token_skip(skip, cfg5), **_w12(p_down))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 
@@ -845,29 +1024,42 @@ def supports_tree(block, batch: int, nodes: int, device: torch.device) -> str | 
     return supports(block, batch * nodes, device)
 
 
-def layer_function(fallback):
+def layer_function(fallback, packed: dict | None = None):
     """The engine's layer function for `layer: fused`: steps this file supports run here, others (prefill, large
-    batches, the CPU without the interpreter, trees it cannot mask) run `fallback`, the modular layer."""
+    batches, the CPU without the interpreter, trees it cannot mask) run `fallback`, the modular layer. `packed`
+    (`weights.format: lossless12`, engine/weights.py): each bf16 matrix's data_ptr() -> its 12-bit planes, which
+    this file's steps then read (the fallback's linear slot reads them too)."""
+    w12 = packed is not None
+
+    def planes(block):
+        return tuple(packed[w.data_ptr()] for w in (block.wqkv, block.wo, block.w13, block.w2)) if w12 else None
+
+    def runs(block, n_tokens, device) -> bool:
+        return supports(block, n_tokens, device, w12) is None
+
     def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None, slots=None,
               tree_ancestors=None):
         B, T = x.shape[:2]
-        if slots is None and supports(block, B * T, x.device) is None:  # packed or not, rows say where tokens go
-            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live)
-        if slots is not None and tree_ancestors is not None and supports_tree(block, B, T, x.device) is None:
+        if slots is None and runs(block, B * T, x.device):  # packed or not, rows say where tokens go
+            return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live,
+                               weights12=planes(block))
+        if (slots is not None and tree_ancestors is not None and supports_tree(block, B, T, x.device) is None
+                and runs(block, B * T, x.device)):
             roots = slots[:, :1].expand(B, T)  # node 0, the root, sits at its tree's first slot
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, slots, masks, ops, live,
-                               tree=(roots, tree_ancestors))
+                               tree=(roots, tree_ancestors), weights12=planes(block))
         extra = {k: v for k, v in (("unpack", unpack), ("slots", slots)) if v is not None}
         return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, **extra)
 
     def last(block, x, delta, weight, eps, live=None):
         """The final norm in one kernel for the steps this file runs; None for the others."""
-        if supports(block, x.shape[0] * x.shape[1], x.device) is None:
+        if runs(block, x.shape[0] * x.shape[1], x.device):
             return final_norm(x, delta, weight, eps, live)
         return None
 
-    layer.needs_masks = lambda block, n_tokens, device: supports(block, n_tokens, device) is not None
-    layer.tree_needs_masks = lambda block, batch, nodes, device: supports_tree(block, batch, nodes, device) is not None
+    layer.needs_masks = lambda block, n_tokens, device: not runs(block, n_tokens, device)
+    layer.tree_needs_masks = lambda block, batch, nodes, device: (supports_tree(block, batch, nodes, device) is not None
+                                                                  or not runs(block, batch * nodes, device))
     layer.takes_tree_ancestors = True  # Transformer.forward passes TreeStep.ancestor_bits
     layer.final_norm = last
     layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
@@ -879,7 +1071,7 @@ def layer_function(fallback):
 # -- checking and timing -----------------------------------------------------------------------------------------
 # Both take the layer to compare with as an argument (the engine's modular `Block.forward`, plain or compiled), since
 # kernels never import the engine.
-def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0) -> float:
+def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0, planes=None) -> float:
     """Compare `fused_layer` with `reference` (Block.forward with the torch slots) on every layer of `model`, at steps
     of (B, T) tokens at random, ragged positions over a randomly filled cache of 512 slots: outputs and cache writes.
 
@@ -887,7 +1079,8 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
     and attention with large logits magnifies one rounding step (a score's last bit moves its weight by e^ulp), so
     each is compared with the reference run in fp32 on the same inputs, and the fused layer's error must be at most
     twice the modular layer's own (plus 1e-3). The final norm (`final_norm`) is checked the same way against the
-    modular tail's add and RMSNorm. Returns the largest error; raises AssertionError beyond the bound."""
+    modular tail's add and RMSNorm. Returns the largest error; raises AssertionError beyond the bound. `planes`
+    (block -> its (wqkv, wo, w13, w2) as Packed12Linear): the fused layer reads those 12-bit weights."""
     import copy
 
     g = torch.Generator().manual_seed(seed)
@@ -911,7 +1104,8 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
             cache = torch.randn(2, B, cfg.n_kv_heads, n_slots, cfg.head_dim, generator=g).to(dev, dt)
             mine = cache.clone()
             want = reference(block, x, delta, cos, sin, cache, rows, positions, masks, model.default_ops)
-            got = fused_layer(block, x, delta, cos, sin, mine, rows, positions, masks, model.default_ops)
+            got = fused_layer(block, x, delta, cos, sin, mine, rows, positions, masks, model.default_ops,
+                              weights12=planes(block) if planes is not None else None)
             if dt == torch.float32:
                 exact, bound = (*want, cache), None
             else:

@@ -193,7 +193,7 @@ def test_ragged_on_the_fused_layer(tiny_model_dir):
     want = Engine(loaded, parse({})).generate(prompts, 12, ignore_eos=True)
     calls = []
     real = triton_fused_layer.fused_layer
-    triton_fused_layer.fused_layer = lambda *a: calls.append(a[1].shape[1]) or real(*a)
+    triton_fused_layer.fused_layer = lambda *a, **kw: calls.append(a[1].shape[1]) or real(*a, **kw)
     try:
         got = ragged_engine(loaded, [1, 4], layer="fused").generate(prompts, 12, ignore_eos=True)
     finally:

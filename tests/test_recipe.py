@@ -94,8 +94,6 @@ def test_root_must_be_an_object():
     ({"batch": {"max_batch_size": 0}}, "batch.max_batch_size", ">= 1"),
     ({"specpilot_recipe": 2}, "specpilot_recipe", "version 2"),
     ({"layer": "fusedd"}, "layer", "modular, fused"),
-    ({"layer": "fused", "weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}, "layer",
-     "native weights"),
 ])
 def test_invalid_values_are_rejected(data, path, words):
     with pytest.raises(RecipeError) as e:

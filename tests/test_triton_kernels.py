@@ -249,6 +249,42 @@ def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
     assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((1, 1), (1, 5))) < 2e-5
 
 
+def test_fused_layer_reads_12bit_weights(tiny_model_dir, monkeypatch):
+    """`weights.format: lossless12` on the fused layer: its GEMVs read each matrix's Packed12Linear planes (weights
+    that are bf16 values, escapes above and below the exponent window, a K of 100 that pads its last group, q/k/v
+    biases) and agree with the modular layer on those values, in one tile of K and in chunks; a flipped exponent
+    bit or a dropped escape is caught, so the planes are what it reads."""
+    import dataclasses
+
+    from specpilot.kernels.lossless12_format import to_linear_planes
+
+    model = load(str(tiny_model_dir("qwen2", hidden_size=64, intermediate_size=100, num_hidden_layers=1)), "fp32",
+                 "cpu").model
+    block, g = model.layers[0], torch.Generator().manual_seed(1)
+    matrices = (block.wqkv, block.wo, block.w13, block.w2)
+    with torch.no_grad():
+        for w in matrices:  # bf16 values, with an outlier above the window and a tiny value below it
+            w.copy_(w.to(torch.bfloat16).float())
+            at = torch.randperm(w.numel(), generator=g)[:2]
+            w.view(-1)[at] = torch.tensor([16.0, -2.5e-9])
+    planes = tuple(to_linear_planes(w.detach().to(torch.bfloat16)) for w in matrices)
+    assert all(p.exc_val.numel() >= 2 for p in planes) and planes[3].k8 * 8 > 100
+    assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1), (3, 2)), planes=lambda b: planes) < 2e-5
+    # K in tiles of 32 (4 groups): each GEMV loops over its groups (the interpreter runs programs one by one, so
+    # the tiles keep many rows a program)
+    tiles = {role: {"rows": 16, "block_k": 32, "warps": 4} for role in triton_fused_layer.ROLES}
+    monkeypatch.setattr(triton_fused_layer, "FMA_TILES", tiles)
+    assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: planes) < 2e-5
+
+    q = planes[2].q.clone()
+    q[1, 2] ^= 0x00800000  # an exponent bit of one gate weight
+    flipped = (*planes[:2], dataclasses.replace(planes[2], q=q), planes[3])
+    dropped = (dataclasses.replace(planes[0], exc_val=torch.zeros_like(planes[0].exc_val)), *planes[1:])
+    for wrong in (flipped, dropped):
+        with pytest.raises(AssertionError):
+            triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: wrong)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch, family):
     """With FMA_MAX_TOKENS lowered to 1, steps of several tokens take the tensor-core path (W_tile @ H^T) instead of
@@ -437,7 +473,7 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
         fused = Engine(loaded, parse({**recipe, "layer": "fused"}))
         want = Engine(loaded, parse(recipe)).generate(rows, 6, ignore_eos=True)
         calls.clear()
-        triton_fused_layer.fused_layer = lambda *a: calls.append(1) or real(*a)
+        triton_fused_layer.fused_layer = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         try:
             got = fused.generate(rows, 6, ignore_eos=True)
         finally:
@@ -445,6 +481,25 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
         assert [r.tokens for r in got] == [r.tokens for r in want], recipe
         assert [r.accepted for r in got] == [r.accepted for r in want], recipe
         assert bool(calls) == (recipe.get("k", 0) < 8), recipe  # fused steps ran, or the modular fallback did
+
+
+def test_engine_with_the_fused_layer_on_12bit_weights_decodes_the_ar_tokens(tiny_model_dir, monkeypatch):
+    """`layer: fused` with `weights.format: lossless12` (a bf16 target): the engine hands the layer its 12-bit planes,
+    its steps read them (AR, and n-gram verification of 5 tokens on the FMA path, dead tokens skipped), and the
+    greedy tokens are the bf16 modular AR's; a step of 9 tokens runs the modular layer on the 12-bit linear slot."""
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1, intermediate_size=100)), "bf16", "cpu")
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 256, (6,), generator=g).tolist() * 3]
+    want = Engine(loaded, parse({})).generate(rows, 5, ignore_eos=True)
+    real, read = triton_fused_layer.fused_layer, []
+    monkeypatch.setattr(triton_fused_layer, "fused_layer", lambda *a, **kw: read.append(kw["weights12"] is not None)
+                        or real(*a, **kw))
+    twelve = {"layer": "fused", "weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
+    for recipe in ({}, {"drafter": {"kind": "ngram"}, "k": 4}, {"drafter": {"kind": "ngram"}, "k": 8}):
+        read.clear()
+        got = Engine(loaded, parse({**recipe, **twelve})).generate(rows, 5, ignore_eos=True)
+        assert [r.tokens for r in got] == [r.tokens for r in want], recipe
+        assert (read and all(read)) if recipe.get("k", 0) < 8 else not read, recipe
 
 
 def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkeypatch):

@@ -5,7 +5,7 @@ What it measures (issue #24 items 1-3, B = 1 by default). One `specpilot bench` 
 bf16, code and chat prompts (2 each, the packaged SmolLM2 tokenizer), 128 new tokens, no EOS. Systems: `ar`, `stock`
 (whose n-gram drafts of a random model's text mean nothing), AR on the fused and on the modular layer with overlap
 (`ar-fused-overlap`, `ar-overlap`: the report gives each speculative system over the faster of the two), 12-bit AR
-(`ar-lossless12`), AR with the Triton attention and with the Triton GEMV (`ar-attention-triton`,
+on the modular layer and on the fused one (`ar-lossless12`, `ar-lossless12-fused-overlap`), AR with the Triton attention and with the Triton GEMV (`ar-attention-triton`,
 `ar-linear-triton`: the levers the eighteenth lease's profile of AR named), and two replay recipes (engine/replay.py: the target's own AR continuation, corrupted to a
 profile, drafted at the cost of an EAGLE-3 head of the target's shape with random weights), chained, k = 4, on the
 fused layer with overlap:
@@ -57,8 +57,10 @@ def recipes(ctx, layers=("fused",)) -> list:
     """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights. The replay recipes
     once per layer: on the fused layer with overlap under their own names, on another with the layer's name added."""
     fast = {"layer": "fused", "overlap": True}
-    twelve = [] if ctx.smoke else [ctx.recipe("ar-lossless12", {"weights": {"format": "lossless12"},
-                                                                 "kernels": {"linear": "builtin:lossless12"}})]
+    l12 = {"weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}}
+    # 12-bit AR on the modular layer, and on the fused one (whose one-token steps read the 12-bit planes)
+    twelve = [] if ctx.smoke else [ctx.recipe("ar-lossless12", l12),
+                                   ctx.recipe("ar-lossless12-fused-overlap", {**l12, **fast})]
     # AR with the Triton attention (reads only the cache blocks a row has written; the default math attention reads
     # all 512 slots, 0.18 ms of an 8B step) and the Triton GEMV (q/k/v and o ran at 76-78% of the bandwidth with
     # cuBLAS): the eighteenth lease's profile of AR at 8B (G); CUDA only

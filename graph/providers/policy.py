@@ -18,7 +18,7 @@ from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
 from ...engine.loader import ALIASES
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
 from ...engine.tree import DynamicTree, chains
-from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
+from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
 from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
                                 ModelShape, Prediction, expected_tokens, predict)
 from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
@@ -966,8 +966,9 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
         skipped.add(f"layer already {recipe.layer}")
     elif not view.cuda:
         cuda_only.append("layer fused")
-    elif recipe.weights.format != "native":
-        skipped.add(f"layer fused: reads native weights only (this recipe's are {recipe.weights.format})")
+    elif recipe.weights.format != "native" and tokens > FUSED_LAYER_FMA_MAX_TOKENS:
+        skipped.add(f"layer fused: reads {recipe.weights.format} weights in steps of up to "
+                    f"{FUSED_LAYER_FMA_MAX_TOKENS} tokens, this step has {tokens}")
     elif tokens > FUSED_LAYER_MAX_TOKENS:
         skipped.add(f"layer fused: up to {FUSED_LAYER_MAX_TOKENS} tokens a step, this step has {tokens}")
     elif verify_gain < MIN_GAIN:
@@ -981,11 +982,16 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
     # attention, linear and rmsnorm slots serve prefill only there: a candidate changing them changes no step (on the
     # H200 two such candidates took a round's budget, 2026-12-02). The accept slot works outside the layer.
     layer_slots_idle = recipe.layer == "fused" and view.cuda and tokens <= FUSED_LAYER_MAX_TOKENS
+    # ... but it reads 12-bit weights itself in steps of up to FUSED_LAYER_FMA_MAX_TOKENS: there the weight format
+    # (which comes with its linear kernel) still changes every step
+    formats_count = layer_slots_idle and tokens <= FUSED_LAYER_FMA_MAX_TOKENS
     if layer_slots_idle:
         skipped.add(f"attention, linear and rmsnorm kernels: the fused layer runs each {tokens}-token step in its own "
-                    f"kernels (those slots serve prefill only)")
+                    f"kernels (those slots serve prefill only"
+                    + (", except that the weight format it reads comes with the linear kernel)" if formats_count
+                       else ")"))
     for slot in ("attention", "linear", "rmsnorm", "accept"):
-        if layer_slots_idle and slot != "accept":
+        if layer_slots_idle and slot != "accept" and not (slot == "linear" and formats_count):
             continue
         now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
         runnable = [i for i in IMPLEMENTATIONS[slot] if view.cuda or not needs_triton(slot, i)]
@@ -1026,7 +1032,8 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                         f"12-bit lossless weights (linear {impl}, weights.format lossless12): "
                         f"{LOSSLESS12_BYTES_PER_PARAM} instead of {dep.bytes_per_param:g} bytes a weight; the "
                         f"calibrated cost model's memory floor {ms(cur.memory_floor_s)} -> {ms(p.memory_floor_s)}, "
-                        f"{_phases(p)} against {ms(cur.step_s)} (+{gain:.0%} tok/s)"), (0, -gain)))
+                        f"{_phases(p)} against {ms(cur.step_s)} (+{gain:.0%} tok/s)"
+                        + ("; the fused layer's steps read them" if formats_count else "")), (0, -gain)))
                 elif recipe.weights.format == "native":
                     continue  # builtin:torch is what a native-weight recipe already reads its weights with
                 else:

@@ -49,6 +49,8 @@ SYSTEMS = {
                                     "accept": "builtin:triton"}},
     "ar-lossless12": {"name": "ar-lossless12", "weights": {"format": "lossless12"},
                       "kernels": {"linear": "builtin:lossless12"}},
+    "ar-lossless12-fused-overlap": {"name": "ar-lossless12-fused-overlap", "layer": "fused", "overlap": True,
+                                    "weights": {"format": "lossless12"}, "kernels": {"linear": "builtin:lossless12"}},
     "ar-fused": {"name": "ar-fused", "layer": "fused"},
     "ar-fused-overlap": {"name": "ar-fused-overlap", "layer": "fused", "overlap": True},
     "ngram-k4-fused": {"name": "ngram-k4-fused", "drafter": {"kind": "ngram"}, "k": 4, "layer": "fused"},
