@@ -261,6 +261,80 @@ def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok,
 
 
 @triton.jit
+def _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t: tl.constexpr, K8, K, pid):
+    """r = x + delta at slot t's columns, rounded as the modular layer's add; the first row block stores it."""
+    cols = t * K8 + j
+    ok = token_ok[:, None] & (j_ok & (cols < K))[None, :]
+    offs = tokens[:, None] * K + cols[None, :]
+    r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                 + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
+    if pid == 0:
+        tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
+    return r
+
+
+@triton.jit
+def _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r, t: tl.constexpr, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+           x_scale, TWO: tl.constexpr):
+    """acc += slot t's f patterns times h = the norm of r (slot t's residual slice), as `_normed` makes it."""
+    cols = t * K8 + j
+    nw = tl.load(norm_ptr + cols, mask=j_ok & (cols < K), other=0.0).to(tl.float32)
+    h = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr) * x_scale
+    acc_a += _slot12(a0, a1, a2, t) * h
+    if TWO:
+        acc_b += _slot12(b0, b1, b2, t) * h
+    return acc_a, acc_b
+
+
+@triton.jit
+def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok, K8, x_ptr, delta_ptr, resid_ptr,
+                   norm_ptr, eps, tokens, token_ok, K, pid, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr,
+                   TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
+    """`_gemv12` for a normed input with all of K's groups in the words a0..b2 (loaded before the PDL wait): each
+    slot's slice of x + delta read once and held in registers for the norm's statistics and the products (the
+    general path reads the activations twice: 40 KB of L2 reads a program of two rows at Llama-3.1-8B's K, against
+    12 KB of 12-bit weights). Returns ([1, rows] of each row set, escapes included, the row's inverse RMS)."""
+    j = tl.arange(0, BLOCK_K8)
+    j_ok = j < K8
+    r0 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 0, K8, K, pid)
+    r1 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 1, K8, K, pid)
+    r2 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 2, K8, K, pid)
+    r3 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 3, K8, K, pid)
+    r4 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 4, K8, K, pid)
+    r5 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 5, K8, K, pid)
+    r6 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 6, K8, K, pid)
+    r7 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 7, K8, K, pid)
+    sq = (tl.sum(r0 * r0, axis=1) + tl.sum(r1 * r1, axis=1) + tl.sum(r2 * r2, axis=1) + tl.sum(r3 * r3, axis=1)
+          + tl.sum(r4 * r4, axis=1) + tl.sum(r5 * r5, axis=1) + tl.sum(r6 * r6, axis=1) + tl.sum(r7 * r7, axis=1))
+    inv_rms = 1.0 / tl.sqrt(sq / K + eps)
+    x_scale = tl.load(scales_ptr)
+    sum_scale = tl.load(scales_ptr + 1)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r0, 0, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r1, 1, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r2, 2, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r3, 3, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r4, 4, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r5, 5, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r6, 6, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r7, 7, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                          x_scale, TWO)
+    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
+                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True)
+    yb = ya
+    if TWO:
+        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
+                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True)
+    return ya, yb
+
+
+@triton.jit
 def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
     """A GEMV program's start: with PDL, let the next kernel launch now; then (its tokens, which of them are real,
     its row block). Tokens are grid axis 0 (one a program on the FMA path, BLOCK_M = 1), row blocks axis 1."""
@@ -359,7 +433,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
         inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / K + eps)
         h_single = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
-    elif NORM:
+    elif NORM and not (W12 and SINGLE):  # (with both, `_gemv12_normed` reads each slot's slice once)
         sq = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ok = token_ok[:, None] & (k0 + cols < K)[None, :]
@@ -372,7 +446,12 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 
     # Pass 2: both row sets' dot products with h, tile by tile of K.
-    if W12:
+    if W12 and SINGLE and NORM:
+        ya, yb = _gemv12_normed(tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32),
+                                a0, a1, a2, b0, b1, b2, rows_a, rows_b, pair_ok, K8, x_ptr, delta_ptr, resid_ptr,
+                                norm_ptr, eps, tokens, token_ok, K, pid, row_ptr_ptr, exc_col_ptr, exc_val_ptr,
+                                scales_ptr, TWO, BLOCK_M, BLOCK_K8)
+    elif W12:
         ya, yb = _gemv12(tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32),
                          a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, pair_ok, K8, x_ptr, delta_ptr, norm_ptr,
                          inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM, TWO,
