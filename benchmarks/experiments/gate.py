@@ -4,7 +4,7 @@ What it measures. `specpilot check` (docs/GATE.md; the candidate in its own proc
 subprocess), bf16, 4 questions x 128 new tokens a workload (`--limit 8` for the B = 8 recipes), for each recipe:
 `armiss` (B = 1: the adaptive min-2 n-gram with ar_after_miss on the fused layer, overlap on: verification with
 dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit weights and the 12-bit linear
-kernels), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
+kernels; `lossless12-fused` the same on the fused layer, whose steps read the 12-bit planes), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
 n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), `stock-head` (smollm2's
 stock: its packaged EAGLE-3 head's chain of 2, modular layer), `eagle3-k2` and `eagle3-tree` (that head's chain of 2
 and a dynamic tree of 8 tokens on the fused layer with overlap), `eagle3-k2-b4` (the chain at B = 4, continuously
@@ -31,6 +31,10 @@ RECIPES = {
                "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True, "ar_after_miss": True}},
     "lossless12": {"drafter": {"kind": "ngram"}, "k": 4, "weights": {"format": "lossless12"},
                    "kernels": {"linear": "builtin:lossless12"}},
+    # ... on the fused layer, whose steps of up to 6 tokens (k = 4: 5) read the 12-bit planes themselves
+    "lossless12-fused": {"drafter": {"kind": "ngram"}, "k": 4, "weights": {"format": "lossless12"},
+                         "kernels": {"linear": "builtin:lossless12"}, "layer": "fused", "overlap": True,
+                         "batch": {"max_batch_size": 1}},
     # armiss with the batch controller, padded and ragged, gated at B = 8 (the gate's batch is the recipe's
     # max_batch_size): rows of different lengths verified together, packed in the ragged one
     "cost-b8": {"k": 4, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 8, "controller": "cost"},
