@@ -42,7 +42,8 @@ def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None
         return Eagle3Drafter(load_head(spec.model, target.model), recipe.k)
     if spec.kind == "replay":  # its cost: a head's drafting, when drafter.model names one
         cost = Eagle3Drafter(load_head(spec.model, target.model), recipe.k) if spec.model else None
-        return ReplayDrafter(spec.acceptance, target.model.cfg.vocab_size, target.model.device, cost)
+        return ReplayDrafter(spec.acceptance, target.model.cfg.vocab_size, target.model.device, cost,
+                             ranks=spec.ranks)
     if draft is None:
         draft = loader.load(spec.model, spec.dtype or target.model.dtype, str(target.model.device))
     check_same_vocabulary(target, draft)

@@ -43,6 +43,9 @@ class DrafterSpec:
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
     ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
     acceptance: list = field(default_factory=list)  # replay: a_i, the chance a step accepts >= i drafts, i = 1..k
+    # replay on a tree: per depth i, the chances that the target's token is the drafter's 2nd, 3rd, ... candidate
+    # there (its 1st is acceptance's a_i / a_{i-1}), given that the path to it was right
+    ranks: list = field(default_factory=list)
 
 
 @dataclass
@@ -178,6 +181,8 @@ def _check(r: Recipe) -> Recipe:
         _check_replay(r, bad)
     elif r.drafter.acceptance:
         bad("drafter.acceptance", "is a replay drafter's profile (drafter.kind 'replay')")
+    elif r.drafter.ranks:
+        bad("drafter.ranks", "is a replay drafter's profile (drafter.kind 'replay')")
     if r.drafter.kind == "eagle3" and r.drafter.dtype:
         bad("drafter.dtype", "an eagle3 head runs in the target's dtype (it reads the target's hidden states)")
     for slot, impl in r.kernels.items():
@@ -222,6 +227,22 @@ def _check_replay(r: Recipe, bad) -> None:
         if i and v > a[i - 1]:
             bad("drafter.acceptance", f"value {i + 1} ({v}) is above value {i} ({a[i - 1]}): a step cannot accept "
                                       f"{i + 1} drafts more often than {i}")
+    ranks = r.drafter.ranks
+    if not ranks:
+        return
+    if r.verification != "tree" or r.tree.kind != "static":
+        bad("drafter.ranks", "places the target's token among a static tree's siblings: it needs verification "
+                             "'tree' with tree.kind 'static'")
+    if not isinstance(ranks, list) or len(ranks) > r.k:
+        bad("drafter.ranks", f"needs at most k = {r.k} lists (one a depth), got {ranks!r}")
+    firsts = [v / before if before > 0 else 0.0 for v, before in zip(a, [1.0, *a])]  # (replay.kept_probabilities)
+    for i, (first, more) in enumerate(zip(firsts, ranks)):
+        if not isinstance(more, list) or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+                                             for v in more):
+            bad("drafter.ranks", f"depth {i + 1} must be a list of numbers in [0, 1], got {more!r}")
+        if first + sum(more) > 1 + 1e-9:
+            bad("drafter.ranks", f"depth {i + 1}: the 1st candidate's {first:.3g} (acceptance) and these "
+                                 f"{sum(more):.3g} add up to more than 1")
 
 
 def _check_tree(r: Recipe, bad) -> None:

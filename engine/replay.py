@@ -16,9 +16,13 @@ left its reference (the target emitted another token than AR did: a bf16 near-ti
 none and drafts nothing from then on; the bench's τ shows it. (Synthetic targets are drawn so that their greedy
 tokens win by a wide margin: engine/synthetic.py.)
 
-Trees (static, `propose_tree`): the first-child chain holds the replayed drafts and every other node a wrong id of
-its depth, so a tree step verifies all N nodes (its real cost) and accepts a path as deep as the profile says: the
-profile is then per depth of the accepted path, as a tree drafter's measured one is.
+Trees (static, `propose_tree`): a real drafter's tree wins over its chain where the target's token is not the
+drafter's first candidate but its second or third, which the siblings hold. So at each depth a draw says which of
+the drafter's candidates the target's token is: the 1st with the chain's chance (the profile's a_i / a_{i-1}), the
+2nd, 3rd, ... with `drafter.ranks`' chances, or none; the node on the path of those candidates holds the true token
+and every other node a wrong id of its depth, so a tree step verifies all N nodes (its real cost) and accepts as
+deep as its branches follow the candidates. Without `ranks` the tree accepts along its first-child chain only, as
+deep as the chain would.
 
 Corruption: draft i is kept with probability p_i = a_i / a_{i-1} (a_0 = 1), else replaced by another id. Draft i is
 accepted when it and every draft before it are kept, so a step verifying k drafts accepts at least i of them with
@@ -44,12 +48,51 @@ def kept_probabilities(acceptance: list[float]) -> list[float]:
     return kept
 
 
-def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor,
-                  table_lengths: torch.Tensor, kept: torch.Tensor, seed: torch.Tensor, vocab: int):
-    """[rows, k] drafts, [rows] valid counts and the [rows, k] true continuation: each row's continuation in the
-    reference `table` [R, S] (prompt + AR continuation, `table_lengths` [R] long), each draft replaced by another id
-    unless a uniform draw falls below its `kept` probability [k]."""
-    rows = history.shape[0]
+def ranks_from_trees(chain: list[float], wider: dict[int, list[float]]) -> list[list[float]]:
+    """`drafter.ranks` from measured acceptance (the bench's acceptance_by_position, per depth): `chain` a chain's of
+    depth D, `wider[w]` that of a "fishbone" tree of depth D (the first-child chain with w candidates at each depth,
+    only the chain expanded), for w = 2, 3, ... W. Such a tree accepts depth d when the path to it was the chain and
+    the target's token is one of the w candidates at d, so the chance that it is candidate r + 1 given a right path
+    is (wider[r + 1][d] - wider[r][d]) / chain[d - 1] (wider[1] = chain, chain[0 - 1] = 1). Measured acceptance is
+    noisy: negative chances are 0, and a depth whose chances would pass 1 with the chain's is scaled down to fit;
+    past a depth the chain never reaches nothing is known (0). The replay then assumes these chances for every
+    right path, not only the chain (which is where they were measured)."""
+    widths = sorted(wider)
+    if widths != list(range(2, len(widths) + 2)):
+        raise ValueError(f"fishbone widths must be 2, 3, ... without a gap, got {widths}")
+    if any(len(a) != len(chain) for a in wider.values()):
+        raise ValueError("every fishbone's acceptance needs the chain's depth")
+    levels = [chain] + [wider[w] for w in widths]
+    out = []
+    for d, first in enumerate(kept_probabilities(chain)):
+        before = chain[d - 1] if d else 1.0
+        chances = [max(0.0, (levels[r][d] - levels[r - 1][d]) / before) if before > 0 else 0.0
+                   for r in range(1, len(levels))]
+        room = max(0.0, 1.0 - first)
+        if sum(chances) > room:
+            chances = [c * room / sum(chances) for c in chances]
+        out.append(chances)
+    return out
+
+
+def rank_edges(acceptance: list[float], ranks: list[list[float]]) -> list[list[float]]:
+    """Per depth, the cumulative chances that the target's token is the drafter's 1st, 2nd, ... candidate (the 1st's
+    from the acceptance profile, the others' from `ranks`), padded with the last to one width: a uniform draw u
+    falls at candidate c where edges[c - 1] <= u < edges[c], and is no candidate at all past the last."""
+    rows = []
+    for i, first in enumerate(kept_probabilities(acceptance)):
+        edge, total = [], 0.0
+        for p in [first, *(ranks[i] if i < len(ranks) else [])]:
+            total += p
+            edge.append(total)
+        rows.append(edge)
+    width = max(map(len, rows))
+    return [edge + [edge[-1]] * (width - len(edge)) for edge in rows]
+
+
+def _references(history, lengths, k, table, table_lengths):
+    """Each row's reference in `table` [R, S] (prompt + AR continuation, `table_lengths` [R] long): ([rows, k] the
+    true continuation, [rows] how many of it the reference has, [rows] which reference)."""
     width = min(history.shape[1], table.shape[1])
     position = torch.arange(width, device=history.device)
     compared = torch.minimum(lengths[:, None], table_lengths[None, :])  # [rows, R]
@@ -60,6 +103,33 @@ def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: t
     at = (lengths[:, None] + torch.arange(k, device=history.device)).clamp(max=table.shape[1] - 1)
     truth = table[ref].gather(1, at)
     valid = torch.where(found, (table_lengths[ref] - lengths).clamp(0, k), torch.zeros_like(lengths))
+    return truth, valid, ref
+
+
+def replay_tree(history, lengths, table, table_lengths, edges, child, seed, vocab: int):
+    """A static tree's [rows, N - 1] node tokens and [rows] valid counts: at each depth a uniform draw (the chain's
+    keep draw) picks the candidate that the target's token is (`edges` [depth, C], cumulative), or none; the node on
+    the path of picked candidates (`child` [N - 1, depth]: each node's child indices from the root, -1 past its
+    depth) holds the true token of its depth, every other node a wrong id of its depth (a distinct one per node)."""
+    rows, depth = history.shape[0], edges.shape[0]
+    truth, valid, ref = _references(history, lengths, depth, table, table_lengths)
+    u = CounterRng(seed, ref, lengths).uniform((rows, depth))
+    rank = (u[..., None] >= edges[None]).sum(-1)
+    rank = torch.where(rank >= edges.shape[1], -2, rank)  # (no candidate: matches no child index)
+    on_path = ((rank[:, None, :] == child[None]) | (child[None] < 0)).all(-1)
+    node_depth = (child >= 0).sum(-1)
+    at = truth.gather(1, (node_depth - 1)[None].expand(rows, -1))
+    index = torch.arange(1, child.shape[0] + 1, device=history.device)
+    return torch.where(on_path, at, (at + index[None]) % vocab), valid
+
+
+def replay_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, table: torch.Tensor,
+                  table_lengths: torch.Tensor, kept: torch.Tensor, seed: torch.Tensor, vocab: int):
+    """[rows, k] drafts, [rows] valid counts and the [rows, k] true continuation: each row's continuation in the
+    reference `table` [R, S] (prompt + AR continuation, `table_lengths` [R] long), each draft replaced by another id
+    unless a uniform draw falls below its `kept` probability [k]."""
+    rows = history.shape[0]
+    truth, valid, ref = _references(history, lengths, k, table, table_lengths)
     draws = CounterRng(seed, ref, lengths)
     keep = draws.uniform((rows, k)) < kept[None, :k]
     other = (truth + 1 + (draws.uniform((rows, k)) * (vocab - 1)).long().clamp(max=vocab - 2)) % vocab
@@ -73,15 +143,17 @@ class ReplayDrafter(Drafter):
     name = "replay"
     variable_drafts = True  # a row past its reference's end, or off it, has fewer
 
-    def __init__(self, acceptance: list[float], vocab: int, device, cost: Drafter | None = None, seed: int = 0):
+    def __init__(self, acceptance: list[float], vocab: int, device, cost: Drafter | None = None, seed: int = 0,
+                 ranks: list[list[float]] | None = None):
         self.acceptance, self.vocab, self.device, self.cost = list(acceptance), vocab, device, cost
         self.kept = torch.tensor(kept_probabilities(acceptance), dtype=torch.float32, device=device)
+        self.edges = torch.tensor(rank_edges(acceptance, ranks or []), dtype=torch.float32, device=device)
         self.seed = torch.tensor([seed], dtype=torch.long, device=device)
         self.needs_hidden_states = cost.needs_hidden_states if cost is not None else None
         self.stateless = cost is None or cost.stateless
         # The replay's own work (find each row's reference, draw its corruptions: some 110 small kernels eagerly,
         # 0.2 ms of an 8B step that a real drafter does not pay) compiled with the decoder's steps (`prepare`)
-        self._drafts = replay_drafts
+        self._drafts, self._tree = replay_drafts, replay_tree
         self.references: dict[tuple[int, ...], list[int]] = {}  # prompt -> prompt + AR continuation
         self.table = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.table_lengths = torch.zeros(1, dtype=torch.long, device=device)
@@ -120,29 +192,26 @@ class ReplayDrafter(Drafter):
         return Proposal(tokens, valid)
 
     def propose_tree(self, history, lengths, shape):
-        """A static tree's nodes [rows, N - 1] and valid flags: the first-child chain ([0], [0, 0], ...) holds the
-        replayed drafts, so the accepted path is as deep as a chain's would be (the profile is per depth of the
-        accepted path, e.g. a tree drafter's measured one); every other node holds a wrong id of its depth, so its
-        verification costs what a real node's does and is never accepted. With a cost head, the head drafts the
-        same tree shape (its nodes discarded)."""
+        """A static tree's nodes [rows, N - 1] and valid flags (`replay_tree`): at each depth the target's token is
+        the drafter's 1st candidate (child 0) with the profile's chance, its 2nd, 3rd, ... (children 1, 2, ...) with
+        `ranks`' (none: never), so a tree accepts as deep as its branches reach the picked candidates, and without
+        `ranks` along its first-child chain only, as deep as a chain would. Every other node holds a wrong id: its
+        verification costs what a real node's does. With a cost head, the head drafts the same tree shape (its
+        nodes discarded)."""
         if self.cost is not None:
             self.cost.propose_tree(history, lengths, shape)
-        chain, valid, truth = self._drafts(history, lengths, shape.depth, self.table, self.table_lengths, self.kept,
-                                           self.seed, self.vocab)
-        index, on_chain, depth = self._tree_index(shape, history.device)
-        wrong = (truth.gather(1, (depth - 1)[None].expand(truth.shape[0], -1)) + index[None]) % self.vocab
-        tokens = torch.where(on_chain[None], chain.gather(1, (depth - 1)[None].expand(chain.shape[0], -1)), wrong)
-        return tokens, valid[:, None] >= depth[None]
+        child = self._children(shape, history.device)
+        tokens, valid = self._tree(history, lengths, self.table, self.table_lengths, self.edges[: shape.depth],
+                                   child, self.seed, self.vocab)
+        return tokens, valid[:, None] >= (child >= 0).sum(-1)[None]
 
-    def _tree_index(self, shape, device):
-        """Per node 1..N-1: its index (1..N-1, a wrong id's offset), whether it is on the first-child chain, its
-        depth."""
+    def _children(self, shape, device) -> torch.Tensor:
+        """[N - 1, depth] each node's child indices from the root, -1 past its depth (made once per shape)."""
         cached = getattr(self, "_tree_cache", None)
         if cached is None or cached[0] != (shape, device):
             paths = shape.paths[1:]
-            cached = ((shape, device), (torch.arange(1, len(paths) + 1, device=device),
-                                        torch.tensor([all(c == 0 for c in p) for p in paths], device=device),
-                                        torch.tensor([len(p) for p in paths], device=device)))
+            cached = ((shape, device), torch.tensor([list(p) + [-1] * (shape.depth - len(p)) for p in paths],
+                                                    dtype=torch.long, device=device))
             self._tree_cache = cached
         return cached[1]
 
@@ -172,6 +241,6 @@ class ReplayDrafter(Drafter):
 
     def prepare(self, ops, layer_fn, compile):
         if compile:
-            self._drafts = compiled(replay_drafts)
+            self._drafts, self._tree = compiled(replay_drafts), compiled(replay_tree)
         if self.cost is not None:
             self.cost.prepare(ops, layer_fn, compile)

@@ -10,6 +10,7 @@ from conftest import TINY_VOCAB
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from specpilot.engine.replay import kept_probabilities, replay_drafts
+from specpilot.engine.replay import rank_edges as replay_rank_edges
 
 
 def prompts(n: int = 5) -> list[list[int]]:
@@ -110,11 +111,17 @@ def test_the_replays_own_work_traces_as_one_graph(loaded, monkeypatch):
     traced = torch.compile(replay.replay_drafts, fullgraph=True, backend="aot_eager")
     for a, b in zip(replay.replay_drafts(*args), traced(*args)):
         assert torch.equal(a, b)
+    edges = torch.tensor(replay.rank_edges([0.8, 0.5], [[0.1, 0.05], [0.2]]))
+    child = torch.tensor([[0, -1], [0, 0], [1, -1], [1, 0], [0, 1]])
+    tree_args = (history, lengths, table, torch.full((6,), 90), edges, child, torch.tensor([7]), 50)
+    traced = torch.compile(replay.replay_tree, fullgraph=True, backend="aot_eager")
+    for a, b in zip(replay.replay_tree(*tree_args), traced(*tree_args)):
+        assert torch.equal(a, b)
     used = []
     monkeypatch.setattr(replay, "compiled", lambda fn: used.append(fn) or fn)
     drafter = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": [0.5]}, "k": 1})).decoder.drafter
     drafter.prepare(None, None, compile=True)
-    assert used == [replay.replay_drafts] and drafter._drafts is replay.replay_drafts
+    assert used == [replay.replay_drafts, replay.replay_tree] and drafter._drafts is replay.replay_drafts
 
 
 def test_kept_probabilities_are_the_profiles_ratios():
@@ -204,6 +211,87 @@ def test_a_replayed_tree_accepts_along_its_first_chain(loaded, ar_tokens, accept
     assert [r.tokens for r in out] == ar_tokens
     steps = [n for r in out for n in r.accepted[:-1]]
     assert set(steps) == ({accepted} if accepted is not None else {0, 1, 2})
+
+
+def test_rank_edges_are_cumulative_per_depth():
+    edges = replay_rank_edges([0.8, 0.4], [[0.1, 0.05]])  # depth 2: 0.4 / 0.8 = 0.5, no 2nd candidate
+    assert torch.allclose(torch.tensor(edges), torch.tensor([[0.8, 0.9, 0.95], [0.5, 0.5, 0.5]]))
+    assert replay_rank_edges([0.6], []) == [[0.6]]
+
+
+@pytest.mark.parametrize("ranks, accepted", [([[1.0], [1.0]], {2}), ([[0.0], [1.0]], {0})])
+def test_a_replayed_tree_accepts_where_its_branches_hold_the_candidates(loaded, ar_tokens, ranks, accepted):
+    """`drafter.ranks`: where the target's token is never the drafter's 1st candidate (a = 0) but always its 2nd,
+    the branch of second children accepts the whole depth, and the first-child chain nothing; with no 2nd candidate
+    at the first depth the tree accepts nothing. Tokens stay AR's."""
+    paths = [[0], [0, 0], [1], [1, 0], [1, 1]]
+    eng = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": [0.0, 0.0], "ranks": ranks}, "k": 2,
+                                "verification": "tree", "cuda_graphs": False,
+                                "tree": {"kind": "static", "paths": paths}}))
+    out = eng.generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens
+    assert {n for r in out for n in r.accepted[:-1]} == accepted
+
+
+def test_replayed_ranks_follow_their_chances():
+    """Over many rows, the depth a tree accepts follows the per-depth chances of each candidate: a 2-wide tree of
+    depth 2 accepts depth 1 with a_1's chance plus the 2nd candidate's, and depth 2 with that times the next."""
+    from specpilot.engine.replay import replay_tree
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 1000, (4000, 40), generator=g)
+    lengths = torch.full((4000,), 20)
+    edges = torch.tensor(replay_rank_edges([0.5, 0.3], [[0.3], [0.2]]))  # depth 1: 0.5 + 0.3; depth 2: 0.6 + 0.2
+    child = torch.tensor([[0, -1], [0, 0], [0, 1], [1, -1], [1, 0], [1, 1]])
+    tokens, valid = replay_tree(table, lengths, table, torch.full((4000,), 40), edges, child, torch.tensor([1]), 1000)
+    truth = table[:, 20:22]
+    right = tokens == truth[:, (child >= 0).sum(-1) - 1]
+    depth1 = right[:, [0, 3]].any(-1).float().mean().item()
+    depth2 = (right[:, [1, 2]] & right[:, [0]] | right[:, [4, 5]] & right[:, [3]]).any(-1).float().mean().item()
+    assert depth1 == pytest.approx(0.8, abs=0.03) and depth2 == pytest.approx(0.8 * 0.8, abs=0.03)
+    assert (right[:, [0, 3]].sum(-1) <= 1).all() and (valid == 2).all()  # one right sibling at most
+
+
+def test_ranks_from_fishbone_trees_invert_what_the_replay_accepts():
+    """The replay of a known rank profile on fishbone trees (the first-child chain with 2 and 3 candidates a depth)
+    accepts, per depth, what `ranks_from_trees` turns back into that profile (within sampling noise)."""
+    from specpilot.engine.replay import ranks_from_trees, replay_tree
+
+    acceptance, ranks = [0.6, 0.3], [[0.2, 0.1], [0.25, 0.05]]
+    g = torch.Generator().manual_seed(8)
+    table = torch.randint(0, 1000, (60, 130), generator=g)  # rows: each reference at 100 lengths (draws differ)
+    history, lengths = table.repeat_interleave(100, 0), torch.arange(10, 110).repeat(60)
+    edges = torch.tensor(replay_rank_edges(acceptance, ranks))
+    truth = history.gather(1, lengths[:, None] + torch.arange(2)[None])
+    measured = {}
+    for width in (1, 2, 3):
+        paths = [[0] * d + [r] for d in range(2) for r in range(width)]
+        child = torch.tensor([p + [-1] * (2 - len(p)) for p in paths])
+        tokens, _ = replay_tree(history, lengths, table, torch.full((60,), 130), edges, child, torch.tensor([2]),
+                                1000)
+        right = tokens == truth[:, (child >= 0).sum(-1) - 1]
+        chain_ok = right[:, 0]  # depth 2's nodes hang below the chain's first node
+        depth1 = right[:, :width].any(-1)
+        depth2 = chain_ok & right[:, width:].any(-1)
+        measured[width] = [depth1.float().mean().item(), depth2.float().mean().item()]
+    got = ranks_from_trees(measured[1], {2: measured[2], 3: measured[3]})
+    want = [[0.2, 0.1], [0.25, 0.05]]
+    assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=0.04), got
+    assert ranks_from_trees([0.0, 0.0], {2: [0.4, 0.1]}) == [[0.4], [0.0]]  # past where the chain reaches: 0
+    with pytest.raises(ValueError):
+        ranks_from_trees([0.5], {3: [0.7]})
+
+
+def test_ranks_need_a_replayed_static_tree_and_room():
+    tree = {"verification": "tree", "tree": {"kind": "static", "paths": [[0], [1]]}}
+    for data, why in (({"drafter": {"kind": "replay", "acceptance": [0.5], "ranks": [[0.2]]}, "k": 1}, "static"),
+                      ({"drafter": {"kind": "replay", "acceptance": [0.5], "ranks": [[0.6]]}, "k": 1, **tree},
+                       "more than 1"),
+                      ({"drafter": {"kind": "ngram", "ranks": [[0.2]]}, "k": 1, **tree}, "replay drafter")):
+        with pytest.raises(RecipeError, match="drafter.ranks") as e:
+            parse(data)
+        assert why in str(e.value)
+    parse({"drafter": {"kind": "replay", "acceptance": [0.5], "ranks": [[0.5]]}, "k": 1, **tree})
 
 
 def test_a_replayed_tree_at_a_heads_cost(loaded, ar_tokens):

@@ -17,7 +17,10 @@ and the same two profiles on a static tree of 16 nodes, depth 4 (`replay-tree-*`
 each a chain, plus a second child below each first-level node: the nodes a tree verifies cost what they cost; the
 accepted depth follows the profile). Each replay recipe runs on each layer `--layers` names (default both: on the
 fused layer under its own name, on the modular one as `...-modular`, with overlap either way): at 8B the fused layer
-lost to the modular one at B = 8 (0.61x; seventeenth lease, D).
+lost to the modular one at B = 8 (0.61x; seventeenth lease, D). Those trees accept along their first chain only
+(their profiles say nothing of second candidates); `--rank-profile` (the `head_ranks` experiment's result: the
+trained head's chain profile and its 2nd-4th candidates' chances, measured) adds `replay-ranks` and
+`replay-tree-ranks`, the tree's siblings holding the target's token with the measured chances.
 Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
 the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
 against it.
@@ -27,6 +30,9 @@ Backs docs/BENCHMARKS.md's 8B figures (issue #24), every one marked `replay` or 
 Device minutes: about 8, not yet measured (the 8B target is drawn once; each system compiles and captures its steps).
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import harness
 
@@ -49,11 +55,26 @@ def arguments(p) -> None:
     p.add_argument("--layers", default="fused,modular",
                    help="the replay recipes on each of these layers (fused: with overlap; modular ones named "
                         "...-modular): at 8B the fused layer lost to the modular one at B = 8 (seventeenth lease)")
+    p.add_argument("--rank-profile", default=None,
+                   help="a head_ranks.json (its pooled profile) or a {\"acceptance\", \"ranks\"} file: adds "
+                        "replay-tree-ranks, the tree at that measured profile, whose 2nd and 3rd candidates count")
     p.add_argument("--systems", default=None,
                    help="only these of the recipes, comma-separated (e.g. the AR ones: ar-fused-overlap,ar-overlap)")
 
 
-def recipes(ctx, layers=("fused",)) -> list:
+def rank_profile(path: str) -> dict:
+    """A measured replay profile with ranks: head_ranks.json's pooled one, or a file of its own."""
+    data = json.loads(Path(path).read_text())
+    data = (data.get("results") or {}).get("pooled", data)  # (a head_ranks.json record: its results)
+    if not isinstance(data, dict) or "acceptance" not in data or "ranks" not in data:
+        raise SystemExit(f"--rank-profile {path}: no replay profile ({{\"acceptance\", \"ranks\"}}) in it")
+    if len(data["acceptance"]) != 4:
+        raise SystemExit(f"--rank-profile {path}: measured at depth {len(data['acceptance'])}; the trees here are 4 "
+                         "deep (head_ranks --depth 4)")
+    return data
+
+
+def recipes(ctx, layers=("fused",), ranks: dict | None = None) -> list:
     """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights. The replay recipes
     once per layer: on the fused layer with overlap under their own names, on another with the layer's name added."""
     fast = {"layer": "fused", "overlap": True}
@@ -75,6 +96,13 @@ def recipes(ctx, layers=("fused",)) -> list:
             out.append(ctx.recipe(f"replay-tree-{name}{suffix}", {"drafter": drafter, "k": 4, **on,
                                                                    "verification": "tree",
                                                                    "tree": {"kind": "static", "paths": TREE}}))
+        if ranks is not None:  # the measured head's profile, its siblings' chances included
+            drafter = {"kind": "replay", "model": "random-eagle3", "acceptance": ranks["acceptance"],
+                       "ranks": ranks["ranks"]}
+            out.append(ctx.recipe(f"replay-ranks{suffix}", {"drafter": {**drafter, "ranks": []}, "k": 4, **on}))
+            out.append(ctx.recipe(f"replay-tree-ranks{suffix}", {"drafter": drafter, "k": 4, **on,
+                                                                  "verification": "tree",
+                                                                  "tree": {"kind": "static", "paths": TREE}}))
     return out
 
 
@@ -122,7 +150,7 @@ def run(out_dir, args):
     unknown = sorted(set(layers) - {"fused", "modular"})
     if unknown:
         raise SystemExit(f"--layers: {', '.join(unknown)} (of fused, modular)")
-    chosen = recipes(ctx, layers)
+    chosen = recipes(ctx, layers, rank_profile(args.rank_profile) if args.rank_profile else None)
     if args.systems:
         wanted = args.systems.split(",")
         unknown = sorted(set(wanted) - {r.stem for r in chosen})
