@@ -348,6 +348,16 @@ def specpilot_bench(ctx, label: str, argv: list, timeout: float) -> dict:
     return json.loads(ctx.need(out / "results.json", step).read_text())
 
 
+def bench_b1(ctx, recipes: list, workloads: list[str], limit: int, tokens: int, timeout: float,
+             baselines: str = "none") -> dict:
+    """`specpilot_bench` at B = 1 over these workloads with these recipe files (beside the bench's ar and stock)."""
+    argv = ["--workload", ",".join(workloads), "--batch-sizes", "1", "--max-new-tokens", tokens, "--limit", limit,
+            "--baselines", baselines]
+    for r in recipes:
+        argv += ["--recipe", r]
+    return specpilot_bench(ctx, "bench", argv, timeout=timeout)
+
+
 def bench_table(results: dict, reference: str) -> str:
     """A `specpilot bench` results.json as one markdown table, a row a cell and a column a system: tok/s and, in
     parentheses, the ratio to `reference` in the same cell; then the bench's error entries."""

@@ -231,6 +231,19 @@ def _escapes12(y, rows, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, de
 
 
 @triton.jit
+def _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr,
+            norm_ptr, inv_rms, tokens, token_ok, K, NORM: tl.constexpr, TWO: tl.constexpr):
+    """Each row set's [1, rows] output from its [rows, groups] accumulator: reduced, scaled, escapes added."""
+    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
+                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+    yb = ya
+    if TWO:
+        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
+                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+    return ya, yb
+
+
+@triton.jit
 def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok, K8, x_ptr, delta_ptr, norm_ptr,
             inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM: tl.constexpr,
             TWO: tl.constexpr, SINGLE: tl.constexpr, BLOCK_K8: tl.constexpr):
@@ -251,13 +264,8 @@ def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok,
                 d0, d1, d2 = _words12(q_ptr, rows_b, row_ok, j, j_ok, K8)
         acc_a, acc_b = _tile12(acc_a, acc_b, c0, c1, c2, d0, d1, d2, j, j_ok, K8, x_ptr, delta_ptr, norm_ptr,
                                inv_rms, tokens, token_ok, K, x_scale, NORM, TWO)
-    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
-                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
-    yb = ya
-    if TWO:
-        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
-                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
-    return ya, yb
+    return _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr,
+                   delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM, TWO)
 
 
 @triton.jit
@@ -296,6 +304,7 @@ def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok,
     12 KB of 12-bit weights). Returns ([1, rows] of each row set, escapes included, the row's inverse RMS)."""
     j = tl.arange(0, BLOCK_K8)
     j_ok = j < K8
+    # (eight names, written out: a Triton loop cannot carry a list of tensors, and the norm needs all eight first)
     r0 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 0, K8, K, pid)
     r1 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 1, K8, K, pid)
     r2 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 2, K8, K, pid)
@@ -325,13 +334,8 @@ def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok,
                           x_scale, TWO)
     acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r7, 7, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
                           x_scale, TWO)
-    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
-                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True)
-    yb = ya
-    if TWO:
-        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
-                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True)
-    return ya, yb
+    return _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr,
+                   delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True, TWO)
 
 
 @triton.jit

@@ -51,11 +51,7 @@ def run(out_dir, args):
         recipes.append(ctx.recipe(names[w], {"drafter": drafter, "k": args.depth, "batch": {"max_batch_size": 1},
                                              "verification": "tree",
                                              "tree": {"kind": "static", "paths": fishbone(args.depth, w)}}))
-    argv = ["--workload", ",".join(workloads), "--batch-sizes", "1", "--max-new-tokens", tokens, "--limit", limit,
-            "--baselines", "none"]
-    for r in recipes:
-        argv += ["--recipe", r]
-    results = harness.specpilot_bench(ctx, "bench", argv, timeout=560)
+    results = harness.bench_b1(ctx, recipes, workloads, limit, tokens, timeout=560)
     by = {(r["workload"], r["system"]): r["acceptance_by_position"] for r in results["runs"]}
 
     def profile(acceptance: dict[int, list[float]]) -> dict:

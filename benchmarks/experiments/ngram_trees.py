@@ -37,11 +37,7 @@ def run(out_dir, args):
     workloads, limit, tokens = harness.smoke_sized(args, args.workloads, args.limit, args.max_new_tokens)
     recipes = [ctx.recipe(FASTEST_AR, {"layer": "fused", "overlap": True}), ctx.recipe("ngram2-k4-chain", CHAIN),
                ctx.recipe("ngram2-tree-2x4", tree(2, 4)), ctx.recipe("ngram2-tree-3x4", tree(3, 4))]
-    argv = ["--workload", ",".join(workloads), "--batch-sizes", "1", "--max-new-tokens", tokens, "--limit", limit,
-            "--baselines", "none"]
-    for r in recipes:
-        argv += ["--recipe", r]
-    results = harness.specpilot_bench(ctx, "bench", argv, timeout=560)
+    results = harness.bench_b1(ctx, recipes, workloads, limit, tokens, timeout=560)
     tau = {(r["workload"], r["system"]): r["mean_accepted"] for r in results["runs"]}
     systems = ["ngram2-k4-chain", "ngram2-tree-2x4", "ngram2-tree-3x4"]
     lines = harness.md_table(["workload"] + [f"τ {s}" for s in systems],

@@ -150,13 +150,9 @@ def run(out_dir, args):
             "```\n" + "\n".join(train.tail[-12:]) + "\n```"]
     if not args.no_bench:
         workloads, limit, tokens = harness.smoke_sized(args, args.bench_workloads, args.bench_limit, 128)
-        argv = ["--workload", ",".join(workloads), "--batch-sizes", "1", "--max-new-tokens", tokens,
-                "--limit", limit]
-        for name in (FASTEST_AR, "ngram2-k4-adaptive-armiss-fused-overlap"):
-            argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
-        for name, fields in head_recipes(str(head)).items():
-            argv += ["--recipe", ctx.recipe(name, fields)]
-        bench = harness.specpilot_bench(ctx, "bench", argv, timeout=240)
+        recipes = [ctx.recipe(name, SYSTEMS[name]) for name in (FASTEST_AR, "ngram2-k4-adaptive-armiss-fused-overlap")]
+        recipes += [ctx.recipe(name, fields) for name, fields in head_recipes(str(head)).items()]
+        bench = harness.bench_b1(ctx, recipes, workloads, limit, tokens, timeout=240)
         found["bench"] = bench
         text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))
     return found, "\n\n".join(text)
