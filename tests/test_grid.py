@@ -191,7 +191,7 @@ def test_tiny_grid_gates_measures_and_ranks(tiny_target, tiny_model_dir, tmp_pat
 
 def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
     """The shipped yardstick for synthetic:llama-3.1-8b: replayed chains of k = 2-4 (their acceptance the profile's
-    first k positions) on both layers, and the chains and AR in 12-bit weights; every combination a recipe, named as
+    first k positions) on both layers, the chains in 12-bit weights and 12-bit AR on both layers; every combination a recipe, named as
     the bench names its system (a replay recipe's name says `replay`; the H200's first grid ranked its replay
     recipes as the bench's own and named 12-bit AR the best)."""
     from specpilot.tools.bench.run import recipes_to_measure
@@ -203,13 +203,14 @@ def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
         files[-1].write_text(json.dumps(r.recipe))
     assert [name for name, _ in recipes_to_measure([str(f) for f in files], None)][2:] == [r.name for r in e.recipes]
     assert sum("replay" in r.name for r in e.recipes) == 9
-    assert len(e.recipes) == 10 and not (e.refused or e.excluded or e.duplicates)
-    assert "**10 recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()
+    assert len(e.recipes) == 11 and not (e.refused or e.excluded or e.duplicates)
+    assert "**11 recipes**" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()
     recipes = [parse(r.recipe) for r in e.recipes]
     drafting = [r for r in recipes if r.drafter.kind != "none"]
     assert all(r.drafter.kind == "replay" and len(r.drafter.acceptance) == r.k for r in drafting)
     assert {r.k for r in drafting} == {2, 3, 4}
-    assert sum(r.weights.format == "lossless12" for r in recipes) == 4
+    assert sum(r.weights.format == "lossless12" for r in recipes) == 5
+    assert {r.layer for r in recipes if r.weights.format == "lossless12" and r.k == 0} == {"modular", "fused"}
 
 
 def test_gates_run_several_at_once_after_the_first_alone(tmp_path, monkeypatch):
