@@ -191,9 +191,9 @@ def test_tiny_grid_gates_measures_and_ranks(tiny_target, tiny_model_dir, tmp_pat
 
 def test_the_synthetic_8b_grid_replays_chains_in_both_weight_formats(tmp_path):
     """The shipped yardstick for synthetic:llama-3.1-8b: replayed chains of k = 2-4 (their acceptance the profile's
-    first k positions) on both layers, the chains in 12-bit weights and 12-bit AR on both layers; every combination a recipe, named as
-    the bench names its system (a replay recipe's name says `replay`; the H200's first grid ranked its replay
-    recipes as the bench's own and named 12-bit AR the best)."""
+    first k positions) on both layers, the chains in 12-bit weights and 12-bit AR on both layers; every combination a
+    recipe, named as the bench names its system (a replay recipe's name says `replay`; the H200's first grid ranked
+    its replay recipes as the bench's own and named 12-bit AR the best)."""
     from specpilot.tools.bench.run import recipes_to_measure
 
     e = expand(load_space("llama-3.1-8b-replay"), 64)
