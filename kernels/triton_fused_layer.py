@@ -1115,7 +1115,12 @@ def layer_function(fallback, packed: dict | None = None):
     w12 = packed is not None
 
     def planes(block):
-        return tuple(packed[w.data_ptr()] for w in (block.wqkv, block.wo, block.w13, block.w2)) if w12 else None
+        """The block's 12-bit planes, or None for a block that has none (a separate draft model's, which the
+        linear slot reads natively too)."""
+        if not w12:
+            return None
+        found = tuple(packed.get(w.data_ptr()) for w in (block.wqkv, block.wo, block.w13, block.w2))
+        return found if all(p is not None for p in found) else None
 
     def runs(block, n_tokens, device) -> bool:
         return supports(block, n_tokens, device, w12) is None

@@ -500,6 +500,12 @@ def test_engine_with_the_fused_layer_on_12bit_weights_decodes_the_ar_tokens(tiny
         got = Engine(loaded, parse({**recipe, **twelve})).generate(rows, 5, ignore_eos=True)
         assert [r.tokens for r in got] == [r.tokens for r in want], recipe
         assert (read and all(read)) if recipe.get("k", 0) < 8 else not read, recipe
+    # a separate draft model runs the same layer function on weights that have no 12-bit planes: read natively
+    draft = str(tiny_model_dir("llama", seed=1234, num_hidden_layers=1))
+    read.clear()
+    got = Engine(loaded, parse({"drafter": {"kind": "model", "model": draft}, "k": 2, **twelve})).generate(
+        rows, 5, ignore_eos=True)
+    assert [r.tokens for r in got] == [r.tokens for r in want] and True in read and False in read
 
 
 def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkeypatch):

@@ -57,10 +57,10 @@ def api_key_from_env() -> str:
 
 # ---------------------------------------------------------------------------------------------------------- schemas
 
-# An agent tunes a deployment's decoding; it never makes up its acceptance: the replay drafter (and its profile), a
-# measurement's stand-in for a drafter on a synthetic target (engine/replay.py), is no lever of theirs.
+# An agent tunes a deployment's decoding; it never makes up its acceptance: the replay drafter (its profile and
+# ranks), a measurement's stand-in for a drafter on a synthetic target (engine/replay.py), is no lever of theirs.
 AGENT_DRAFTER_KINDS = tuple(k for k in DRAFTER_KINDS if k != "replay")
-NOT_LEVERS = {"drafter.acceptance"}
+NOT_LEVERS = {"drafter.acceptance", "drafter.ranks"}
 _ENUMS = {"drafter.kind": AGENT_DRAFTER_KINDS, "verification": VERIFICATION_KINDS, "tree.kind": TREE_KINDS,
           "weights.format": WEIGHT_FORMATS, "compile_mode": COMPILE_MODES}
 # On a synthetic target (random weights) no drafter can predict the text: AR, or with optimize --acceptance the
