@@ -301,39 +301,21 @@ def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok,
     """`_gemv12` for a normed input with all of K's groups in the words a0..b2 (loaded before the PDL wait): each
     slot's slice of x + delta read once and held in registers for the norm's statistics and the products (the
     general path reads the activations twice: 40 KB of L2 reads a program of two rows at Llama-3.1-8B's K, against
-    12 KB of 12-bit weights). Returns ([1, rows] of each row set, escapes included, the row's inverse RMS)."""
+    12 KB of 12-bit weights). Returns each row set's [1, rows], escapes included."""
     j = tl.arange(0, BLOCK_K8)
     j_ok = j < K8
-    # (eight names, written out: a Triton loop cannot carry a list of tensors, and the norm needs all eight first)
-    r0 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 0, K8, K, pid)
-    r1 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 1, K8, K, pid)
-    r2 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 2, K8, K, pid)
-    r3 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 3, K8, K, pid)
-    r4 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 4, K8, K, pid)
-    r5 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 5, K8, K, pid)
-    r6 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 6, K8, K, pid)
-    r7 = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, 7, K8, K, pid)
-    sq = (tl.sum(r0 * r0, axis=1) + tl.sum(r1 * r1, axis=1) + tl.sum(r2 * r2, axis=1) + tl.sum(r3 * r3, axis=1)
-          + tl.sum(r4 * r4, axis=1) + tl.sum(r5 * r5, axis=1) + tl.sum(r6 * r6, axis=1) + tl.sum(r7 * r7, axis=1))
+    rs = ()  # the eight slots' residual slices (a tuple, unrolled: the norm needs all of them before any product)
+    sq = tl.zeros((BLOCK_M,), tl.float32)
+    for t in tl.static_range(8):
+        r = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t, K8, K, pid)
+        sq += tl.sum(r * r, axis=1)
+        rs = rs + (r,)
     inv_rms = 1.0 / tl.sqrt(sq / K + eps)
     x_scale = tl.load(scales_ptr)
     sum_scale = tl.load(scales_ptr + 1)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r0, 0, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r1, 1, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r2, 2, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r3, 3, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r4, 4, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r5, 5, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r6, 6, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
-    acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r7, 7, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
-                          x_scale, TWO)
+    for t in tl.static_range(8):
+        acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rs[t], t, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
+                              x_scale, TWO)
     return _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr,
                    delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True, TWO)
 
