@@ -35,7 +35,7 @@ How the fusions work.
   outputs (`PDL` below).
 * 12-bit weights (`weights.format: lossless12`, FMA path only): the GEMVs read each matrix's Packed12Linear words
   (1.5 bytes a weight) and decode them in registers, slot by slot, against activations made at the slot's columns;
-  escapes are added after the dense sum (`_gemv12`, below the modular helpers).
+  each row's escapes, loaded with its words, are added after the dense sum (`_gemv12`, below the modular helpers).
 * After the last layer, `final_norm` does the model's residual add and final RMSNorm in one kernel.
 * An EAGLE-3 head's chain steps (`draft_layer`, engine/eagle3.py) run the same kernels: q/k/v read the head's
   [embedding; hidden] pair as given (NORM off: the caller norms each half), the residual stream is the hidden state,
@@ -96,6 +96,10 @@ ATTENTION_MULTI = dict(keys_per_split=64, block_s=64, num_warps=4)
 MAX_SPLITS = 32
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
 MIN_PROGRAMS = 256
+# 12-bit weights: the escapes of each row that a GEMV program loads with its words, before the PDL wait (a row with
+# more adds them this many at a time after the dense sum). Escape by escape after the sum, each was two dependent
+# round trips (its column, then the activation there) in every program; Llama-3.1-8B-shaped rows hold 0-9.
+ESCAPES_AHEAD = 16
 # The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
@@ -216,56 +220,94 @@ def _tile12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, j, j_ok, K8, x_ptr, delta_ptr,
 
 
 @triton.jit
-def _escapes12(y, rows, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens,
-               token_ok, K, NORM: tl.constexpr):
-    """y[tokens, rows] += each escape's exact value times the activation at its column (the dense part decoded it
-    as +0): the rows' ranges of the CSR list side by side, as many rounds as the longest has escapes."""
+def _escape_list12(rows, row_ok, e0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, norm_ptr, NORM: tl.constexpr,
+                   EXC: tl.constexpr):
+    """Escapes e0 .. e0 + EXC - 1 of each of `rows` (its range of the CSR list), as a tuple: each row's escape count
+    [rows], which are real [rows, EXC], their columns, exact values, and the norm weight at those columns (NORM).
+    With e0 = 0 a program loads them with its words, before the PDL wait: they are weights too."""
     lo = tl.load(row_ptr_ptr + rows, mask=row_ok, other=0)
-    hi = tl.load(row_ptr_ptr + rows + 1, mask=row_ok, other=0)
-    for e in range(0, tl.max(hi - lo, axis=0)):
-        ok = lo + e < hi
-        col = tl.load(exc_col_ptr + lo + e, mask=ok, other=0)
-        val = tl.load(exc_val_ptr + lo + e, mask=ok, other=0.0)
-        y += val[None, :] * _act(x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, col, ok, K, NORM)
+    n = tl.load(row_ptr_ptr + rows + 1, mask=row_ok, other=0) - lo
+    e = e0 + tl.arange(0, EXC)
+    ok = e[None, :] < n[:, None]
+    col = tl.load(exc_col_ptr + lo[:, None] + e[None, :], mask=ok, other=0)
+    val = tl.load(exc_val_ptr + lo[:, None] + e[None, :], mask=ok, other=0.0)
+    nw = val  # (read only with NORM)
+    if NORM:
+        nw = tl.load(norm_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    return n, ok, col, val, nw
+
+
+@triton.jit
+def _escape_inputs12(esc, x_ptr, delta_ptr, tokens, token_ok, K, NORM: tl.constexpr):
+    """What the activations at the escapes' columns are made from, [tokens, rows, EXC]: r = x + delta rounded (NORM)
+    or x. Loaded right after the PDL wait, so that the dense products hide the round trip."""
+    ok, col = esc[1], esc[2]
+    m = token_ok[:, None, None] & ok[None, :, :]
+    offs = tokens[:, None, None] * K + col[None, :, :]
+    r = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        r = _rounded(r + tl.load(delta_ptr + offs, mask=m, other=0.0).to(tl.float32), x_ptr)
+    return r
+
+
+@triton.jit
+def _escape_sum12(y, esc, r, inv_rms, x_ptr, NORM: tl.constexpr):
+    """y [tokens, rows] + each escape's exact value times its activation (`_normed`'s h, or x)."""
+    h = r
+    if NORM:
+        h = _rounded(esc[4][None, :, :] * _rounded(r * inv_rms[:, None, None], x_ptr), x_ptr)
+    return y + tl.sum(esc[3][None, :, :] * h, axis=2)
+
+
+@triton.jit
+def _escapes12(y, esc, r, rows, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms,
+               tokens, token_ok, K, NORM: tl.constexpr, EXC: tl.constexpr):
+    """y + the rows' escapes (the dense part decoded them as +0): the first EXC of each row from `esc` and `r`
+    (loaded early), then, for a row with more, EXC at a time."""
+    y = _escape_sum12(y, esc, r, inv_rms, x_ptr, NORM)
+    for e0 in range(EXC, tl.max(esc[0], axis=0), EXC):
+        more = _escape_list12(rows, row_ok, e0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, norm_ptr, NORM, EXC)
+        y = _escape_sum12(y, more, _escape_inputs12(more, x_ptr, delta_ptr, tokens, token_ok, K, NORM), inv_rms,
+                          x_ptr, NORM)
     return y
 
 
 @triton.jit
-def _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr,
-            norm_ptr, inv_rms, tokens, token_ok, K, NORM: tl.constexpr, TWO: tl.constexpr):
+def _sums12(acc_a, acc_b, scales_ptr, esc_a, esc_b, r_a, r_b, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
+            exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM: tl.constexpr,
+            TWO: tl.constexpr, EXC: tl.constexpr):
     """Each row set's [1, rows] output from its [rows, groups] accumulator: reduced, scaled, escapes added."""
-    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], rows_a, row_ok, row_ptr_ptr, exc_col_ptr,
-                    exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+    sum_scale = tl.load(scales_ptr + 1)
+    ya = _escapes12((tl.sum(acc_a, axis=1) * sum_scale)[None, :], esc_a, r_a, rows_a, row_ok, row_ptr_ptr,
+                    exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM, EXC)
     yb = ya
     if TWO:
-        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], rows_b, row_ok, row_ptr_ptr, exc_col_ptr,
-                        exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM)
+        yb = _escapes12((tl.sum(acc_b, axis=1) * sum_scale)[None, :], esc_b, r_b, rows_b, row_ok, row_ptr_ptr,
+                        exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM, EXC)
     return ya, yb
 
 
 @triton.jit
 def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok, K8, x_ptr, delta_ptr, norm_ptr,
-            inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM: tl.constexpr,
-            TWO: tl.constexpr, SINGLE: tl.constexpr, BLOCK_K8: tl.constexpr):
-    """The 12-bit GEMV of one token (or two row sets' of it): [1, rows] fp32 each, escapes included. With SINGLE the
-    words of all K8 groups are a0..b2, loaded by the caller before its PDL wait."""
+            inv_rms, tokens, token_ok, K, scales_ptr, NORM: tl.constexpr, TWO: tl.constexpr, SINGLE: tl.constexpr,
+            BLOCK_K8: tl.constexpr):
+    """The dense part of the 12-bit GEMV of one token (or of two row sets'): the [rows, groups] accumulators. a0..b2
+    are the words of the first tile of groups (all of them with SINGLE), loaded by the caller before its PDL wait;
+    each later tile's words are loaded while the tile before it is multiplied (a DRAM round trip a tile otherwise:
+    Llama-3.1-8B's down projection is 7 tiles a row)."""
     x_scale = tl.load(scales_ptr)
-    sum_scale = tl.load(scales_ptr + 1)
     jj = tl.arange(0, BLOCK_K8)
     for j0 in range(0, K8, BLOCK_K8):
         j = j0 + jj
-        j_ok = j < K8
-        if SINGLE:
-            c0, c1, c2, d0, d1, d2 = a0, a1, a2, b0, b1, b2
-        else:
-            c0, c1, c2 = _words12(q_ptr, rows_a, row_ok, j, j_ok, K8)
-            d0, d1, d2 = c0, c1, c2
+        c0, c1, c2, d0, d1, d2 = a0, a1, a2, b0, b1, b2
+        if not SINGLE:
+            a0, a1, a2 = _words12(q_ptr, rows_a, row_ok, j + BLOCK_K8, j + BLOCK_K8 < K8, K8)
+            b0, b1, b2 = a0, a1, a2
             if TWO:
-                d0, d1, d2 = _words12(q_ptr, rows_b, row_ok, j, j_ok, K8)
-        acc_a, acc_b = _tile12(acc_a, acc_b, c0, c1, c2, d0, d1, d2, j, j_ok, K8, x_ptr, delta_ptr, norm_ptr,
+                b0, b1, b2 = _words12(q_ptr, rows_b, row_ok, j + BLOCK_K8, j + BLOCK_K8 < K8, K8)
+        acc_a, acc_b = _tile12(acc_a, acc_b, c0, c1, c2, d0, d1, d2, j, j < K8, K8, x_ptr, delta_ptr, norm_ptr,
                                inv_rms, tokens, token_ok, K, x_scale, NORM, TWO)
-    return _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr,
-                   delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM, TWO)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -295,13 +337,12 @@ def _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r, t: tl.constexpr, j, j_ok, K8
 
 
 @triton.jit
-def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok, K8, x_ptr, delta_ptr, resid_ptr,
-                   norm_ptr, eps, tokens, token_ok, K, pid, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr,
-                   TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
+def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, K8, x_ptr, delta_ptr, resid_ptr, norm_ptr, eps, tokens,
+                   token_ok, K, pid, scales_ptr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
     """`_gemv12` for a normed input with all of K's groups in the words a0..b2 (loaded before the PDL wait): each
     slot's slice of x + delta read once and held in registers for the norm's statistics and the products (the
     general path reads the activations twice: 40 KB of L2 reads a program of two rows at Llama-3.1-8B's K, against
-    12 KB of 12-bit weights). Returns each row set's [1, rows], escapes included."""
+    12 KB of 12-bit weights). Returns the accumulators and each token's 1 / rms."""
     j = tl.arange(0, BLOCK_K8)
     j_ok = j < K8
     rs = ()  # the eight slots' residual slices (a tuple, unrolled: the norm needs all of them before any product)
@@ -312,12 +353,10 @@ def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rows_a, rows_b, row_ok,
         rs = rs + (r,)
     inv_rms = 1.0 / tl.sqrt(sq / K + eps)
     x_scale = tl.load(scales_ptr)
-    sum_scale = tl.load(scales_ptr + 1)
     for t in tl.static_range(8):
         acc_a, acc_b = _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, rs[t], t, j, j_ok, K8, K, norm_ptr, inv_rms, x_ptr,
                               x_scale, TWO)
-    return _sums12(acc_a, acc_b, sum_scale, rows_a, rows_b, row_ok, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr,
-                   delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, True, TWO)
+    return acc_a, acc_b, inv_rms
 
 
 @triton.jit
@@ -339,12 +378,12 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                     NORM: tl.constexpr = True, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None,
-                    scales_ptr=None, W12: tl.constexpr = False):
+                    scales_ptr=None, W12: tl.constexpr = False, EXC: tl.constexpr = 16):
     """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
     add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
     one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
     the head's pre-norm output). W12: the weights are q_ptr's 12-bit words (`_gemv12`; w_ptr is not read), SINGLE
-    then meaning that all of K's groups fit one tile of BLOCK_K / 8."""
+    then meaning that all of K's groups fit one tile of BLOCK_K / 8, and EXC each row's escapes loaded with them."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
     ONE_TILE: tl.constexpr = SINGLE and not W12  # all of K in one tile of bf16 weights and activations
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
@@ -377,12 +416,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     a0, a1, a2, b0, b1, b2 = 0, 0, 0, 0, 0, 0
     K8 = (K + 7) // 8  # (12-bit words: groups of 8 weights a row)
-    if W12 and SINGLE:
+    if W12:  # the first tile's words (all of them with SINGLE) and each row's first EXC escapes
         jj = tl.arange(0, BLOCK_K8)
         a0, a1, a2 = _words12(q_ptr, rows_a, pair_ok, jj, jj < K8, K8)
-        b0, b1, b2 = a0, a1, a2
+        esc_a = _escape_list12(rows_a, pair_ok, 0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, norm_ptr, NORM, EXC)
+        b0, b1, b2, esc_b = a0, a1, a2, esc_a
         if TWO:
             b0, b1, b2 = _words12(q_ptr, rows_b, pair_ok, jj, jj < K8, K8)
+            esc_b = _escape_list12(rows_b, pair_ok, 0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, norm_ptr, NORM, EXC)
     if HAS_BIAS:
         bias_a = tl.load(bias_ptr + rows_a, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
         if TWO:
@@ -402,6 +443,11 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             return
     if PDL:  # from here on: what the previous kernel wrote (x, delta) and what it may still read (our outputs)
         tl.extra.cuda.gdc_wait()
+    if W12:  # the activations' inputs at the escapes' columns, in flight while the dense part runs
+        r_a = _escape_inputs12(esc_a, x_ptr, delta_ptr, tokens, token_ok, K, NORM)
+        r_b = r_a
+        if TWO:
+            r_b = _escape_inputs12(esc_b, x_ptr, delta_ptr, tokens, token_ok, K, NORM)
 
     # Pass 1: r = x + delta, rounded as the modular layer's add, stored by the first row block; each token's mean
     # square. With all of K in one tile, h is then made from r as it is (pass 2 reads no activations again: at
@@ -432,16 +478,19 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 
     # Pass 2: both row sets' dot products with h, tile by tile of K.
-    if W12 and SINGLE and NORM:
-        ya, yb = _gemv12_normed(tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32),
-                                a0, a1, a2, b0, b1, b2, rows_a, rows_b, pair_ok, K8, x_ptr, delta_ptr, resid_ptr,
-                                norm_ptr, eps, tokens, token_ok, K, pid, row_ptr_ptr, exc_col_ptr, exc_val_ptr,
-                                scales_ptr, TWO, BLOCK_M, BLOCK_K8)
-    elif W12:
-        ya, yb = _gemv12(tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32),
-                         a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, pair_ok, K8, x_ptr, delta_ptr, norm_ptr,
-                         inv_rms, tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr, scales_ptr, NORM, TWO,
-                         SINGLE, BLOCK_K8)
+    if W12:
+        acc_a, acc_b = tl.zeros((BLOCK_P, BLOCK_K8), tl.float32), tl.zeros((BLOCK_P, BLOCK_K8), tl.float32)
+        if SINGLE and NORM:
+            acc_a, acc_b, inv_rms = _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, K8, x_ptr, delta_ptr,
+                                                   resid_ptr, norm_ptr, eps, tokens, token_ok, K, pid, scales_ptr,
+                                                   TWO, BLOCK_M, BLOCK_K8)
+        else:
+            acc_a, acc_b = _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, pair_ok, K8, x_ptr,
+                                   delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, scales_ptr, NORM, TWO, SINGLE,
+                                   BLOCK_K8)
+        ya, yb = _sums12(acc_a, acc_b, scales_ptr, esc_a, esc_b, r_a, r_b, rows_a, rows_b, pair_ok, row_ptr_ptr,
+                         exc_col_ptr, exc_val_ptr, x_ptr, delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, NORM,
+                         TWO, EXC)
     else:
         if DOT:
             ya_t = tl.zeros((BLOCK_P, BLOCK_M), tl.float32)
@@ -673,7 +722,7 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None, scales_ptr=None,
-          W12: tl.constexpr = False):
+          W12: tl.constexpr = False, EXC: tl.constexpr = 16):
     """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores. W12: the
     weights are q_ptr's 12-bit words, as in `_norm_pair_gemv`."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
@@ -686,9 +735,10 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     K8 = (K + 7) // 8
     w0, w1, w2 = 0, 0, 0
-    if W12 and SINGLE:  # all of K's groups in one tile: the words before the wait
+    if W12:  # the first tile's words (all of them with SINGLE) and each row's first EXC escapes, before the wait
         jj = tl.arange(0, BLOCK_K8)
         w0, w1, w2 = _words12(q_ptr, rows, row_ok, jj, jj < K8, K8)
+        esc = _escape_list12(rows, row_ok, 0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, False, EXC)
     elif SINGLE:  # all of K in one tile: the weights before the wait
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
     if HAS_BIAS:
@@ -699,10 +749,13 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     if PDL:
         tl.extra.cuda.gdc_wait()
     if W12:  # (x as it is: no norm, so x_ptr stands in for delta and the norm weight, which are not read)
-        y, _ = _gemv12(tl.zeros((BLOCK_N, BLOCK_K8), tl.float32), tl.zeros((BLOCK_N, BLOCK_K8), tl.float32),
-                       w0, w1, w2, w0, w1, w2, q_ptr, rows, rows, row_ok, K8, x_ptr, x_ptr, x_ptr,
-                       tl.zeros((BLOCK_M,), tl.float32), tokens, token_ok, K, row_ptr_ptr, exc_col_ptr, exc_val_ptr,
-                       scales_ptr, False, False, SINGLE, BLOCK_K8)
+        r = _escape_inputs12(esc, x_ptr, x_ptr, tokens, token_ok, K, False)  # in flight during the dense part
+        inv_rms = tl.zeros((BLOCK_M,), tl.float32)
+        acc, _ = _gemv12(tl.zeros((BLOCK_N, BLOCK_K8), tl.float32), tl.zeros((BLOCK_N, BLOCK_K8), tl.float32),
+                         w0, w1, w2, w0, w1, w2, q_ptr, rows, rows, row_ok, K8, x_ptr, x_ptr, x_ptr, inv_rms, tokens,
+                         token_ok, K, scales_ptr, False, False, SINGLE, BLOCK_K8)
+        y, _ = _sums12(acc, acc, scales_ptr, esc, esc, r, r, rows, rows, row_ok, row_ptr_ptr, exc_col_ptr,
+                       exc_val_ptr, x_ptr, x_ptr, x_ptr, inv_rms, tokens, token_ok, K, False, False, EXC)
     else:
         if DOT:
             y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -861,7 +914,7 @@ def _w12(packed: Packed12Linear | None) -> dict:
     if scales is None or scales.device != packed.q.device:
         scales = packed._fused_scales = torch.tensor(packed.x_scales, dtype=torch.float32, device=packed.q.device)
     return dict(q_ptr=packed.q, row_ptr_ptr=packed.row_ptr, exc_col_ptr=packed.exc_col, exc_val_ptr=packed.exc_val,
-                scales_ptr=scales, W12=True)
+                scales_ptr=scales, W12=True, EXC=ESCAPES_AHEAD)
 
 
 def _cfg12(cfg: dict, packed: Packed12Linear | None) -> dict:
@@ -1215,14 +1268,19 @@ def attention_masks(cfg, positions, n_slots):
 
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
-              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,)) -> list[dict]:
+              fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
+              planes=None) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
-    `fma_tiles` (None: as set). GPU only."""
+    `fma_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2) Packed12Linear, as `check` takes it): the
+    fused layer reads 12-bit weights (the modular one its bf16 matrices). GPU only."""
     from triton.testing import do_bench_cudagraph
+
+    def fused(block, *args):
+        return fused_layer(block, *args, weights12=planes(block) if planes is not None else None)
 
     require_gpu_compiled(_gemv)
     cfg, dev, dt = model.cfg, model.device, model.dtype
@@ -1254,8 +1312,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
             FMA_TILES = tiles_saved if tiles is None else tiles
             try:
-                run(fused_layer)()
-                fused_us = do_bench_cudagraph(run(fused_layer)) * 1e3 / cfg.n_layers
+                run(fused)()
+                fused_us = do_bench_cudagraph(run(fused)) * 1e3 / cfg.n_layers
             finally:
                 current.clear()
                 current.update(saved)

@@ -252,8 +252,9 @@ def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
 def test_fused_layer_reads_12bit_weights(tiny_model_dir, monkeypatch):
     """`weights.format: lossless12` on the fused layer: its GEMVs read each matrix's Packed12Linear planes (weights
     that are bf16 values, escapes above and below the exponent window, a K of 100 that pads its last group, q/k/v
-    biases) and agree with the modular layer on those values, in one tile of K and in chunks; a flipped exponent
-    bit or a dropped escape is caught, so the planes are what it reads."""
+    biases) and agree with the modular layer on those values, in one tile of K and in chunks, and with a row whose
+    escapes outnumber those loaded with its words; a flipped exponent bit or a dropped escape is caught, so the
+    planes are what it reads."""
     import dataclasses
 
     from specpilot.kernels.lossless12_format import to_linear_planes
@@ -267,13 +268,16 @@ def test_fused_layer_reads_12bit_weights(tiny_model_dir, monkeypatch):
             w.copy_(w.to(torch.bfloat16).float())
             at = torch.randperm(w.numel(), generator=g)[:2]
             w.view(-1)[at] = torch.tensor([16.0, -2.5e-9])
+            w[1, 3:8] = torch.tensor([8.0, -12.0, 20.0, -24.0, 40.0])  # five escapes (above the window) in one row
     planes = tuple(to_linear_planes(w.detach().to(torch.bfloat16)) for w in matrices)
-    assert all(p.exc_val.numel() >= 2 for p in planes) and planes[3].k8 * 8 > 100
+    assert all(p.exc_val.numel() >= 7 for p in planes) and planes[3].k8 * 8 > 100
     assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1), (3, 2)), planes=lambda b: planes) < 2e-5
     # K in tiles of 32 (4 groups): each GEMV loops over its groups (the interpreter runs programs one by one, so
     # the tiles keep many rows a program)
     tiles = {role: {"rows": 16, "block_k": 32, "warps": 4} for role in triton_fused_layer.ROLES}
     monkeypatch.setattr(triton_fused_layer, "FMA_TILES", tiles)
+    assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: planes) < 2e-5
+    monkeypatch.setattr(triton_fused_layer, "ESCAPES_AHEAD", 2)  # the five: two with the words, then two and one
     assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: planes) < 2e-5
 
     q = planes[2].q.clone()

@@ -13,6 +13,10 @@ many activation values (from L2) as weights, and the pair kernels read x and del
 the copy bandwidth (134.5 µs against 109; eighteenth lease, E), and AR at B = 1 at 78-79% of its weight-read floor
 where the issue asks 85%.
 
+With `--w12` the layer reads its 12-bit planes (`weights.format: lossless12`; engine/weights.py encodes them on the
+device): the sweep and the profiles are of the 12-bit kernels, each GEMV's floor is its planes' bytes, and the bf16
+layer's kernels are profiled beside them (`--roles ''` skips the sweep).
+
 The best tiles go to WORK/fused_tiles.env (`export SPECPILOT_FMA_TILES=...`), so a later call of the same warm machine
 can run a bench with them before they become defaults. Run it with `--target synthetic:llama-3.1-8b` (no GGUF needed).
 
@@ -40,6 +44,8 @@ def kernel_names(cfg) -> tuple[str, ...]:
 def arguments(p) -> None:
     p.add_argument("--roles", default="qkv,o,mlp,down", help="the GEMV roles to sweep")
     p.add_argument("--warps", default="4,8")
+    p.add_argument("--w12", action="store_true", help="the layer on its 12-bit planes (the bf16 kernels profiled "
+                                                       "beside them)")
     p.add_argument("--attention", action="store_true",
                    help="also sweep the one-token attention's split (cache slots a split, slots an iteration, warps)")
 
@@ -65,10 +71,12 @@ def attention_candidates() -> list[dict]:
             for keys in (16, 32, 64, 128) for block in (16, 32, 64) if block <= keys for warps in (2, 4, 8)]
 
 
-def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, replays: int = 20) -> dict:
+def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, replays: int = 20,
+                 planes=None) -> dict:
     """Device µs a layer of each of the fused layer's kernels (one token, `tiles` as FMA_TILES), from
     torch.profiler over replays of all layers captured in one graph: kernels in launch order (`kernel_names`). Without
-    PDL: with it a kernel starts early and waits for its predecessor, so its span would hold part of the other's."""
+    PDL: with it a kernel starts early and waits for its predecessor, so its span would hold part of the other's.
+    `planes`: block -> its 12-bit planes, which the layer then reads."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -85,7 +93,8 @@ def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, r
         def layers():
             a, d = x, delta
             for i, block in enumerate(model.layers):
-                a, d = F.fused_layer(block, a, d, cos, sin, cache.kv[:, i], rows, positions, {}, model.default_ops)
+                a, d = F.fused_layer(block, a, d, cos, sin, cache.kv[:, i], rows, positions, {}, model.default_ops,
+                                     weights12=planes(block) if planes is not None else None)
         layers()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -132,12 +141,22 @@ def run(out_dir, args):
     k_of = {"qkv": cfg.hidden_size, "o": cfg.n_heads * cfg.head_dim, "mlp": cfg.hidden_size,
             "down": cfg.intermediate_size}
     weight_of = {"qkv": block.wqkv, "o": block.wo, "mlp": block.w13, "down": block.w2}
+    nbytes = {role: w.numel() * w.element_size() for role, w in weight_of.items()}
+    planes = None
+    if args.w12:
+        from specpilot.engine.weights import lossless12_weights
+
+        packed = lossless12_weights(model)
+
+        def planes(b):
+            return tuple(packed[w.data_ptr()] for w in (b.wqkv, b.wo, b.w13, b.w2))
+        nbytes = {role: packed[w.data_ptr()].nbytes for role, w in weight_of.items()}
     bandwidth = copy_bandwidth("cuda")  # bytes moved a second, read and written alike
     torch.cuda.empty_cache()
-    floor_us = {role: weight_of[role].numel() * weight_of[role].element_size() / bandwidth * 1e6 for role in F.ROLES}
+    floor_us = {role: nbytes[role] / bandwidth * 1e6 for role in F.ROLES}
 
     def timed(tiles_list):
-        return F.benchmark(model, modular, tokens=(1,), fma_tiles=tuple(tiles_list))
+        return F.benchmark(model, modular, tokens=(1,), fma_tiles=tuple(tiles_list), planes=planes)
 
     shipped = dict(F.FMA_TILES)
     base = timed([shipped])[0]
@@ -177,33 +196,37 @@ def run(out_dir, args):
     shipped_us = min(both[0]["fused_us"], both[2]["fused_us"])
     best_us = min(both[1]["fused_us"], both[3]["fused_us"])
     kernels = {}
-    for name, tiles in (("shipped", shipped), ("best", {**shipped, **best})):
+    for name, tiles, read in (("shipped", shipped, planes), ("best", {**shipped, **best}, planes),
+                              *((("bf16", shipped, None),) if args.w12 else ())):
         try:  # a profile that fails leaves the timings above
-            kernels[name] = kernel_times(model, F, tiles)
+            kernels[name] = kernel_times(model, F, tiles, planes=read)
         except Exception as e:
             kernels[name] = {"error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
-    layer_bytes = sum(w.numel() * w.element_size() for w in weight_of.values())
+    layer_bytes = sum(nbytes.values())
     layer_floor_us = layer_bytes / bandwidth * 1e6
     env = harness.WORK / "fused_tiles.env"
     env.write_text(f"export SPECPILOT_FMA_TILES={shlex.quote(json.dumps({**shipped, **best}))}\n"
                    + (f"export SPECPILOT_FMA_ATTENTION={shlex.quote(json.dumps(best_attention))}\n"
                       if best_attention else ""))
 
-    lines = [f"Target {args.ctx.target}: {cfg.n_layers} layers of {layer_bytes / 1e6:.1f} MB; copy bandwidth "
+    lines = [f"Target {args.ctx.target}{' (12-bit planes)' if args.w12 else ''}: {cfg.n_layers} layers of "
+             f"{layer_bytes / 1e6:.1f} MB; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s, so a layer's weight-read floor is {layer_floor_us:.1f} µs.",
              f"Shipped tiles {shipped or '(the TILE_VALUES rule)'}: {shipped_us:.2f} µs a layer "
              f"({layer_floor_us / shipped_us:.0%} of the floor); best tiles {best or '(none better)'}: "
              f"{best_us:.2f} µs ({layer_floor_us / best_us:.0%}); modular {base['modular_us']:.2f} µs."
              + (f" Best one-token attention split: {best_attention or 'as shipped'} (shipped {dict(F.ATTENTION)})."
                 if args.attention else ""), ""]
-    header = ["kernel", "floor µs", "shipped µs", "of floor", "best µs", "of floor"]
+    header = (["kernel", "floor µs", "shipped µs", "of floor", "best µs", "of floor"]
+              + (["bf16 µs"] if args.w12 else []))
     table_rows = []
     for name in kernel_names(cfg):
         fl = floor_us.get(name)
         s, b = kernels["shipped"].get(name), kernels["best"].get(name)
         table_rows.append([name, harness.fmt(fl, ".2f") if fl else "–"]
                           + [x for t in (s, b) for x in ((f"{t:.2f}", f"{fl / t:.0%}" if fl else "–") if t else
-                                                           ("–", "–"))])
+                                                           ("–", "–"))]
+                          + ([harness.fmt(kernels["bf16"].get(name), ".2f")] if args.w12 else []))
     errors = [f"{name} profile: {k['error']}" for name, k in kernels.items() if "error" in k]
     lines += errors
     table = "\n".join(lines) + "\n" + harness.md_table(header, table_rows)
@@ -214,7 +237,7 @@ def run(out_dir, args):
     record = {"target": args.ctx.target, "copy_bandwidth": bandwidth, "layer_bytes": layer_bytes,
               "layer_floor_us": layer_floor_us, "floor_us": floor_us, "shipped": shipped, "shipped_us": shipped_us,
               "best": best, "best_us": best_us, "modular_us": base["modular_us"], "kernels": kernels, "sweep": sweep,
-              "attention": attention, "best_attention": best_attention}
+              "attention": attention, "best_attention": best_attention, "w12": args.w12}
     if attention:
         sweep_table += "\n\nThe one-token attention's split (the tiles shipped):\n\n" + harness.md_table(
             ["slots a split", "slots an iteration", "warps", "µs a layer", "vs shipped"],

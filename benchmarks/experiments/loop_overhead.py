@@ -333,64 +333,74 @@ def run(out_dir, args):
         # whether a system's steps depend on what ran before it, as the bench's controller's seemed to, 25th lease)
         name = system if system not in names[:at] else f"{system}#{names[:at].count(system) + 1}"
         system, compiled_prefill = system.removesuffix(COMPILED_PREFILL), system.endswith(COMPILED_PREFILL)
-        eng = Engine(target, system_recipe(system, ctx.target if args.workload else None, device))
-        dec = eng.decoder
-        if compiled_prefill:  # (what SPECPILOT_COMPILED_PREFILL=1 sets for every decoder of a process)
-            from specpilot.engine.decode import Block
-            from specpilot.engine.model import compiled_dynamic
+        try:  # a system that fails costs its own row, not the systems after it
+            eng = Engine(target, system_recipe(system, ctx.target if args.workload else None, device))
+            dec = eng.decoder
+            if compiled_prefill:  # (what SPECPILOT_COMPILED_PREFILL=1 sets for every decoder of a process)
+                from specpilot.engine.decode import Block
+                from specpilot.engine.model import compiled_dynamic
 
-            dec.prefill_layer_fn = compiled_dynamic(Block.forward)
-        t_warm = time.perf_counter()
-        print(f"loop_overhead: {name}: warming up", file=sys.stderr, flush=True)  # (minutes on a real workload)
-        eng.warmup([rows], max(map(len, prompts)), new)
-        print(f"loop_overhead: {name}: warm in {time.perf_counter() - t_warm:.0f} s", file=sys.stderr, flush=True)
-        eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)  # the first real call: caches, allocator
-        phases = {}
-        for method in PHASES:
-            setattr(dec, method, timed(phases, method, getattr(dec, method)))
-        if dec.drafter is not None:  # (inside _move_in: its share of it)
-            dec.drafter.start_rows = timed(phases, "start_rows", dec.drafter.start_rows)
-        torch.cuda.synchronize() if device == "cuda" else None
-        t0 = time.perf_counter()
-        out = eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)
-        torch.cuda.synchronize() if device == "cuda" else None
-        wall = time.perf_counter() - t0
-        for method in PHASES:
-            delattr(dec, method)
-        if dec.drafter is not None:
-            del dec.drafter.start_rows
-        stats = dec.last_stats
-        kinds = sorted(set(stats.draft_lengths))
-        # Replays and kernels on the call's own bucket, the state its rows left there (a batch that drained into
-        # smaller buckets ends in one of those: replayed there, its steps priced a batch of 8 or 16 rows)
-        st = dec._use(batch_bucket(rows) if dec.bucketed else rows, 0)
-        at_end = {k: dec._time_step(st, k, 20) * 1e3 for k in kinds}
-        warm = {k: v * 1e3 for k, v in dec.prices.get(st.batch, {}).items()}
-        loop = {k: v * 1e3 for k, v in dec.step_seconds.get(st.batch, {}).items()}
-        tokens = sum(len(r.tokens) for r in out)
-        rest = wall - sum(phases.get(m, 0.0) for m in PHASES)  # (start_rows runs inside _move_in)
-        budget = time_budget(stats.step_log)
-        found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
-                       "live_rows_per_step": stats.row_steps / max(1, stats.steps), "shrinks": stats.shrinks,
-                       "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
-                       "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
-                       "time_budget": budget}
-        if args.probe_refills and device == "cuda":
-            found[name]["refill_probe"] = probe_refills(dec, eng, prompts, new, args.eos, rows, args.probe_refills)
-        if args.kernels and device == "cuda":
-            found[name]["kernels"] = {k: step_kernels(dec, k) for k in dec._step_kinds()}
-            found[name]["launch_us"] = launch_costs(dec, [k for k in dec._step_kinds() if k in (-1, 0, 3, 4)])
-        lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | {stats.row_steps / max(1, stats.steps):.1f} | "
-                     f"{wall / stats.steps * 1e3:.3f} | "
-                     + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
-                     + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
-                     + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
-                     + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in PHASES)
-                     + f" / {rest * 1e3:.0f} | {phases.get('start_rows', 0) * 1e3:.0f} | {stats.refill_prefills}, "
-                     f"{stats.refill_prefill_s * 1e3:.0f} | {stats.refills} | {budget['refill_steps']} | "
-                     f"{budget['refill_extra_s'] * 1e3:.0f} | {budget['drain_steps']} | {budget['drain_s'] * 1e3:.0f} |")
-        print(f"loop_overhead: {name}: {tokens / wall:,.0f} tok/s", file=sys.stderr, flush=True)
-        del eng, dec
+                dec.prefill_layer_fn = compiled_dynamic(Block.forward)
+            t_warm = time.perf_counter()
+            print(f"loop_overhead: {name}: warming up", file=sys.stderr, flush=True)  # (minutes on a real workload)
+            eng.warmup([rows], max(map(len, prompts)), new)
+            print(f"loop_overhead: {name}: warm in {time.perf_counter() - t_warm:.0f} s", file=sys.stderr, flush=True)
+            # the first real call: caches, allocator
+            eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)
+            phases = {}
+            for method in PHASES:
+                setattr(dec, method, timed(phases, method, getattr(dec, method)))
+            if dec.drafter is not None:  # (inside _move_in: its share of it)
+                dec.drafter.start_rows = timed(phases, "start_rows", dec.drafter.start_rows)
+            torch.cuda.synchronize() if device == "cuda" else None
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, new, ignore_eos=not args.eos, max_batch=rows)
+            torch.cuda.synchronize() if device == "cuda" else None
+            wall = time.perf_counter() - t0
+            for method in PHASES:
+                delattr(dec, method)
+            if dec.drafter is not None:
+                del dec.drafter.start_rows
+            stats = dec.last_stats
+            kinds = sorted(set(stats.draft_lengths))
+            # Replays and kernels on the call's own bucket, the state its rows left there (a batch that drained into
+            # smaller buckets ends in one of those: replayed there, its steps priced a batch of 8 or 16 rows)
+            st = dec._use(batch_bucket(rows) if dec.bucketed else rows, 0)
+            at_end = {k: dec._time_step(st, k, 20) * 1e3 for k in kinds}
+            warm = {k: v * 1e3 for k, v in dec.prices.get(st.batch, {}).items()}
+            loop = {k: v * 1e3 for k, v in dec.step_seconds.get(st.batch, {}).items()}
+            tokens = sum(len(r.tokens) for r in out)
+            rest = wall - sum(phases.get(m, 0.0) for m in PHASES)  # (start_rows runs inside _move_in)
+            budget = time_budget(stats.step_log)
+            found[name] = {"wall_s": wall, "tokens": tokens, "steps": stats.steps, "refills": stats.refills,
+                           "live_rows_per_step": stats.row_steps / max(1, stats.steps), "shrinks": stats.shrinks,
+                           "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
+                           "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
+                           "time_budget": budget}
+            if args.probe_refills and device == "cuda":
+                found[name]["refill_probe"] = probe_refills(dec, eng, prompts, new, args.eos, rows, args.probe_refills)
+            if args.kernels and device == "cuda":
+                found[name]["kernels"] = {k: step_kernels(dec, k) for k in dec._step_kinds()}
+                # (a controller's AR, blind AR and two draft lengths; a fixed-k decoder's own kinds)
+            found[name]["launch_us"] = launch_costs(dec, [k for k in dec._step_kinds() if k in (-1, 0, 3, 4)]
+                                                    or list(dec._step_kinds()))
+            lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | "
+                         f"{stats.row_steps / max(1, stats.steps):.1f} | "
+                         f"{wall / stats.steps * 1e3:.3f} | "
+                         + ", ".join(f"{k}: {v:.3f}" for k, v in at_end.items()) + " | "
+                         + (", ".join(f"{k}: {v:.3f}" for k, v in warm.items()) or "-") + " | "
+                         + (", ".join(f"{k}: {v:.3f}" for k, v in loop.items()) or "-") + " | "
+                         + " / ".join(f"{phases.get(m, 0) * 1e3:.0f}" for m in PHASES)
+                         + f" / {rest * 1e3:.0f} | {phases.get('start_rows', 0) * 1e3:.0f} | {stats.refill_prefills}, "
+                         f"{stats.refill_prefill_s * 1e3:.0f} | {stats.refills} | {budget['refill_steps']} | "
+                         f"{budget['refill_extra_s'] * 1e3:.0f} | {budget['drain_steps']} | {budget['drain_s'] * 1e3:.0f} |")
+            print(f"loop_overhead: {name}: {tokens / wall:,.0f} tok/s", file=sys.stderr, flush=True)
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            found[name] = {"error": why}
+            lines.append(f"| {name} | error: {why} |")
+            print(f"loop_overhead: {name}: {why}", file=sys.stderr, flush=True)
+        eng = dec = None
         torch.cuda.empty_cache() if device == "cuda" else None
     head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
             "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
