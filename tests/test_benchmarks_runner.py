@@ -144,7 +144,7 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
         assert all(t["block_k"] <= 1 << (k - 1).bit_length() for t in tiles) and len({json.dumps(t) for t in tiles}) \
             == len(tiles)
 
-    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,)):
+    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,), planes=None):
         if attention != (None,):  # the attention sweep: 64-slot splits of 32-slot iterations win
             return [{"fused_us": 97.0 if a["keys_per_split"] == 64 and a["block_s"] == 32 and a["num_warps"] == 2
                      else 100.0, "modular_us": 120.0} for a in attention]
@@ -163,13 +163,14 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
     monkeypatch.setattr(F, "benchmark", fake_benchmark)
     monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
-    monkeypatch.setattr(fused_tiles, "kernel_times", lambda model, F, tiles: dict.fromkeys(fused_tiles.KERNELS, 2.0))
+    monkeypatch.setattr(fused_tiles, "kernel_times",
+                        lambda model, F, tiles, planes=None: dict.fromkeys(fused_tiles.KERNELS, 2.0))
     monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
     import torch
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="o,down", warps="4,8",
-                                 attention=True)
+                                 attention=True, w12=False)
     record, table = fused_tiles.run(tmp_path, args)
     assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
     assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
