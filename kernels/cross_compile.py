@@ -196,8 +196,8 @@ def _gpu_programs(F, run):
     """Run `run` as if on a GPU: the GPU's least program count and attention splits (fused_layer picks the
     interpreter's off the GPU)."""
     blocks, splits = F.gemv_blocks, F.attention_splits
-    F.gemv_blocks = lambda n_rows, k, n_tokens, min_programs=F.MIN_PROGRAMS, pairs=False, role=None: blocks(
-        n_rows, k, n_tokens, F.MIN_PROGRAMS, pairs, role)
+    F.gemv_blocks = lambda n_rows, k, n_tokens, min_programs=F.MIN_PROGRAMS, pairs=False, role=None, w12=False: (
+        blocks(n_rows, k, n_tokens, F.MIN_PROGRAMS, pairs, role, w12))
     F.attention_splits = lambda n_slots, n_tokens, device: splits(n_slots, n_tokens, torch.device("cuda"))
     try:
         run()

@@ -85,6 +85,17 @@ CHUNK_K = 2048
 # a JSON object, sets them for a run). Empty: the rule everywhere.
 ROLES = ("qkv", "o", "mlp", "down")
 FMA_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_FMA_TILES", "{}"))
+# The same for steps that read 12-bit weights, whose programs decode every weight in registers and make each slot's
+# activations (norm included) once a program: one row a program, as bf16 takes at 8B, spends as much on the
+# activations as on the weights. On the H200 at Llama-3.1-8B's shapes (docs/benchmarks/2026-12-03-twenty-seventh-
+# lease.md, D: `fused_tiles --w12`, the best of each role's sweep) q/k/v, o and down went from 42.6 / 21.2 / 47.6 µs
+# (one row in all of K) to 20.5 / 10.4 / 26.0 (bf16: 18.1 / 10.3 / 27.7), gate/up's tile alone took the layer from
+# 262 to 193 µs (8 pairs in tiles of 512: 252), and the 12-bit AR step went from 8.37 to 4.81 ms (bf16 fused: 3.90).
+# A tile is halved until there are MIN_PROGRAMS programs (SmolLM2's q/k/v has 480 pairs). SPECPILOT_FMA_TILES_12 (a
+# JSON object) sets them for a run.
+FMA_TILES_12: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_FMA_TILES_12", json.dumps({
+    "qkv": {"rows": 4, "block_k": 1024, "warps": 4}, "o": {"rows": 8, "block_k": 1024, "warps": 4},
+    "mlp": {"rows": 4, "block_k": 1024, "warps": 4}, "down": {"rows": 8, "block_k": 1024, "warps": 4}})))
 # Attention: cache slots per split, slots per loop iteration and warps per program, for one-token steps and for more
 # tokens (benchmark(attention=...) sweeps them); at most MAX_SPLITS splits (longer splits then). On the H200 with
 # SmolLM2 (docs/BENCHMARKS.md, fourth lease) 32-slot splits were fastest for one token at position 300 (17.7 µs a
@@ -803,9 +814,10 @@ def _add_rmsnorm(x_ptr, delta_ptr, norm_ptr, out_ptr, live_ptr, K, eps, PDL: tl.
 
 # -- launch configuration ----------------------------------------------------------------------------------------
 def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROGRAMS, pairs: bool = False,
-                role: str | None = None) -> dict:
+                role: str | None = None, w12: bool = False) -> dict:
     """Launch parameters of a GEMV over `n_rows` rows (or pairs) with K = k for `n_tokens` tokens; `role` is which of
-    the layer's GEMVs it is (ROLES), for FMA_TILES.
+    the layer's GEMVs it is (ROLES), for FMA_TILES (FMA_TILES_12 where `w12`: the weights are 12-bit, the tile
+    halved until there are `min_programs` programs).
 
     Up to FMA_MAX_TOKENS tokens: one token a program, with the tile FMA_TILES gives the role if it gives one
     (rows or pairs a program, the K tile, warps), else all of K in one tile while the weight tile stays within
@@ -816,10 +828,13 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     if n_tokens > FMA_MAX_TOKENS:
         return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
                     BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), num_warps=4)
-    tile = FMA_TILES.get(role)
+    tile = (FMA_TILES_12 if w12 else FMA_TILES).get(role)
     if tile is not None:
-        return dict(DOT=False, BLOCK_M=1, BLOCK_N=tile["rows"],
-                    BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)), num_warps=tile["warps"])
+        rows = tile["rows"]
+        while w12 and rows > 1 and triton.cdiv(n_rows, rows) < min_programs:
+            rows //= 2
+        return dict(DOT=False, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=min(tile["block_k"], triton.next_power_of_2(k)),
+                    num_warps=tile["warps"])
     block_k = triton.next_power_of_2(k)
     if block_k > TILE_VALUES:  # K in CHUNK_K tiles, one row a program
         return dict(DOT=False, BLOCK_M=1, BLOCK_N=1, BLOCK_K=CHUNK_K, num_warps=4)
@@ -1010,7 +1025,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         x1 = qkv_input.reshape(M, k1).contiguous()
     q = torch.empty(M, H, D, dtype=dt, device=dev)
     n_pairs = (H + 2 * Hkv) * D // 2
-    cfg1 = _cfg12(gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv"), p_qkv)
+    cfg1 = _cfg12(gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv", w12=p_qkv is not None), p_qkv)
     # With Qwen3's per-head q/k norm, q and k go as computed to `raw`, and a kernel of their own norms and rotates them
     raw = torch.empty(M, H + Hkv, D, dtype=dt, device=dev) if cfg.qk_norm else q
     _norm_pair_gemv[grid(cfg1, n_pairs, M)](
@@ -1044,7 +1059,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
-    cfg3 = _cfg12(gemv_blocks(hidden, H * D, M, width, role="o"), p_o)
+    cfg3 = _cfg12(gemv_blocks(hidden, H * D, M, width, role="o", w12=p_o is not None), p_o)
     _gemv[grid(cfg3, hidden, M)](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
         HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **cfg3, **pdl,
@@ -1053,7 +1068,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
     act = torch.empty(M, inter, dtype=dt, device=dev)
-    cfg4 = _cfg12(gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp"), p_mlp)
+    cfg4 = _cfg12(gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp", w12=p_mlp is not None), p_mlp)
     _norm_pair_gemv[grid(cfg4, inter, M)](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
@@ -1063,7 +1078,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
-    cfg5 = _cfg12(gemv_blocks(hidden, inter, M, width, role="down"), p_down)
+    cfg5 = _cfg12(gemv_blocks(hidden, inter, M, width, role="down", w12=p_down is not None), p_down)
     _gemv[grid(cfg5, hidden, M)](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
         SINGLE=_single(cfg5, inter, p_down), **cfg5, **pdl, **_token_skip(skip, cfg5), **_w12(p_down))
@@ -1276,7 +1291,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
     `fma_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2) Packed12Linear, as `check` takes it): the
-    fused layer reads 12-bit weights (the modular one its bf16 matrices). GPU only."""
+    fused layer reads 12-bit weights (the modular one its bf16 matrices), and `fma_tiles` are FMA_TILES_12. GPU
+    only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
@@ -1303,21 +1319,29 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
 
         run(modular)()  # compile before capture
         modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12
         current = attention_setting(batch * T)
-        fma_saved, tile_saved, tiles_saved = FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES
+        fma_saved, tile_saved = FMA_MAX_TOKENS, TILE_VALUES
+        tiles_saved = FMA_TILES if planes is None else FMA_TILES_12  # (the table of the weights' format)
         saved = dict(current)
         for fma, tile, tiles, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
-            FMA_TILES = tiles_saved if tiles is None else tiles
+            if planes is None:
+                FMA_TILES = tiles_saved if tiles is None else tiles
+            else:
+                FMA_TILES_12 = tiles_saved if tiles is None else tiles
             try:
                 run(fused)()
                 fused_us = do_bench_cudagraph(run(fused)) * 1e3 / cfg.n_layers
             finally:
                 current.clear()
                 current.update(saved)
-                FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES = fma_saved, tile_saved, tiles_saved
+                FMA_MAX_TOKENS, TILE_VALUES = fma_saved, tile_saved
+                if planes is None:
+                    FMA_TILES = tiles_saved
+                else:
+                    FMA_TILES_12 = tiles_saved
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
                             fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))

@@ -242,6 +242,12 @@ def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
         dict(DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=32, num_warps=8)] * 2
     assert triton_fused_layer.gemv_blocks(64, 16, 1, role="down")["BLOCK_K"] == 16  # never past K's power of two
     assert triton_fused_layer.gemv_blocks(64, 64, 1)["num_warps"] == 4  # no role: the rule
+    # 12-bit weights take their own table (FMA_TILES_12), its rows halved until there are enough programs
+    monkeypatch.setattr(triton_fused_layer, "FMA_TILES_12", {"qkv": {"rows": 4, "block_k": 1024, "warps": 4}})
+    assert triton_fused_layer.gemv_blocks(3072, 4096, 1, 256, pairs=True, role="qkv", w12=True) == dict(
+        DOT=False, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=4)  # Llama-3.1-8B's q/k/v: 768 programs
+    assert triton_fused_layer.gemv_blocks(480, 576, 1, 256, pairs=True, role="qkv", w12=True)["BLOCK_N"] == 1
+    assert triton_fused_layer.gemv_blocks(480, 576, 1, 256, pairs=True, role="qkv")["BLOCK_N"] == 2  # (bf16's)
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert loaded.model.cfg.hidden_size > 16  # (so that the K tiles of 16 take several chunks)
     # one token and five (the tiles are the role's either way; rows side by side are the rule's test's): the
@@ -275,7 +281,7 @@ def test_fused_layer_reads_12bit_weights(tiny_model_dir, monkeypatch):
     # K in tiles of 32 (4 groups): each GEMV loops over its groups (the interpreter runs programs one by one, so
     # the tiles keep many rows a program)
     tiles = {role: {"rows": 16, "block_k": 32, "warps": 4} for role in triton_fused_layer.ROLES}
-    monkeypatch.setattr(triton_fused_layer, "FMA_TILES", tiles)
+    monkeypatch.setattr(triton_fused_layer, "FMA_TILES_12", tiles)
     assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: planes) < 2e-5
     monkeypatch.setattr(triton_fused_layer, "ESCAPES_AHEAD", 2)  # the five: two with the words, then two and one
     assert triton_fused_layer.check(model, Block.forward, batch_tokens=((1, 1),), planes=lambda b: planes) < 2e-5

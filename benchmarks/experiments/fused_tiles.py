@@ -17,8 +17,9 @@ With `--w12` the layer reads its 12-bit planes (`weights.format: lossless12`; en
 device): the sweep and the profiles are of the 12-bit kernels, each GEMV's floor is its planes' bytes, and the bf16
 layer's kernels are profiled beside them (`--roles ''` skips the sweep).
 
-The best tiles go to WORK/fused_tiles.env (`export SPECPILOT_FMA_TILES=...`), so a later call of the same warm machine
-can run a bench with them before they become defaults. Run it with `--target synthetic:llama-3.1-8b` (no GGUF needed).
+The best tiles go to WORK/fused_tiles.env (`export SPECPILOT_FMA_TILES=...`; with --w12 SPECPILOT_FMA_TILES_12), so a
+later call of the same warm machine can run a bench with them before they become defaults. Run it with `--target
+synthetic:llama-3.1-8b` (the staged GGUF gives it its tokenizer).
 
 Backs docs/BENCHMARKS.md's row on the fused layer's tiles at 8B shapes (issue #24) once run; not run yet.
 
@@ -87,8 +88,10 @@ def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, r
     delta = torch.randn_like(x)
     cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
     rows = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    saved, saved_pdl = F.FMA_TILES, F._pdl
-    F.FMA_TILES, F._pdl = tiles, (lambda device: False)
+    table = "FMA_TILES" if planes is None else "FMA_TILES_12"  # (the tiles of the weights' format)
+    saved, saved_pdl = getattr(F, table), F._pdl
+    setattr(F, table, tiles)
+    F._pdl = lambda device: False
     try:
         def layers():
             a, d = x, delta
@@ -107,7 +110,8 @@ def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, r
                 graph.replay()
             torch.cuda.synchronize()
     finally:
-        F.FMA_TILES, F._pdl = saved, saved_pdl
+        setattr(F, table, saved)
+        F._pdl = saved_pdl
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     names = kernel_names(cfg)
@@ -158,7 +162,7 @@ def run(out_dir, args):
     def timed(tiles_list):
         return F.benchmark(model, modular, tokens=(1,), fma_tiles=tuple(tiles_list), planes=planes)
 
-    shipped = dict(F.FMA_TILES)
+    shipped = dict(F.FMA_TILES_12 if args.w12 else F.FMA_TILES)
     base = timed([shipped])[0]
     print(f"shipped: {base['fused_us']:.2f} µs a layer (modular {base['modular_us']:.2f})", flush=True)
     sweep, best = [], {}
@@ -197,7 +201,7 @@ def run(out_dir, args):
     best_us = min(both[1]["fused_us"], both[3]["fused_us"])
     kernels = {}
     for name, tiles, read in (("shipped", shipped, planes), ("best", {**shipped, **best}, planes),
-                              *((("bf16", shipped, None),) if args.w12 else ())):
+                              *((("bf16", dict(F.FMA_TILES), None),) if args.w12 else ())):
         try:  # a profile that fails leaves the timings above
             kernels[name] = kernel_times(model, F, tiles, planes=read)
         except Exception as e:
@@ -205,7 +209,8 @@ def run(out_dir, args):
     layer_bytes = sum(nbytes.values())
     layer_floor_us = layer_bytes / bandwidth * 1e6
     env = harness.WORK / "fused_tiles.env"
-    env.write_text(f"export SPECPILOT_FMA_TILES={shlex.quote(json.dumps({**shipped, **best}))}\n"
+    variable = "SPECPILOT_FMA_TILES_12" if args.w12 else "SPECPILOT_FMA_TILES"
+    env.write_text(f"export {variable}={shlex.quote(json.dumps({**shipped, **best}))}\n"
                    + (f"export SPECPILOT_FMA_ATTENTION={shlex.quote(json.dumps(best_attention))}\n"
                       if best_attention else ""))
 
