@@ -341,11 +341,15 @@ def test_kernel_writer_proposes_lossless12_where_weights_dominate(profiles):
     assert "memory floor" in l12.reason
     fp32 = PolicyProvider().propose(replace(ctx, deployment=ctx.deployment | {"dtype": "fp32"}))
     assert not [c for c in fp32 if c.recipe_patch.get("weights")]  # the format re-encodes bf16 weights only
-    # on the fused layer too, whose one-token steps read 12-bit weights themselves (its other slots are idle)
+    # not on the fused layer, whose steps read 12-bit weights decode-bound (0.81x its bf16 steps at 8B, measured),
+    # nor the fused layer to a 12-bit recipe
     fused = PolicyProvider().propose(replace(ctx, recipe={**asdict(load_recipe("ar")), "layer": "fused"}))
-    [l12] = [c for c in fused if c.recipe_patch.get("weights")]
-    assert l12.recipe_patch["weights"] == {"format": "lossless12"} and "fused layer's steps read them" in l12.reason
-    assert not {s for c in fused for s in c.recipe_patch.get("kernels", {})} - {"linear", "accept"}
+    assert not [c for c in fused if c.recipe_patch.get("weights")]
+    assert not {s for c in fused for s in c.recipe_patch.get("kernels", {})} - {"accept"}
+    assert [c for c in cands if c.recipe_patch.get("layer") == "fused"]  # (bf16: proposed)
+    twelve = PolicyProvider().propose(replace(ctx, recipe={**asdict(load_recipe("ar")), "kernels": {
+        "linear": "builtin:lossless12"}, "weights": {"format": "lossless12"}}))
+    assert not [c for c in twelve if c.recipe_patch.get("layer") == "fused"]
 
 
 def test_scheduler_cuda_switches_only_on_cuda(profiles):

@@ -33,6 +33,13 @@ NGRAM_MAX_CHOICES = (2, 3, 4)
 LAYERSKIP_FRACTIONS = (0.25, 0.5)
 # 12-bit weights: the lossless12 format reads 1.5 bytes a weight instead of bf16's 2 (docs/LOSSLESS12.md).
 LOSSLESS12_BYTES_PER_PARAM = 1.5
+# ... but not on the fused layer, which reads them itself in steps of up to FUSED_LAYER_FMA_MAX_TOKENS tokens and
+# decodes them there arithmetic-bound: an AR step of synthetic Llama-3.1-8B, where the bytes would pay, ran 0.81x its
+# bf16 step (H200, docs/benchmarks/2026-12-03-twenty-seventh-lease.md, D; the 12-bit modular layer 1.17x-1.21x bf16
+# there). The cost model prices bytes only, so the policy proposes neither the one nor the other (the grid measures
+# both).
+FUSED_12BIT = ("its 12-bit steps are decode-bound (0.81x the bf16 fused AR step at Llama-3.1-8B's shapes, measured), "
+               "which the bytes-only cost model does not price")
 # An n-gram tree: this many branches of k drafts (the drafter's several matches, latest first), proposed when the
 # cost model puts the wider verification at most TREE_MAX_STEP_COST above the chain's step (a launch-bound step).
 TREE_BRANCHES = 3
@@ -966,9 +973,8 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
         skipped.add(f"layer already {recipe.layer}")
     elif not view.cuda:
         cuda_only.append("layer fused")
-    elif recipe.weights.format != "native" and tokens > FUSED_LAYER_FMA_MAX_TOKENS:
-        skipped.add(f"layer fused: reads {recipe.weights.format} weights in steps of up to "
-                    f"{FUSED_LAYER_FMA_MAX_TOKENS} tokens, this step has {tokens}")
+    elif recipe.weights.format != "native":
+        skipped.add(f"layer fused with {recipe.weights.format} weights: {FUSED_12BIT}")
     elif tokens > FUSED_LAYER_MAX_TOKENS:
         skipped.add(f"layer fused: up to {FUSED_LAYER_MAX_TOKENS} tokens a step, this step has {tokens}")
     elif verify_gain < MIN_GAIN:
@@ -982,16 +988,13 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
     # attention, linear and rmsnorm slots serve prefill only there: a candidate changing them changes no step (on the
     # H200 two such candidates took a round's budget, 2026-12-02). The accept slot works outside the layer.
     layer_slots_idle = recipe.layer == "fused" and view.cuda and tokens <= FUSED_LAYER_MAX_TOKENS
-    # ... but it reads 12-bit weights itself in steps of up to FUSED_LAYER_FMA_MAX_TOKENS: there the weight format
-    # (which comes with its linear kernel) still changes every step
-    formats_count = layer_slots_idle and tokens <= FUSED_LAYER_FMA_MAX_TOKENS
     if layer_slots_idle:
         skipped.add(f"attention, linear and rmsnorm kernels: the fused layer runs each {tokens}-token step in its own "
-                    f"kernels (those slots serve prefill only"
-                    + (", except that the weight format it reads comes with the linear kernel)" if formats_count
-                       else ")"))
+                    f"kernels (those slots serve prefill only)")
+    if layer_slots_idle and tokens <= FUSED_LAYER_FMA_MAX_TOKENS:
+        skipped.add(f"12-bit weights on the fused layer: {FUSED_12BIT}")
     for slot in ("attention", "linear", "rmsnorm", "accept"):
-        if layer_slots_idle and slot != "accept" and not (slot == "linear" and formats_count):
+        if layer_slots_idle and slot != "accept":
             continue
         now = recipe.kernels.get(slot, KERNEL_DEFAULTS[slot])
         runnable = [i for i in IMPLEMENTATIONS[slot] if view.cuda or not needs_triton(slot, i)]
@@ -1032,8 +1035,7 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                         f"12-bit lossless weights (linear {impl}, weights.format lossless12): "
                         f"{LOSSLESS12_BYTES_PER_PARAM} instead of {dep.bytes_per_param:g} bytes a weight; the "
                         f"calibrated cost model's memory floor {ms(cur.memory_floor_s)} -> {ms(p.memory_floor_s)}, "
-                        f"{_phases(p)} against {ms(cur.step_s)} (+{gain:.0%} tok/s)"
-                        + ("; the fused layer's steps read them" if formats_count else "")), (0, -gain)))
+                        f"{_phases(p)} against {ms(cur.step_s)} (+{gain:.0%} tok/s)"), (0, -gain)))
                 elif recipe.weights.format == "native":
                     continue  # builtin:torch is what a native-weight recipe already reads its weights with
                 else:
