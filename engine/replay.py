@@ -31,6 +31,8 @@ probability a_i. The draws are a function of (seed, the reference's index, the r
 """
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from .drafters import Drafter, Proposal
@@ -88,6 +90,28 @@ def rank_edges(acceptance: list[float], ranks: list[list[float]]) -> list[list[f
         rows.append(edge)
     width = max(map(len, rows))
     return [edge + [edge[-1]] * (width - len(edge)) for edge in rows]
+
+
+def best_static_tree(acceptance: list[float], ranks: list[list[float]], drafts: int) -> list[list[int]]:
+    """The static tree of `drafts` nodes (the root not counted) that accepts the most drafts a step on average under
+    a rank profile, as `tree.paths` takes it, best path first: a path (candidates c_1 .. c_d) is accepted with the
+    product over its depths of the chance that the target's token is candidate c_i there (`rank_edges`), and a
+    tree's expected accepted drafts are the sum over its nodes (Sequoia's construction, arXiv:2402.12374). A path's
+    chance never exceeds its parent's, so taking paths best first from a frontier gives a tree that holds every
+    prefix. Fewer nodes when no further path can be accepted."""
+    edges = rank_edges(acceptance, ranks)
+    chances = [[e - (row[c - 1] if c else 0.0) for c, e in enumerate(row)] for row in edges]
+    frontier = [(-q, (c,)) for c, q in enumerate(chances[0]) if q > 0]
+    heapq.heapify(frontier)
+    paths: list[list[int]] = []
+    while frontier and len(paths) < drafts:
+        negative, path = heapq.heappop(frontier)
+        paths.append(list(path))
+        if len(path) < len(chances):
+            for c, q in enumerate(chances[len(path)]):
+                if q > 0:
+                    heapq.heappush(frontier, (negative * q, path + (c,)))
+    return paths
 
 
 def _references(history, lengths, k, table, table_lengths):

@@ -305,3 +305,44 @@ def test_a_replayed_tree_at_a_heads_cost(loaded, ar_tokens):
     out = eng.generate(prompts(2), 20, ignore_eos=True)
     assert [r.tokens for r in out] == ar_tokens[:2] and calls
     assert all(n == 2 for r in out for n in r.accepted[:-1])
+
+
+def test_the_best_static_tree_for_a_rank_profile():
+    """`best_static_tree`: of every prefix-closed tree of N drafts (depth 2, 3 candidates a node), none accepts more
+    on average under the profile than the one it builds; it holds every prefix, without 2nd candidates it is the
+    chain, and replayed it decodes AR's tokens."""
+    import itertools
+
+    from specpilot.engine.replay import best_static_tree
+
+    acceptance, ranks = [0.6, 0.3], [[0.2, 0.1], [0.25, 0.05]]
+    chance = [[0.6, 0.2, 0.1], [0.5, 0.25, 0.05]]  # per depth: candidate 1 (a_i / a_{i-1}), 2, 3
+
+    def expected(paths):
+        total = 0.0
+        for path in paths:
+            p = 1.0
+            for depth, c in enumerate(path):
+                p *= chance[depth][c]
+            total += p
+        return total
+
+    every = [(a,) for a in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    for n in (1, 3, 5, 8):
+        best = best_static_tree(acceptance, ranks, n)
+        assert len(best) == n and all(tuple(p[:-1]) in {tuple(q) for q in best} | {()} for p in best)
+        trees = [t for t in itertools.combinations(every, n) if all(p[:-1] in set(t) | {()} for p in t)]
+        assert expected(best) == pytest.approx(max(expected(t) for t in trees))
+    assert best_static_tree([0.8, 0.4], [[0.0], [0.0]], 5) == [[0], [0, 0]]  # no 2nd candidate: the chain, whole
+
+
+def test_the_best_static_tree_replayed_decodes_ar_tokens(loaded, ar_tokens):
+    """The best tree of 6 drafts for a profile, replayed: AR's tokens, accepted as deep as the tree goes."""
+    from specpilot.engine.replay import best_static_tree
+
+    paths = best_static_tree([0.6, 0.3], [[0.2, 0.1], [0.25, 0.05]], 6)
+    eng = Engine(loaded, parse({"drafter": {"kind": "replay", "acceptance": [0.6, 0.3],
+                                            "ranks": [[0.2, 0.1], [0.25, 0.05]]}, "k": 2, "verification": "tree",
+                                "cuda_graphs": False, "tree": {"kind": "static", "paths": paths}}))
+    out = eng.generate(prompts(), 20, ignore_eos=True)
+    assert [r.tokens for r in out] == ar_tokens and max(n for r in out for n in r.accepted[:-1]) == 2

@@ -20,7 +20,10 @@ fused layer under its own name, on the modular one as `...-modular`, with overla
 lost to the modular one at B = 8 (0.61x; seventeenth lease, D). Those trees accept along their first chain only
 (their profiles say nothing of second candidates); `--rank-profile` (the `head_ranks` experiment's result: the
 trained head's chain profile and its 2nd-4th candidates' chances, measured) adds `replay-ranks` and
-`replay-tree-ranks`, the tree's siblings holding the target's token with the measured chances.
+`replay-tree-ranks`, the tree's siblings holding the target's token with the measured chances, and
+`replay-tree-bestN`: the static tree of N drafts that accepts the most under that profile
+(`engine.replay.best_static_tree`, for each N of `--best-tree-drafts`; at 8B a verification of more tokens costs
+little more).
 Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
 the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
 against it.
@@ -58,6 +61,8 @@ def arguments(p) -> None:
     p.add_argument("--rank-profile", default=None,
                    help="a head_ranks.json (its pooled profile) or a {\"acceptance\", \"ranks\"} file: adds "
                         "replay-tree-ranks, the tree at that measured profile, whose 2nd and 3rd candidates count")
+    p.add_argument("--best-tree-drafts", default="15,31",
+                   help="with --rank-profile: the best static trees of these many drafts (replay-tree-bestN)")
     p.add_argument("--systems", default=None,
                    help="only these of the recipes, comma-separated (e.g. the AR ones: ar-fused-overlap,ar-overlap)")
 
@@ -74,7 +79,7 @@ def rank_profile(path: str) -> dict:
     return data
 
 
-def recipes(ctx, layers=("fused",), ranks: dict | None = None) -> list:
+def recipes(ctx, layers=("fused",), ranks: dict | None = None, best_trees: tuple[int, ...] = ()) -> list:
     """The recipe files; with --smoke (fp32 on the CPU) no 12-bit one, which encodes bf16 weights. The replay recipes
     once per layer: on the fused layer with overlap under their own names, on another with the layer's name added."""
     fast = {"layer": "fused", "overlap": True}
@@ -97,12 +102,19 @@ def recipes(ctx, layers=("fused",), ranks: dict | None = None) -> list:
                                                                    "verification": "tree",
                                                                    "tree": {"kind": "static", "paths": TREE}}))
         if ranks is not None:  # the measured head's profile, its siblings' chances included
+            from specpilot.engine.replay import best_static_tree
+
             drafter = {"kind": "replay", "model": "random-eagle3", "acceptance": ranks["acceptance"],
                        "ranks": ranks["ranks"]}
             out.append(ctx.recipe(f"replay-ranks{suffix}", {"drafter": {**drafter, "ranks": []}, "k": 4, **on}))
             out.append(ctx.recipe(f"replay-tree-ranks{suffix}", {"drafter": drafter, "k": 4, **on,
                                                                   "verification": "tree",
                                                                   "tree": {"kind": "static", "paths": TREE}}))
+            for n in best_trees:
+                paths = best_static_tree(ranks["acceptance"], ranks["ranks"], n)
+                out.append(ctx.recipe(f"replay-tree-best{n}{suffix}", {
+                    "drafter": drafter, "k": max(map(len, paths)), **on, "verification": "tree",
+                    "tree": {"kind": "static", "paths": paths}}))
     return out
 
 
@@ -150,7 +162,8 @@ def run(out_dir, args):
     unknown = sorted(set(layers) - {"fused", "modular"})
     if unknown:
         raise SystemExit(f"--layers: {', '.join(unknown)} (of fused, modular)")
-    chosen = recipes(ctx, layers, rank_profile(args.rank_profile) if args.rank_profile else None)
+    best_trees = tuple(int(n) for n in args.best_tree_drafts.split(",") if n)
+    chosen = recipes(ctx, layers, rank_profile(args.rank_profile) if args.rank_profile else None, best_trees)
     if args.systems:
         wanted = args.systems.split(",")
         unknown = sorted(set(wanted) - {r.stem for r in chosen})
