@@ -22,7 +22,8 @@ the drafter's candidates the target's token is: the 1st with the chain's chance 
 2nd, 3rd, ... with `drafter.ranks`' chances, or none; the node on the path of those candidates holds the true token
 and every other node a wrong id of its depth, so a tree step verifies all N nodes (its real cost) and accepts as
 deep as its branches follow the candidates. Without `ranks` the tree accepts along its first-child chain only, as
-deep as the chain would.
+deep as the chain would. `best_static_tree` builds, for a rank profile, the tree of N drafts that accepts the most
+on average, and `expected_accepted` says how much a tree should accept under one.
 
 Corruption: draft i is kept with probability p_i = a_i / a_{i-1} (a_0 = 1), else replaced by another id. Draft i is
 accepted when it and every draft before it are kept, so a step verifying k drafts accepts at least i of them with
@@ -92,6 +93,24 @@ def rank_edges(acceptance: list[float], ranks: list[list[float]]) -> list[list[f
     return [edge + [edge[-1]] * (width - len(edge)) for edge in rows]
 
 
+def _candidate_chances(acceptance: list[float], ranks: list[list[float]]) -> list[list[float]]:
+    """Per depth, the chance that the target's token is the drafter's 1st, 2nd, ... candidate (`rank_edges`)."""
+    return [[e - (row[c - 1] if c else 0.0) for c, e in enumerate(row)] for row in rank_edges(acceptance, ranks)]
+
+
+def expected_accepted(acceptance: list[float], ranks: list[list[float]], paths: list[list[int]]) -> float:
+    """Drafts a step of this static tree accepts on average under the rank profile: over its nodes, the product
+    along each node's path of the chance that the target's token is that candidate (0 past the profile)."""
+    chances = _candidate_chances(acceptance, ranks)
+    total = 0.0
+    for path in {tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)}:
+        chance = 1.0
+        for depth, c in enumerate(path):
+            chance *= chances[depth][c] if depth < len(chances) and c < len(chances[depth]) else 0.0
+        total += chance
+    return total
+
+
 def best_static_tree(acceptance: list[float], ranks: list[list[float]], drafts: int) -> list[list[int]]:
     """The static tree of `drafts` nodes (the root not counted) that accepts the most drafts a step on average under
     a rank profile, as `tree.paths` takes it, best path first: a path (candidates c_1 .. c_d) is accepted with the
@@ -99,8 +118,7 @@ def best_static_tree(acceptance: list[float], ranks: list[list[float]], drafts: 
     tree's expected accepted drafts are the sum over its nodes (Sequoia's construction, arXiv:2402.12374). A path's
     chance never exceeds its parent's, so taking paths best first from a frontier gives a tree that holds every
     prefix. Fewer nodes when no further path can be accepted."""
-    edges = rank_edges(acceptance, ranks)
-    chances = [[e - (row[c - 1] if c else 0.0) for c, e in enumerate(row)] for row in edges]
+    chances = _candidate_chances(acceptance, ranks)
     frontier = [(-q, (c,)) for c, q in enumerate(chances[0]) if q > 0]
     heapq.heapify(frontier)
     paths: list[list[int]] = []

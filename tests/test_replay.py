@@ -309,11 +309,11 @@ def test_a_replayed_tree_at_a_heads_cost(loaded, ar_tokens):
 
 def test_the_best_static_tree_for_a_rank_profile():
     """`best_static_tree`: of every prefix-closed tree of N drafts (depth 2, 3 candidates a node), none accepts more
-    on average under the profile than the one it builds; it holds every prefix, without 2nd candidates it is the
-    chain, and replayed it decodes AR's tokens."""
+    on average under the profile than the one it builds (`expected_accepted` says how much); it holds every prefix,
+    and without 2nd candidates it is the chain."""
     import itertools
 
-    from specpilot.engine.replay import best_static_tree
+    from specpilot.engine.replay import best_static_tree, expected_accepted
 
     acceptance, ranks = [0.6, 0.3], [[0.2, 0.1], [0.25, 0.05]]
     chance = [[0.6, 0.2, 0.1], [0.5, 0.25, 0.05]]  # per depth: candidate 1 (a_i / a_{i-1}), 2, 3
@@ -333,6 +333,7 @@ def test_the_best_static_tree_for_a_rank_profile():
         assert len(best) == n and all(tuple(p[:-1]) in {tuple(q) for q in best} | {()} for p in best)
         trees = [t for t in itertools.combinations(every, n) if all(p[:-1] in set(t) | {()} for p in t)]
         assert expected(best) == pytest.approx(max(expected(t) for t in trees))
+        assert expected_accepted(acceptance, ranks, best) == pytest.approx(expected(best))
     assert best_static_tree([0.8, 0.4], [[0.0], [0.0]], 5) == [[0], [0, 0]]  # no 2nd candidate: the chain, whole
 
 

@@ -149,6 +149,24 @@ def best_ar_note(results: dict) -> str:
     return "Over each cell's fastest AR:\n\n" + "\n".join(lines)
 
 
+def tree_note(results: dict, chosen: list, ranks: dict) -> str:
+    """Each static tree's τ under the measured rank profile (`engine.replay.expected_accepted` + 1) beside the τ its
+    replay reached: whether the replay follows the profile it was given."""
+    from specpilot.engine.replay import expected_accepted
+
+    lines = []
+    for r in chosen:
+        recipe = json.loads(Path(r).read_text())
+        if (recipe.get("tree") or {}).get("kind") != "static" or "ranks" not in recipe.get("drafter", {}):
+            continue
+        tau = 1 + expected_accepted(ranks["acceptance"], ranks["ranks"], recipe["tree"]["paths"])
+        measured = ", ".join(f"{x['workload']} {x['mean_accepted']:.2f}" for x in results["runs"]
+                             if x["system"] == r.stem and x.get("mean_accepted"))
+        lines.append(f"- {r.stem} ({len(recipe['tree']['paths'])} drafts): τ {tau:.2f} under the profile; "
+                     f"measured {measured or '-'}")
+    return "Static trees at the measured rank profile:\n\n" + "\n".join(lines)
+
+
 def run(out_dir, args):
     import torch
 
@@ -196,5 +214,7 @@ def run(out_dir, args):
                      + "; ".join(f"{system} {wl}: {v:.1f} tok/s, {v / floor['tokens_per_s']:.0%} of it"
                                  for (system, wl), v in ar.items()))
     notes.append(best_ar_note(results))
+    if args.rank_profile:
+        notes.append(tree_note(results, chosen, rank_profile(args.rank_profile)))
     return {"bench": results, "floor": floor, "profiles": {"replay-head-code": HEAD_CODE, "replay-bar": BAR}}, \
         table + "\n\n" + "\n\n".join(notes)
