@@ -187,6 +187,53 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     assert 'export SPECPILOT_FMA_ATTENTION=\'{"keys_per_split": 64, "block_s": 32, "num_warps": 2}\'' in env
 
 
+
+def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_dir):
+    """fused_tiles --w12: the layer's timings and profiles get the 12-bit planes (the bf16 kernels profiled beside
+    them, without), the floors are the planes' bytes, the sweep starts from FMA_TILES_12 and its best tiles go to
+    SPECPILOT_FMA_TILES_12. Timings faked (GPU work)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import loader
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+    from specpilot.tools.bench import engine_bench
+
+    fused_tiles = runner.load("fused_tiles")
+    seen = {"benchmark": set(), "profiles": []}
+
+    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,), planes=None):
+        seen["benchmark"].add(planes is not None and all(p is not None for p in planes(model.layers[0])))
+        return [{"fused_us": 90.0 if (t or {}).get("down", {}).get("rows") == 2 else 100.0, "modular_us": 120.0}
+                for t in fma_tiles]
+
+    def fake_kernel_times(model, F, tiles, planes=None):
+        seen["profiles"].append(planes is not None)
+        return dict.fromkeys(fused_tiles.KERNELS, 3.0 if planes is not None else 2.0)
+
+    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
+    monkeypatch.setattr(loader, "load", lambda *a, **k: tiny)
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", fake_benchmark)
+    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
+    monkeypatch.setattr(fused_tiles, "kernel_times", fake_kernel_times)
+    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="down", warps="4",
+                                 attention=False, w12=True)
+    record, table = fused_tiles.run(tmp_path, args)
+    assert seen["benchmark"] == {True} and seen["profiles"] == [True, True, False]
+    block = tiny.model.layers[0]
+    planes = tiny.model._lossless12[block.w2.data_ptr()]
+    assert record["floor_us"]["down"] == pytest.approx(planes.nbytes / 4e12 * 1e6)
+    assert planes.nbytes < block.w2.numel() * 2  # (1.5 bytes a weight and the escapes, not bf16's 2)
+    assert record["shipped"] == F.FMA_TILES_12 and record["best"]["down"]["rows"] == 2
+    assert (tmp_path / "fused_tiles.env").read_text().startswith("export SPECPILOT_FMA_TILES_12=")
+    assert "12-bit planes" in table and "bf16 µs" in table
+
 def test_fused_check_gives_each_target_its_verdict_and_a_fault_costs_its_own_row(runner, monkeypatch):
     """fused_check: PASS with the worst error, FAIL with the check's reason, ERROR for a target that does not load;
     each target is checked whatever happened to the one before (check and loading faked: the check is GPU work)."""
