@@ -124,18 +124,38 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     assert got == {"SPECPILOT_FMA_MAX_TOKENS": 8, "SPECPILOT_FUSED_MAX_TOKENS": 16}
 
 
+def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):
+    """fused_tiles.run on `target` with the GPU work faked: the layer timings (`benchmark`, as F.benchmark), the
+    kernel profiles (`kernel_times`), the copy bandwidth (4 TB/s), torch.cuda's housekeeping; `flags` are its
+    arguments besides the target. Returns (record, table)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import loader
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+    from specpilot.tools.bench import engine_bench
+
+    monkeypatch.setattr(loader, "load", lambda *a, **k: target)
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", benchmark)
+    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
+    monkeypatch.setattr(fused_tiles, "kernel_times", kernel_times)
+    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return fused_tiles.run(tmp_path, types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), **flags))
+
+
 def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(runner, tmp_path, monkeypatch,
                                                                              tiny_model_dir):
     """fused_tiles: candidate tiles stay within 16,384 weight values a program and K's power of two; the sweep keeps
     each role's fastest tile where it beats the shipped layer by more than half a percent, a tile that fails costs
     its own row, and the best tiles go to the env file a later call reads. Timings faked (the sweep is GPU work)."""
     import json
-    import types
 
     from specpilot.engine import loader
-    from specpilot.engine import model as model_module
-    from specpilot.kernels import triton_fused_layer as F
-    from specpilot.tools.bench import engine_bench
 
     fused_tiles = runner.load("fused_tiles")
     for role, k in (("qkv", 4096), ("o", 4096), ("mlp", 4096), ("down", 14336), ("o", 576)):
@@ -159,19 +179,9 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
         return out
 
     tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "fp32", "cpu")
-    monkeypatch.setattr(loader, "load", lambda *a, **k: tiny)
-    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
-    monkeypatch.setattr(F, "benchmark", fake_benchmark)
-    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
-    monkeypatch.setattr(fused_tiles, "kernel_times",
-                        lambda model, F, tiles, planes=None: dict.fromkeys(fused_tiles.KERNELS, 2.0))
-    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
-    import torch
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="o,down", warps="4,8",
-                                 attention=True, w12=False)
-    record, table = fused_tiles.run(tmp_path, args)
+    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark,
+                                    lambda model, F, tiles, planes=None: dict.fromkeys(fused_tiles.KERNELS, 2.0),
+                                    roles="o,down", warps="4,8", attention=True, w12=False)
     assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
     assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
     broken = [s for s in record["sweep"] if "error" in s]
@@ -192,14 +202,8 @@ def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_d
     """fused_tiles --w12: the layer's timings and profiles get the 12-bit planes (the bf16 kernels profiled beside
     them, without), the floors are the planes' bytes, the sweep starts from FMA_TILES_12 and its best tiles go to
     SPECPILOT_FMA_TILES_12. Timings faked (GPU work)."""
-    import types
-
-    import torch
-
     from specpilot.engine import loader
-    from specpilot.engine import model as model_module
     from specpilot.kernels import triton_fused_layer as F
-    from specpilot.tools.bench import engine_bench
 
     fused_tiles = runner.load("fused_tiles")
     seen = {"benchmark": set(), "profiles": []}
@@ -214,17 +218,8 @@ def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_d
         return dict.fromkeys(fused_tiles.KERNELS, 3.0 if planes is not None else 2.0)
 
     tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
-    monkeypatch.setattr(loader, "load", lambda *a, **k: tiny)
-    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
-    monkeypatch.setattr(F, "benchmark", fake_benchmark)
-    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
-    monkeypatch.setattr(fused_tiles, "kernel_times", fake_kernel_times)
-    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), roles="down", warps="4",
-                                 attention=False, w12=True)
-    record, table = fused_tiles.run(tmp_path, args)
+    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
+                                    roles="down", warps="4", attention=False, w12=True)
     assert seen["benchmark"] == {True} and seen["profiles"] == [True, True, False]
     block = tiny.model.layers[0]
     planes = tiny.model._lossless12[block.w2.data_ptr()]
