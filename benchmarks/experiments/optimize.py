@@ -46,7 +46,8 @@ def arguments(p) -> None:
     p.add_argument("--no-hand-best", action="store_true", help=f"leave {HAND_BEST} out of the bench")
     p.add_argument("--grid-best", default=None,
                    help="a grid's best.json to bench beside the found recipe (default: the grid experiment's "
-                        "`--space smollm2` best for --workload at B = 1, when an earlier call of this machine left it)")
+                        "best for --workload at B = 1 of `--space smollm2`, or of `llama-3.1-8b-replay` for "
+                        "synthetic:llama-3.1-8b, when an earlier call of this machine left it)")
     p.add_argument("--memory", default=None,
                    help="start from a copy of this memory (JSON lines, an earlier run's NAME.json `memory` file): a "
                         "warm start (issue #23 item 3)")
@@ -87,7 +88,9 @@ def run(out_dir, args):
             8 if args.smoke else 128, "--limit", 1 if args.smoke else 4, "--device", ctx.device, "--out", bench_dir]
     if not args.no_hand_best:
         argv += ["--recipe", ctx.recipe(HAND_BEST, SYSTEMS[HAND_BEST])]
-    grid_best = Path(args.grid_best) if args.grid_best else harness.grid_dir("smollm2", [args.workload], "1") / "best.json"
+    # the grid experiment's shipped space for this target (the synthetic 8B's replay grid, or SmolLM2's)
+    space = "llama-3.1-8b-replay" if ctx.target == "synthetic:llama-3.1-8b" else "smollm2"
+    grid_best = Path(args.grid_best) if args.grid_best else harness.grid_dir(space, [args.workload], "1") / "best.json"
     grid = json.loads(grid_best.read_text()) if not args.smoke and grid_best.is_file() else None
     if grid:
         argv += ["--recipe", grid_best]

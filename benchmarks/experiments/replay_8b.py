@@ -23,7 +23,9 @@ trained head's chain profile and its 2nd-4th candidates' chances, measured) adds
 `replay-tree-ranks`, the tree's siblings holding the target's token with the measured chances, and
 `replay-tree-bestN`: the static tree of N drafts that accepts the most under that profile
 (`engine.replay.best_static_tree`, for each N of `--best-tree-drafts`; at 8B a verification of more tokens costs
-little more).
+little more). Each chain also runs under the batch controller (`...-cost`) and with ragged verification
+(`...-ragged`) when a batch size is over 1 or `--systems` names them: issue #24's B = 1...64, e.g. `--batch-sizes
+1,2,4,8,16,32,64 --systems ar-fused-overlap,ar-overlap,replay-ranks,replay-ranks-cost,replay-ranks-ragged`.
 Also the weight-read floor of an AR step: the bytes of every weight a step reads (the layers' and the LM head's, not
 the embedding table) over the device's measured copy bandwidth (bytes moved a second), and our fastest AR's tok/s
 against it.
@@ -98,6 +100,7 @@ def recipes(ctx, layers=("fused",), ranks: dict | None = None, best_trees: tuple
         for name, profile in (("head-code", HEAD_CODE), ("bar", BAR)):
             drafter = {"kind": "replay", "model": "random-eagle3", "acceptance": profile}
             out.append(ctx.recipe(f"replay-{name}{suffix}", {"drafter": drafter, "k": 4, **on}))
+            out += controlled(ctx, f"replay-{name}{suffix}", {"drafter": drafter, "k": 4, **on})
             out.append(ctx.recipe(f"replay-tree-{name}{suffix}", {"drafter": drafter, "k": 4, **on,
                                                                    "verification": "tree",
                                                                    "tree": {"kind": "static", "paths": TREE}}))
@@ -106,7 +109,8 @@ def recipes(ctx, layers=("fused",), ranks: dict | None = None, best_trees: tuple
 
             drafter = {"kind": "replay", "model": "random-eagle3", "acceptance": ranks["acceptance"],
                        "ranks": ranks["ranks"]}
-            out.append(ctx.recipe(f"replay-ranks{suffix}", {"drafter": {**drafter, "ranks": []}, "k": 4, **on}))
+            chain = {"drafter": {**drafter, "ranks": []}, "k": 4, **on}
+            out += [ctx.recipe(f"replay-ranks{suffix}", chain), *controlled(ctx, f"replay-ranks{suffix}", chain)]
             out.append(ctx.recipe(f"replay-tree-ranks{suffix}", {"drafter": drafter, "k": 4, **on,
                                                                   "verification": "tree",
                                                                   "tree": {"kind": "static", "paths": TREE}}))
@@ -116,6 +120,14 @@ def recipes(ctx, layers=("fused",), ranks: dict | None = None, best_trees: tuple
                     "drafter": drafter, "k": max(map(len, paths)), **on, "verification": "tree",
                     "tree": {"kind": "static", "paths": paths}}))
     return out
+
+
+def controlled(ctx, name: str, chain: dict) -> list:
+    """A chain under the batch controller (`NAME-cost`: each step's draft length 0..k for the whole batch, from the
+    measured acceptance and the step prices) and with ragged verification (`NAME-ragged`: only live drafts packed):
+    issue #24's B = 1...64, where verifying B x 5 tokens stops being nearly free."""
+    return [ctx.recipe(f"{name}-cost", {**chain, "batch": {"controller": "cost"}}),
+            ctx.recipe(f"{name}-ragged", {**chain, "batch": {"controller": "cost", "ragged": True}})]
 
 
 def weight_bytes(target: str) -> int | None:
@@ -188,6 +200,8 @@ def run(out_dir, args):
         if unknown:
             raise SystemExit(f"--systems: {', '.join(unknown)} (of {', '.join(r.stem for r in chosen)})")
         chosen = [r for r in chosen if r.stem in wanted]
+    elif max(map(int, str(args.batch_sizes).split(","))) == 1:  # the controller has nothing to choose at B = 1 alone
+        chosen = [r for r in chosen if not r.stem.endswith(("-cost", "-ragged"))]
     for r in chosen:
         argv += ["--recipe", r]
     floor = None
