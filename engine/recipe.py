@@ -294,6 +294,12 @@ def parse(data: dict) -> Recipe:
     return _check(_build(Recipe, data, ""))
 
 
+def reported_name(name: str, drafter_kind: str) -> str:
+    """The name a recipe's figures are reported under (the bench's systems, the grid's ranking, optimize's
+    summary): a replay recipe's says `replay`, since its acceptance is replayed from a profile, not measured."""
+    return f"{name}-replay" if drafter_kind == "replay" and "replay" not in name else name
+
+
 def stock_recipe(target: str | None) -> Recipe:
     """`stock` for `target` (an alias, GGUF or directory as the user named it): with a head that ships for it
     (engine/loader.packaged_heads), a chain of STOCK_HEAD_K drafts from that head; else, or with no target, the

@@ -477,3 +477,23 @@ def test_optimize_summary_gives_the_found_recipe_over_ar_and_stock_per_workload(
     assert "| chat | 1 | 700 |" in text and "Device minutes of the run's measurements: 3.25" in text
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [w["speedup_vs_stock"] for w in summary["workloads"]] == pytest.approx([1.2, 1.2])
+
+
+def test_optimize_summary_finds_a_replay_recipe_under_the_benchs_name(tmp_path):
+    """A replay recipe (optimize on a synthetic target) is benched as `NAME-replay`; the summary reads that row (the
+    twenty-eighth lease's 8B run printed `-` for the found recipe: it looked for NAME)."""
+    from specpilot.tools.bench import optimize_summary
+    from specpilot.tools.bench.run import recipes_to_measure
+
+    run, bench = tmp_path / "run", tmp_path / "bench"
+    run.mkdir(), bench.mkdir()
+    found = {"specpilot_recipe": 1, "name": "found", "k": 2,
+             "drafter": {"kind": "replay", "model": "random-eagle3", "acceptance": [0.8, 0.6]}}
+    (run / "recipe.json").write_text(json.dumps(found))
+    names = [name for name, _ in recipes_to_measure([str(run / "recipe.json")], None)]
+    assert names == ["ar", "stock", "found-replay"]  # what the bench calls it
+    runs = [{"system": s, "workload": "code", "batch_size": 1, "tokens_per_s": tps, "mean_accepted": 2.0,
+             "identical_to_ar": 1.0} for s, tps in zip(names, (200.0, 210.0, 560.0))]
+    (bench / "results.json").write_text(json.dumps({"header": {}, "runs": runs, "errors": []}))
+    [row] = optimize_summary.summarize(run, bench)["workloads"]
+    assert row["recipe_tokens_per_s"] == 560.0 and row["speedup_vs_ar"] == pytest.approx(2.8)

@@ -61,6 +61,7 @@ def arguments(p) -> None:
 
 
 def run(out_dir, args):
+    from specpilot.engine.recipe import reported_name
     from specpilot.tools.bench import optimize_summary
     from specpilot.tools.bench.engine_bench import SYSTEMS
 
@@ -101,7 +102,8 @@ def run(out_dir, args):
     results = json.loads((bench_dir / "results.json").read_text())
     against = {"hand-found best": None if args.no_hand_best else HAND_BEST,
                "grid best": grid and grid.get("name")}
-    versus = {what: vs(found.get("name"), other, results) for what, other in against.items() if other}
+    system = reported_name(found.get("name") or "", (found.get("drafter") or {}).get("kind", "none"))
+    versus = {what: vs(system, other, results) for what, other in against.items() if other}
     for what, rows in versus.items():
         other = against[what]
         table += "\n\n" + harness.md_table(["workload", "B", "found tok/s", f"{other} ({what}) tok/s",

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from ...engine.recipe import reported_name
+
 
 def _ratio(a, b):
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
@@ -28,12 +30,13 @@ def summarize(run_dir: str | Path, bench_dir: str | Path) -> dict:
     results = json.loads((Path(bench_dir) / "results.json").read_text())
     m = recipe.get("measured") or {}
     name = recipe.get("name")
+    system = reported_name(name or "", (recipe.get("drafter") or {}).get("kind", "none"))  # (the bench's row)
     cells: dict[tuple, dict] = {}
     for r in results.get("runs", []):
         cells.setdefault((r["workload"], r["batch_size"]), {})[r["system"]] = r
     rows = []
     for (workload, batch), systems in cells.items():
-        ar, stock, found = systems.get("ar") or {}, systems.get("stock") or {}, systems.get(name) or {}
+        ar, stock, found = systems.get("ar") or {}, systems.get("stock") or {}, systems.get(system) or {}
         rows.append({"workload": workload, "batch_size": batch,
                      "ar_tokens_per_s": ar.get("tokens_per_s"), "stock_tokens_per_s": stock.get("tokens_per_s"),
                      "recipe_tokens_per_s": found.get("tokens_per_s"),

@@ -43,7 +43,7 @@ from ..argtypes import (add_device_arguments, add_target_argument, check, positi
                         positive_int_list)
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
-from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
+from ...engine.recipe import Recipe, load_recipe, parse, reported_name, with_absolute_paths
 from ...engine.workloads import Question, absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import report as bench_report
@@ -140,9 +140,7 @@ def recipes_to_measure(specs: list[str], target: str | None, stock: Recipe | Non
             continue
         recipe = load_recipe(spec, target)
         names = {name for name, _ in chosen}
-        base = recipe.name
-        if recipe.drafter.kind == "replay" and "replay" not in base:
-            base = f"{base}-replay"
+        base = reported_name(recipe.name, recipe.drafter.kind)
         name, n = base, 2
         while name in names:
             name, n = f"{base}-{n}", n + 1

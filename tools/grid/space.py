@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...engine.errors import SpecPilotError
-from ...engine.recipe import Recipe, RecipeError, parse
+from ...engine.recipe import Recipe, RecipeError, parse, reported_name
 
 TOP_KEYS = ("base", "axes", "variants", "constraints")
 VARIANT_KEYS = ("name", "base", "axes")
@@ -286,8 +286,8 @@ def expand(space: dict, max_recipes: int | None = None) -> Expansion:
                 assign(data, key, value, what)
             full = merge(defaults, data, what)
             name = combination_name(variant, axes, picks)
-            if full.get("drafter", {}).get("kind") == "replay" and "replay" not in name:
-                name += "-replay"  # the bench's name for it (tools/bench/run.py), so the ranking finds it
+            # the bench's name for it (a replay recipe's says so), so that the ranking finds it
+            name = reported_name(name, full.get("drafter", {}).get("kind", "none"))
             name = unique_name(name, taken)
             taken.add(name)
             rule = violated(full, constraints)
