@@ -32,7 +32,9 @@ against it.
 
 Backs docs/BENCHMARKS.md's 8B figures (issue #24), every one marked `replay` or `synthetic`.
 
-Device minutes: about 8, not yet measured (the 8B target is drawn once; each system compiles and captures its steps).
+Device minutes: 1-6 as measured (the 8B target is drawn once; each system compiles and captures its steps): 4
+systems at B = 1 on code 61 s; 5 systems at B = 1, 2, 4, 8 276 s, at B = 16, 32, 64 359 s (twenty-eighth lease); 8
+systems on code and chat 155 s (twenty-seventh). MINUTES stays 8 as the limit a chain plans for.
 """
 from __future__ import annotations
 
