@@ -17,6 +17,10 @@ from .recipe import BatchSpec
 # by noise otherwise)
 TIME_WINDOW = 15
 MIN_TIMED_STEPS = 4
+# The weight of the prior in each kind's calibration, in steps of the batch's rows: a kind's own ratio moves away from
+# the batch's only over several of its steps. (At one step's weight, a chain's first two steps at B = 1 that happened
+# to accept little priced k' = 4 below k' = 3 for the rest of the request, k' = 4 never being run again to correct it.)
+CALIBRATION_PRIOR_STEPS = 4
 # How much more a verifying step must be expected to yield per second than an AR step for the batch controller to
 # run it (the recipe's batch.margin). A step that the estimates put at a tie gains nothing on average and loses
 # whenever they err (acceptance and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost
@@ -97,19 +101,22 @@ class DraftLengthController:
     at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
     proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
     each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A
-    plain AR step verifies nothing, so after `probe_every` AR steps in a row the next step verifies k, to notice
-    when acceptance comes back. When even k drafts for every row would not pay, the AR step does not search for
-    drafts either (BLIND_AR).
+    plain AR step verifies nothing, so after `probe_every` steps in a row below k (AR steps or shorter ones) the
+    next step verifies k, to notice when acceptance comes back, or that k' = k pays after all. (Without the probes
+    after shorter steps, two early steps of k' = 4 at B = 1 that happened to accept nothing priced it below k' = 3
+    for the rest of the request: only a step of that kind corrects its calibration.) When even k drafts for every
+    row would not pay, the AR step does not search for drafts either (BLIND_AR).
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
-    what each choice knew (its kind, the drafts it saw each row have, the bucket) is kept until its step is read, the
-    model's gain for it is then taken with the acceptance measured up to and including that step, and each verifying
-    kind's expected gain is scaled by (gained + prior) / (predicted + prior) over this batch's steps of that kind,
-    the prior weighing in the same ratio over all its verifying steps (`calibration`: a kind run rarely follows the
-    batch's measure). (Priced with the acceptance of the moment it was chosen, a batch's first steps, chosen under
-    the optimistic prior, were predicted four times what they gained, and the kinds they ran kept that ratio while
-    they were never run again: on the H200 at 8B, B = 16-64, the controller settled on k' = 3 and AR where k' = 4
-    gained 1.38x and more; twenty-eighth lease.) The model errs where
+    each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
+    and each verifying kind's expected gain is scaled by (gained + prior) / (predicted + prior) over this batch's
+    steps of that kind, where `predicted` is the model's gain for those plans at the acceptance measured so far (not
+    at the moment each was chosen), and the prior, CALIBRATION_PRIOR_STEPS steps' worth, weighs in the ratio over all
+    verifying steps (`calibration`: a kind run rarely follows the batch's measure). (Priced with the acceptance of
+    the moment they were chosen, a batch's first steps, chosen under the optimistic prior, were predicted up to four
+    times what they gained, and the kinds they ran kept that ratio, never run again to correct it: on the H200 at 8B,
+    B = 16-64, the controller settled on k' = 3 and AR where k' = 4 gained 1.38x and more; twenty-eighth lease.)
+    The model errs where
     it cannot see: drafts found two steps back (overlap chooses a step before the previous one is read), per-row
     budgets that verify fewer drafts than were found (adaptive), rows that finish or start in between, few samples at
     deep positions (a deep kind's error is its own, hence a ratio a kind); measured tokens correct all of them at
@@ -145,12 +152,11 @@ class DraftLengthController:
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
-        self.ar_run = 0  # AR steps chosen in a row
-        # each step chosen and not yet read: (its kind, the drafts each row had when chosen, the bucket), None for
-        # an AR step
-        self.predictions: deque[tuple[int, list[int], int] | None] = deque()
-        self.predicted_gain: Counter = Counter()  # by kind, over this batch's verifying steps
-        self.realized_gain: Counter = Counter()
+        self.short_run = 0  # steps in a row chosen below k (AR steps included)
+        # each step chosen and not yet read: (its kind, its allocation), None for an AR step
+        self.predictions: deque[tuple[int, Counter] | None] = deque()
+        self.planned: dict[int, Counter] = {}  # by kind, over this batch's verifying steps: drafts a row -> rows
+        self.realized_gain: Counter = Counter()  # by kind: the drafts those steps' rows kept
         self.seconds = {} if seconds is None else seconds
         self.timed = {} if timed is None else timed
 
@@ -173,20 +179,32 @@ class DraftLengthController:
                 self.accepted[i] += n > i
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
-        if chosen is not None:  # a verifying step: what the model says it should have gained, and what it gained
-            kind, had, bucket = chosen
-            self.predicted_gain[kind] += step_tokens(had, self.acceptance(), kind, self.ragged, bucket) - len(had)
+        if chosen is not None:  # a verifying step: what it planned, and what it gained
+            kind, allocation = chosen
+            self.planned.setdefault(kind, Counter()).update(allocation)
             self.realized_gain[kind] += sum(accepted if kept is None else kept)
+
+    def predicted_gain(self, kind: int) -> float:
+        """The model's gain (tokens beyond one a row) for this batch's steps of `kind`, at the acceptance measured
+        so far: for each row of each step, the expected accepted drafts of the drafts it was planned to verify."""
+        p = self.acceptance()
+        return sum(rows * (expected_tokens(p, n) - 1) for n, rows in self.planned.get(kind, {}).items())
+
+    def allocation(self, found: list[int], kind: int) -> Counter:
+        """How many rows a step of `kind` plans to verify n drafts, for rows with `found` drafts: padded, at most
+        `kind` each; ragged, `kind` x bucket water-filled over them (`step_tokens` takes the same expectation)."""
+        return Counter(water_fill(found, kind * self.bucket) if self.ragged else [min(v, kind) for v in found])
 
     def calibration(self, kind: int | None = None) -> float:
         """Gained over expected gain of this batch's verifying steps of `kind` (None: of every kind), with a prior
-        of one step of every row's first draft at the ratio of all kinds (which has the same prior at 1: so the
-        first few steps cannot swing either)."""
-        prior = max(1, self.bucket)
-        overall = (sum(self.realized_gain.values()) + prior) / (sum(self.predicted_gain.values()) + prior)
+        of CALIBRATION_PRIOR_STEPS steps of every row's first draft at the ratio of all kinds (which has the same
+        prior at 1: so the first few steps cannot swing either)."""
+        prior = CALIBRATION_PRIOR_STEPS * max(1, self.bucket)
+        predicted = {m: self.predicted_gain(m) for m in self.planned}
+        overall = (sum(self.realized_gain.values()) + prior) / (sum(predicted.values()) + prior)
         if kind is None:
             return overall
-        return (self.realized_gain[kind] + prior * overall) / (self.predicted_gain[kind] + prior)
+        return (self.realized_gain[kind] + prior * overall) / (predicted.get(kind, 0.0) + prior)
 
     def observe_time(self, kind: int, seconds: float) -> None:
         """The loop's time of a step of this kind: its price becomes the median of the kind's latest TIME_WINDOW."""
@@ -233,7 +251,7 @@ class DraftLengthController:
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
         expected = self.expected()
-        if self.ar_run >= self.probe_every:
+        if self.short_run >= self.probe_every:
             choice = self.k
         else:
             priced = self.priced(prices_by_k)
@@ -241,8 +259,8 @@ class DraftLengthController:
             choice = choose_step(expected, searching, self.margin)
             if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
                 choice = BLIND_AR
-        self.ar_run = self.ar_run + 1 if choice <= 0 else 0
-        # what the model knew of this step, to price its gain once it is read (`observe`)
+        self.short_run = self.short_run + 1 if choice < self.k else 0
+        # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
-        self.predictions.append((choice, had, self.bucket) if choice > 0 else None)
+        self.predictions.append((choice, self.allocation(had, choice)) if choice > 0 else None)
         return choice
