@@ -8,9 +8,9 @@ import time
 
 from .engine.errors import SpecPilotError
 from .memory.cli import add_memory_parser
-from .tools.argtypes import (DTYPE_HELP, acceptance_profile, add_device_arguments, add_target_argument,
-                              non_negative_float, non_negative_int, positive_float, positive_int, positive_int_list,
-                              probability)
+from .tools.argtypes import (DTYPE_HELP, add_device_arguments, add_target_argument, non_negative_float,
+                              non_negative_int, positive_float, positive_int, positive_int_list, probability,
+                              replay_profile)
 
 
 def _default_device() -> str:
@@ -207,8 +207,10 @@ def cmd_optimize(args) -> int:
 
     keys = ("target", "workload", "device", "dtype", "batch_size", "max_new_tokens", "limit", "budget_rounds",
             "budget_minutes", "budget_gpu_minutes", "provider", "model", "base_url", "memory", "interactive",
-            "max_candidates", "salt", "heads", "acceptance")
-    return optimize({k: getattr(args, k) for k in keys} | {"out_dir": args.out})
+            "max_candidates", "salt", "heads")
+    replay = args.acceptance or {}  # (argtypes.replay_profile)
+    return optimize({k: getattr(args, k) for k in keys} | {"out_dir": args.out, "acceptance": replay.get("acceptance"),
+                                                           "acceptance_ranks": replay.get("ranks") or None})
 
 
 def cmd_resume(args) -> int:
@@ -255,11 +257,13 @@ def add_optimize_parsers(sub) -> None:
     o.add_argument("--salt", default=None, help="the gate's prompt nonce for the run (default: a fresh one)")
     o.add_argument("--head", action="append", dest="heads", default=None, metavar="DIR",
                    help="an EAGLE-3 head for the target (repeatable): the algorithm agent may draft with it")
-    o.add_argument("--acceptance", type=acceptance_profile, default=None, metavar="A1,A2,...",
+    o.add_argument("--acceptance", type=replay_profile, default=None, metavar="A1,A2,...|FILE",
                    help="with a synthetic target (random weights, whose text no drafter can predict): the acceptance "
                         "your drafter reaches, a_i the share of steps that accept at least i drafts (as the bench "
                         "reports a real drafter's); the algorithm agent then drafts by replaying it at an EAGLE-3 "
-                        "head's cost")
+                        "head's cost. FILE: a JSON of {\"acceptance\": [...], \"ranks\": [[...], ...]} (ranks: per "
+                        "depth, the chances the target's token is the drafter's 2nd, 3rd, ... candidate; the "
+                        "head_ranks experiment's output is one): static trees are proposed too")
     o.add_argument("--interactive", action="store_true",
                    help="stop at each decision: [a]pprove [e]dit [s]kip [r]edirect [q]stop")
     o.add_argument("--out", default=None, help="run directory (default: runs/optimize-<timestamp>)")

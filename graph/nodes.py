@@ -149,7 +149,8 @@ def profiler(state: dict) -> dict:
                                          workload_mix=s["workload"])
     deployment |= {"workload": s["workload"], "max_new_tokens": s["max_new_tokens"], "limit": s["limit"],
                    "drafter_heads": _heads(s),
-                   "synthetic": _synthetic(s["target"]), "replay_acceptance": s.get("acceptance")}
+                   "synthetic": _synthetic(s["target"]), "replay_acceptance": s.get("acceptance"),
+                   "replay_ranks": s.get("acceptance_ranks")}
     return update | {"profile": prof, "gaps": prof["gaps"], "deployment": deployment,
                      "device_s": update["device_s"] + sec, "elapsed_s": time.perf_counter() - t0}
 

@@ -66,12 +66,12 @@ def check_settings(s: dict) -> None:
     if not questions:
         raise SpecPilotError(f"workload {s['workload']!r} has no questions")
     if s["acceptance"] is not None:
-        check_acceptance(s["target"], s["acceptance"])
+        check_acceptance(s["target"], s["acceptance"], s.get("acceptance_ranks"))
 
 
-def check_acceptance(target: str, acceptance: list[float]) -> None:
+def check_acceptance(target: str, acceptance: list[float], ranks: list | None = None) -> None:
     """--acceptance replays drafts, which only a synthetic target needs (a real one's drafters are measured); the
-    profile obeys the replay drafter's rules (docs/RECIPE.md, drafter.acceptance)."""
+    profile, its ranks too, obeys the replay drafter's rules (docs/RECIPE.md, drafter.acceptance and ranks)."""
     from ..engine import loader
     from ..engine.recipe import parse
     from ..engine.synthetic import synthetic_seed
@@ -79,8 +79,11 @@ def check_acceptance(target: str, acceptance: list[float]) -> None:
     if synthetic_seed(loader.source_dir(target) / "config.json") is None:
         raise SpecPilotError(f"--acceptance replays drafts on a synthetic target (synthetic:NAME); {target} is a real "
                              "model, whose drafters' acceptance the run measures")
+    chain = [[0] * d for d in range(1, len(acceptance) + 1)]  # (ranks need a static tree: its first-child chain)
+    tree = {"verification": "tree", "tree": {"kind": "static", "paths": chain}} if ranks else {}
     try:
-        parse({"drafter": {"kind": "replay", "acceptance": list(acceptance)}, "k": len(acceptance)})
+        parse({"drafter": {"kind": "replay", "acceptance": list(acceptance), "ranks": list(ranks or [])},
+               "k": len(acceptance), **tree})
     except SpecPilotError as e:
         raise SpecPilotError(f"--acceptance: {one_line(e)}") from None
 

@@ -20,7 +20,7 @@ DEFAULTS = {  # small enough that `specpilot optimize` on SmolLM2-135M on a CPU 
     "max_new_tokens": 32, "limit": 2, "budget_rounds": 2, "budget_minutes": 15.0, "budget_gpu_minutes": 15.0,
     "provider": "policy", "model": None, "base_url": None, "memory": None, "interactive": False,
     "max_candidates": 2, "profile_repeats": 2, "bench_repeats": 1, "salt": None, "out_dir": None,
-    "gate_timeout_s": 600.0, "heads": None, "acceptance": None,
+    "gate_timeout_s": 600.0, "heads": None, "acceptance": None, "acceptance_ranks": None,
 }
 
 

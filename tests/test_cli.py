@@ -4,6 +4,7 @@ a bad workload, recipe or file is reported the same way after parsing, before th
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -168,3 +169,35 @@ def test_optimize_takes_a_replayed_acceptance(monkeypatch):
     for bad in ("0.8,1.5", "0.8,,0.5", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="shares between 0 and 1"):
             argtypes.acceptance_profile(bad)
+
+
+def test_optimize_takes_a_replayed_profile_with_ranks_from_a_file(monkeypatch, tmp_path):
+    """`optimize --acceptance FILE`: the head_ranks experiment's output (its pooled profile) or a plain
+    {"acceptance", "ranks"} file gives the run both; a file without them is one clear error."""
+    seen = {}
+    monkeypatch.setattr("specpilot.graph.run.optimize", lambda settings: seen.update(settings) or 0)
+    ranks = [[0.116, 0.035], [0.149, 0.048]]
+    measured = tmp_path / "head_ranks.json"
+    measured.write_text(json.dumps({"results": {"pooled": {"acceptance": [0.564, 0.316], "ranks": ranks}}}))
+    args = cli.build_parser().parse_args(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance",
+                                          str(measured)])
+    assert args.func(args) == 0
+    assert seen["acceptance"] == [0.564, 0.316] and seen["acceptance_ranks"] == ranks
+    args = cli.build_parser().parse_args(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance", "0.8,0.6"])
+    assert args.func(args) == 0 and seen["acceptance"] == [0.8, 0.6] and seen["acceptance_ranks"] is None
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"tau": 2.2}))
+    with pytest.raises(argparse.ArgumentTypeError, match='no "acceptance" list'):
+        argtypes.replay_profile(str(empty))
+
+
+def test_optimize_refuses_impossible_ranks_in_one_line(capsys, tmp_path):
+    """Ranks the replay drafter cannot take (the 1st candidate's chance and the others' add up to more than 1 at a
+    depth) stop `optimize` before anything runs, in one line naming drafter.ranks."""
+    bad = tmp_path / "ranks.json"
+    bad.write_text(json.dumps({"acceptance": [0.8, 0.5], "ranks": [[0.3], [0.1]]}))
+    code = cli.main(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance", str(bad), "--device", "cpu",
+                     "--out", str(tmp_path / "run")])
+    line = one_error_line(capsys)
+    assert code == 2 and "--acceptance" in line and "drafter.ranks" in line and "depth 1" in line, line
+    assert not (tmp_path / "run").exists()

@@ -231,3 +231,52 @@ def test_a_recipe_drafting_with_a_head_is_tuned_by_length_and_tree():
             assert tree.kind == "dynamic" and tree.depth == 3 and tree.topk == HEAD_TREE_TOPK
             assert 3 + 1 < tree.tokens <= 16
         assert trees or any("EAGLE-2 dynamic tree" in why for why in skipped)
+
+
+def test_a_replayed_profile_with_ranks_brings_the_best_static_trees():
+    """optimize --acceptance FILE with ranks (where the target's token is the drafter's 2nd, 3rd, ... candidate) on
+    a synthetic 8B target on a CUDA device: beside the replayed chains, the best static trees of 15 and 31 drafts for
+    that profile (`best_static_tree`), each a recipe the engine takes, its reason giving the tree's expected tau; the
+    same profile without ranks brings chains only, and a recipe under the batch controller no tree (with the reason).
+    The profile is the packaged head's, measured (twenty-seventh lease, A); the device an H200's ceilings."""
+    from specpilot.engine.recipe import parse
+    from specpilot.engine.replay import best_static_tree, expected_accepted
+    from specpilot.engine.synthetic import CONFIGS
+    from specpilot.graph.providers.policy import CostView, Skips, algorithm_options, apply_patch
+
+    c = CONFIGS["llama-3.1-8b"]
+    llama = ModelShape(c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                       c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], tied_embeddings=False)
+    h200 = DeviceCeilings("NVIDIA H200", 4.0e12, 7.0e14, 5e-6, 2.5e-6, 4e-6)
+    dep = Deployment(llama, k=4, drafter_kind="ngram", cuda_graphs=True)
+    prof = {"meta": {"device": "cuda", "dtype": "bfloat16", "batch_size": 1, "target": "synthetic:llama-3.1-8b"},
+            "acceptance": {"k": 4, "per_position": [0.0] * 4, "tau": 1.0}, "ceilings": asdict(h200),
+            "prediction": {"deployment": asdict(dep) | {"model": asdict(llama)}}, "gaps": []}
+    acceptance = [0.564, 0.316, 0.199, 0.133]
+    ranks = [[0.116, 0.035, 0.019], [0.149, 0.048, 0.0], [0.135, 0.036, 0.003], [0.147, 0.079, 0.0]]
+    deployment = {"device": "cuda", "dtype": "bf16", "batch_size": 1, "ceilings": prof["ceilings"], "synthetic": True,
+                  "replay_acceptance": acceptance}
+    recipe = load_recipe("stock")
+
+    def trees(options):
+        return [o for o in options if o.patch.get("verification") == "tree"]
+
+    options = algorithm_options(recipe, CostView.from_context(deployment | {"replay_ranks": ranks}, prof), Skips())
+    found = trees(options)
+    assert sorted(len(o.patch["tree"]["paths"]) for o in found) == [15, 31]
+    for o in found:
+        paths = o.patch["tree"]["paths"]
+        assert paths == best_static_tree(acceptance, ranks, len(paths))
+        tau = 1 + expected_accepted(acceptance, ranks, paths)
+        assert f"tau {tau:.2f}" in o.reason
+        made = apply_patch(asdict(recipe), o.patch)  # a recipe the engine takes, ranks and all
+        assert made.verification == "tree" and made.drafter.ranks == ranks[:made.k]
+    chains = [o for o in options if o.patch.get("drafter", {}).get("kind") == "replay" and o not in found]
+    assert chains and all(o.patch["verification"] == "chain" and o.patch["drafter"]["ranks"] == [] for o in chains)
+
+    assert not trees(algorithm_options(recipe, CostView.from_context(deployment, prof), Skips()))
+    controlled = parse({**asdict(recipe), "batch": {"controller": "cost"}})
+    skipped = Skips()
+    view = CostView.from_context(deployment | {"replay_ranks": ranks}, prof)
+    assert not trees(algorithm_options(controlled, view, skipped))
+    assert any(why.startswith("replayed trees: ") for why in skipped)

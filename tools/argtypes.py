@@ -8,7 +8,9 @@ did not come through argparse (run_bench's callers build their arguments in code
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 from ..engine.errors import SpecPilotError
 
@@ -88,6 +90,28 @@ def acceptance_profile(text) -> list[float]:
     if not values or not all(0 <= v <= 1 for v in values):
         raise argparse.ArgumentTypeError(f"must be comma-separated shares between 0 and 1, got {str(text)!r}")
     return values
+
+
+def replay_profile(text) -> dict:
+    """A drafter's acceptance to replay: {"acceptance": [a_1, ...], "ranks": [[...], ...]} from "A1,A2,..." (no
+    ranks), or from a JSON file holding those keys (`ranks`: per depth, the chances that the target's token is the
+    drafter's 2nd, 3rd, ... candidate), at its top level or as the head_ranks experiment writes them (under
+    results.pooled). The replay drafter checks the values' rules."""
+    path = Path(str(text))
+    if not path.is_file():
+        return {"acceptance": acceptance_profile(text), "ranks": []}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a JSON file ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("results"), dict):
+        data = data["results"].get("pooled", data)
+    if not isinstance(data, dict) or not isinstance(data.get("acceptance"), list):
+        raise argparse.ArgumentTypeError(f"{text}: no \"acceptance\" list (and optional \"ranks\") in it")
+    ranks = data.get("ranks") or []
+    if not isinstance(ranks, list) or not all(isinstance(r, list) for r in ranks):
+        raise argparse.ArgumentTypeError(f"{text}: \"ranks\" must be a list of lists (one a depth)")
+    return {"acceptance": acceptance_profile(",".join(map(str, data["acceptance"]))), "ranks": ranks}
 
 
 def check(validator, flag: str, value):

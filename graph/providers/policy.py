@@ -17,10 +17,11 @@ from pathlib import Path
 from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
 from ...engine.loader import ALIASES
 from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
-from ...engine.tree import DynamicTree, chains
+from ...engine.replay import best_static_tree, expected_accepted
+from ...engine.tree import DynamicTree, chains, tree_from_paths
 from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
 from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
-                                ModelShape, Prediction, expected_tokens, predict)
+                                ModelShape, Prediction, expected_tokens, predict, tree_draft_widths)
 from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
 from ..proposals import changes
 from .base import Provider
@@ -56,6 +57,11 @@ HEAD_TREE_TOKENS = 16
 # Ragged verification is proposed only when at most this fraction of rows have drafts a step: above it few draft
 # slots of a padded step are left empty, so there is little for packing to hand to other rows.
 RAGGED_MAX_AVAILABILITY = 0.8
+# With a replayed acceptance that places the target's token among the drafter's candidates (optimize --acceptance
+# FILE with ranks), the best static trees of these many drafts for that profile (engine.replay.best_static_tree):
+# at 8B, B = 1, at the packaged head's measured profile, the one of 31 drafts ran 1.93x our fastest AR, the chain of
+# 4 1.52x (H200, docs/benchmarks/2026-12-04-twenty-eighth-lease.md, A and D).
+REPLAY_TREE_DRAFTS = (15, 31)
 
 # The recipe fields each agent may change (the prompts say the same; the OpenAI provider enforces it).
 AGENT_FIELDS = {
@@ -245,6 +251,8 @@ class CostView:
     heads: tuple[str, ...] = ()       # EAGLE-3 heads the deployment has for its target (optimize --head)
     synthetic: bool = False           # the target's weights are random (engine/synthetic.py): its text is noise
     replay: tuple[float, ...] = ()    # optimize --acceptance: a_i, the share of steps accepting >= i drafts, replayed
+    # ... and per depth, the chances that the target's token is the drafter's 2nd, 3rd, ... candidate (FILE's ranks)
+    replay_ranks: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
     def from_context(cls, deployment: dict, profile: dict) -> "CostView | None":
@@ -266,7 +274,8 @@ class CostView:
         return cls(dev, dep, tuple(acc.get("per_position") or ()), float(acc.get("tau") or 1.0), device, dtype, batch,
                    None if availability is None else float(availability),
                    tuple((deployment or {}).get("drafter_heads") or ()), bool((deployment or {}).get("synthetic")),
-                   tuple(float(a) for a in (deployment or {}).get("replay_acceptance") or ()))
+                   tuple(float(a) for a in (deployment or {}).get("replay_acceptance") or ()),
+                   tuple(tuple(float(v) for v in r) for r in (deployment or {}).get("replay_ranks") or ()))
 
     @property
     def cuda(self) -> bool:
@@ -577,8 +586,9 @@ def random_head_shape(target: ModelShape) -> ModelShape:
 def _replay_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
     """A synthetic target with a replayed acceptance (optimize --acceptance a_1..a_n): a chain of k = 1..n drafts
     at a_1..a_k, drafted at the cost of an EAGLE-3 head of the target's shape (engine/replay.py), each ranked by the
-    tok/s the calibrated cost model predicts from that acceptance. Only chains: a replayed tree accepts along its
-    first chain, so its other nodes would add cost and no acceptance."""
+    tok/s the calibrated cost model predicts from that acceptance. Trees only where the profile has ranks (where the
+    target's token is among the drafter's other candidates): without them a replayed tree accepts along its first
+    chain, so its other nodes would add cost and no acceptance (`_replay_tree_options`)."""
     if not view.replay:
         return []
     shape, best_left, below = random_head_shape(view.dep.model), None, 0
@@ -595,8 +605,8 @@ def _replay_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, s
         if gain < MIN_GAIN:
             best_left, below = max(best_left or (gain, k), (gain, k)), below + 1
             continue
-        patch = {"drafter": {"kind": "replay", "model": RANDOM_HEAD, "acceptance": profile, "adaptive": False,
-                             "ar_after_miss": False}, "k": k, "verification": "chain"}
+        patch = {"drafter": {"kind": "replay", "model": RANDOM_HEAD, "acceptance": profile, "ranks": [],
+                             "adaptive": False, "ar_after_miss": False}, "k": k, "verification": "chain"}
         out.append(Option(patch, (
             f"a replayed chain of k={k} drafts at the given acceptance {positions(profile)} (tau "
             f"{p.tokens_per_step:.2f}), drafted at the cost of an EAGLE-3 head of the target's shape: the calibrated "
@@ -606,6 +616,42 @@ def _replay_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, s
         skipped.add(f"replayed chains: {below} of k = 1-{len(view.replay)} predicted below "
                     f"{MIN_GAIN:.0%} over {cur.tokens_per_s:.0f} tok/s with {now} (best k={best_left[1]}, "
                     f"{best_left[0]:+.0%})")
+    return out + _replay_tree_options(recipe, view, cur, now, skipped)
+
+
+def _replay_tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, skipped: Skips) -> list[Option]:
+    """With ranks in the replayed profile: the best static tree of each REPLAY_TREE_DRAFTS drafts for it (Sequoia's
+    construction, `best_static_tree`), its tokens a step the profile's expectation (`expected_accepted`), its step
+    the cost model's for a tree of that many nodes, drafted by a head of the target's shape one level at a time."""
+    if not view.replay_ranks:
+        return []
+    if recipe.batch.controller != "none":
+        skipped.add("replayed trees: a tree verifies every node every step (no batch controller)")
+        return []
+    acceptance, ranks = list(view.replay), [list(r) for r in view.replay_ranks]
+    shape, out = random_head_shape(view.dep.model), []
+    for drafts in REPLAY_TREE_DRAFTS:
+        paths = best_static_tree(acceptance, ranks, drafts)
+        depth, tree = max(map(len, paths)), tree_from_paths(paths)
+        tokens = 1 + expected_accepted(acceptance, ranks, paths)
+        tdep = replace(view.dep, k=depth, drafter_kind="eagle3", drafter_model=shape, drafter_layers=0,
+                       kernels_per_draft_forward=None, tree_nodes=drafts + 1,
+                       draft_widths=tree_draft_widths(tree) if depth > 1 else None, controller="none", ragged=False)
+        p = view.predict(tdep, conditional(acceptance[:depth]))
+        tokens_per_s = p.batch * tokens / p.step_s
+        gain = tokens_per_s / cur.tokens_per_s - 1.0
+        name = f"the best static tree of {drafts} drafts for the replayed profile (depth {depth})"
+        if gain < MIN_GAIN:
+            skipped.add(f"{name}: predicted {gain:+.0%} over {cur.tokens_per_s:.0f} tok/s with {now}")
+            continue
+        patch = {"drafter": {"kind": "replay", "model": RANDOM_HEAD, "acceptance": acceptance[:depth],
+                             "ranks": ranks[:depth], "adaptive": False, "ar_after_miss": False},
+                 "k": depth, "verification": "tree", "tree": {"kind": "static", "paths": paths}}
+        out.append(Option(patch, (
+            f"{name}: tau {tokens:.2f} under the profile (its 2nd and later candidates' chances included), a step of "
+            f"{drafts + 1} tokens a row drafted at the cost of an EAGLE-3 head of the target's shape: the calibrated "
+            f"cost model predicts {tokens_per_s:.0f} tok/s against {cur.tokens_per_s:.0f} with {now} (+{gain:.0%}); "
+            f"{_phases(p)}"), (1, -gain, drafts)))
     return out
 
 
