@@ -101,10 +101,12 @@ class DraftLengthController:
     at the latest step (every step reports it, AR steps included: the drafter still searches); a drafter that always
     proposes k (a draft model) reports k. The expected tokens of each kind of step follow (`step_tokens`), and with
     each kind's price at this batch bucket the choice (`choose_step`; a verifying step must beat AR by `margin`). A
-    plain AR step verifies nothing, so after `probe_every` steps in a row below k (AR steps or shorter ones) the
-    next step verifies k, to notice when acceptance comes back, or that k' = k pays after all. (Without the probes
-    after shorter steps, two early steps of k' = 4 at B = 1 that happened to accept nothing priced it below k' = 3
-    for the rest of the request: only a step of that kind corrects its calibration.) When even k drafts for every
+    plain AR step verifies nothing, so after `probe_every` AR steps in a row the next step verifies k, to notice
+    when acceptance comes back; after `probe_every` steps below k the next verifies one draft more than the latest
+    choice, to notice that a longer step pays after all. (Without the probes after shorter steps, two early steps of
+    k' = 4 at B = 1 that happened to accept nothing priced it below k' = 3 for the rest of the request: only a step
+    of that kind corrects its calibration. One draft more, not k: where a long step costs much more, as on a
+    launch-bound small model, a probe of k every few steps would cost a few percent.) When even k drafts for every
     row would not pay, the AR step does not search for drafts either (BLIND_AR).
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
@@ -152,7 +154,8 @@ class DraftLengthController:
         self.reached = [1.0] * self.k
         self.accepted = [1.0] * self.k
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
-        self.short_run = 0  # steps in a row chosen below k (AR steps included)
+        self.short_run = 0  # steps in a row chosen below k (AR steps included), since the latest probe
+        self.latest = BLIND_AR  # the latest kind chosen by the model (not a probe)
         # each step chosen and not yet read: (its kind, its allocation), None for an AR step
         self.predictions: deque[tuple[int, Counter] | None] = deque()
         self.planned: dict[int, Counter] = {}  # by kind, over this batch's verifying steps: drafts a row -> rows
@@ -251,15 +254,18 @@ class DraftLengthController:
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
         expected = self.expected()
-        if self.short_run >= self.probe_every:
-            choice = self.k
+        probe = self.short_run >= self.probe_every
+        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
+            choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
         else:
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
             choice = choose_step(expected, searching, self.margin)
             if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
                 choice = BLIND_AR
-        self.short_run = self.short_run + 1 if choice < self.k else 0
+        self.short_run = 0 if probe or choice >= self.k else self.short_run + 1
+        if not probe:
+            self.latest = choice
         # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
         self.predictions.append((choice, self.allocation(had, choice)) if choice > 0 else None)

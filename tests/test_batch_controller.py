@@ -166,13 +166,15 @@ def test_drafts_past_a_requests_end_do_not_count_as_gained():
     assert c.calibration(4) == pytest.approx(0.25, abs=0.01)
 
 
-def test_shorter_steps_are_followed_by_a_probe_of_k():
+def test_shorter_steps_are_followed_by_a_probe_one_draft_longer():
     """Where the model prefers k' = 2 (k' = 3 and 4 priced far above it), every `probe_every` steps below k the next
-    verifies k: only a step of a kind measures what it gains, and a kind priced low by a few unlucky steps is measured
-    again."""
+    verifies one draft more: only a step of a kind measures what it gains, and a kind priced low by a few unlucky
+    steps is measured again, at the price of one more draft, not of k (after AR steps the probe is k)."""
     c = uncalibrated(DraftLengthController(4, probe_every=3, bucket=2))
     prices = {0: 1.0, 1: 1.1, 2: 1.2, 3: 5.0, 4: 6.0}
-    assert [c.choose(prices) for _ in range(8)] == [2, 2, 2, 4, 2, 2, 2, 4]
+    assert [c.choose(prices) for _ in range(8)] == [2, 2, 2, 3, 2, 2, 2, 3]
+    c.observe([0, 0], [0, 0], [0, 0])  # no row has drafts now: AR steps, then a probe of k
+    assert [c.choose(prices) for _ in range(4)] == [0, 0, 0, 4]
 
 
 def test_a_batchs_first_steps_do_not_price_a_kind_for_good():
