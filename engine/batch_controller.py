@@ -57,22 +57,42 @@ def water_fill(found: list[int], budget: int) -> list[int]:
     return alloc
 
 
+def planned_drafts(found: list[int], k_step: int, ragged: bool, bucket: int) -> Counter:
+    """How many rows a step of kind k_step verifies n drafts (n -> rows), for live rows with `found` drafts each:
+    padded, at most k_step a row; ragged, at most k_step x bucket across the batch, water-filled over the rows that
+    have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for every
+    kind before every step); 0, none."""
+    rows = Counter(found)  # drafts found -> rows
+    if not ragged:
+        return _capped(rows, k_step)
+    # the largest common cap whose drafts fit the budget (raising it by one adds a draft to each row above it), then
+    # one more draft for as many of the rows above it as the budget has left
+    budget, top, total, cap = k_step * bucket, max(rows, default=0), 0, 0
+    above = [sum(c for v, c in rows.items() if v > n) for n in range(top + 1)]
+    while cap < top and total + above[cap] <= budget:
+        total, cap = total + above[cap], cap + 1
+    plan, extra = _capped(rows, cap), min(budget - total, above[cap])
+    if extra > 0:
+        plan[cap] -= extra
+        plan[cap + 1] += extra
+    return plan
+
+
+def _capped(rows: Counter, cap: int) -> Counter:
+    """Rows by drafts verified when each of `rows` (drafts found -> rows) verifies at most `cap` of its drafts."""
+    plan = Counter()
+    for v, c in rows.items():
+        plan[min(v, cap)] += c
+    return plan
+
+
 def step_tokens(found: list[int], acceptance_by_position, k_step: int, ragged: bool, bucket: int) -> float:
-    """Expected tokens of a step of kind k_step for live rows with `found` drafts each: padded, each row verifies at
-    most k_step of its drafts; ragged, the batch verifies at most k_step x bucket drafts, water-filled over the rows
-    that have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for
-    every kind before every step); 0, a plain AR step (one token a row)."""
+    """Expected tokens of a step of kind k_step for live rows with `found` drafts each (`planned_drafts`); 0, a
+    plain AR step (one token a row)."""
     if k_step == 0:
         return float(len(found))
-    rows = Counter(found)  # drafts found -> rows
-    gain = [expected_tokens(acceptance_by_position, n) for n in range(max(rows, default=0) + 2)]
-    if not ragged:
-        return sum(c * gain[min(v, k_step)] for v, c in rows.items())
-    budget, cap = k_step * bucket, 0
-    while cap < max(rows, default=0) and sum(c * min(v, cap + 1) for v, c in rows.items()) <= budget:
-        cap += 1
-    extra = min(budget - sum(c * min(v, cap) for v, c in rows.items()), sum(c for v, c in rows.items() if v > cap))
-    return sum(c * gain[min(v, cap)] for v, c in rows.items()) + max(0, extra) * (gain[cap + 1] - gain[cap])
+    return sum(c * expected_tokens(acceptance_by_position, n)
+               for n, c in planned_drafts(found, k_step, ragged, bucket).items())
 
 
 def choose_step(tokens_by_kind: dict[int, float], prices_by_kind: dict[int, float], margin: float = 0.0) -> int:
@@ -187,27 +207,33 @@ class DraftLengthController:
             self.planned.setdefault(kind, Counter()).update(allocation)
             self.realized_gain[kind] += sum(accepted if kept is None else kept)
 
-    def predicted_gain(self, kind: int) -> float:
-        """The model's gain (tokens beyond one a row) for this batch's steps of `kind`, at the acceptance measured
-        so far: for each row of each step, the expected accepted drafts of the drafts it was planned to verify."""
+    def predicted_gains(self) -> dict[int, float]:
+        """By kind, the model's gain (tokens beyond one a row) for this batch's steps of that kind at the acceptance
+        measured so far: for each row of each step, the expected accepted drafts of the drafts it was planned to
+        verify."""
         p = self.acceptance()
-        return sum(rows * (expected_tokens(p, n) - 1) for n, rows in self.planned.get(kind, {}).items())
+        gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
+        return {kind: sum(rows * gain[n] for n, rows in plans.items()) for kind, plans in self.planned.items()}
 
     def allocation(self, found: list[int], kind: int) -> Counter:
-        """How many rows a step of `kind` plans to verify n drafts, for rows with `found` drafts: padded, at most
-        `kind` each; ragged, `kind` x bucket water-filled over them (`step_tokens` takes the same expectation)."""
-        return Counter(water_fill(found, kind * self.bucket) if self.ragged else [min(v, kind) for v in found])
+        """How many rows a step of `kind` plans to verify n drafts, for rows with `found` drafts (`planned_drafts`)."""
+        return planned_drafts(found, kind, self.ragged, self.bucket)
 
     def calibration(self, kind: int | None = None) -> float:
         """Gained over expected gain of this batch's verifying steps of `kind` (None: of every kind), with a prior
         of CALIBRATION_PRIOR_STEPS steps of every row's first draft at the ratio of all kinds (which has the same
         prior at 1: so the first few steps cannot swing either)."""
+        ratios = self.calibrations()
+        return ratios[None] if kind is None else ratios.get(kind, ratios[None])
+
+    def calibrations(self) -> dict[int | None, float]:
+        """`calibration` of every kind run so far, and of all (None), computed together: the host asks before each
+        step."""
         prior = CALIBRATION_PRIOR_STEPS * max(1, self.bucket)
-        predicted = {m: self.predicted_gain(m) for m in self.planned}
+        predicted = self.predicted_gains()
         overall = (sum(self.realized_gain.values()) + prior) / (sum(predicted.values()) + prior)
-        if kind is None:
-            return overall
-        return (self.realized_gain[kind] + prior * overall) / (predicted.get(kind, 0.0) + prior)
+        return {None: overall, **{kind: (self.realized_gain[kind] + prior * overall) / (gain + prior)
+                                  for kind, gain in predicted.items()}}
 
     def observe_time(self, kind: int, seconds: float) -> None:
         """The loop's time of a step of this kind: its price becomes the median of the kind's latest TIME_WINDOW."""
@@ -237,8 +263,9 @@ class DraftLengthController:
     def _tokens(self, found: list[int]) -> dict[int, float]:
         """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, each kind's gain
         calibrated."""
-        p, rows = self.acceptance(), len(found)
-        return {kind: rows + self.calibration(kind) * (step_tokens(found, p, kind, self.ragged, self.bucket) - rows)
+        p, rows, ratios = self.acceptance(), len(found), self.calibrations()
+        return {kind: rows + ratios.get(kind, ratios[None]) * (step_tokens(found, p, kind, self.ragged, self.bucket)
+                                                                - rows)
                 for kind in range(self.k + 1)}
 
     def expected(self) -> dict[int, float]:

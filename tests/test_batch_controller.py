@@ -80,7 +80,7 @@ def test_choose_ragged_where_padded_loses():
 def uncalibrated(c: DraftLengthController) -> DraftLengthController:
     """The model alone: these tests observe steps without choosing each one first, so nothing pairs a step's
     prediction with its outcome (test_calibration_turns_an_optimistic_model_to_ar pairs them)."""
-    c.calibration = lambda kind=None: 1.0
+    c.calibrations = lambda: {None: 1.0}  # (calibration(kind) reads it too)
     return c
 
 
@@ -147,7 +147,8 @@ def test_each_kind_is_calibrated_by_its_own_steps():
             c.predictions.append((kind, c.allocation([4] * 4, kind)))  # (as `choose` leaves it)
             c.observe([kind] * 4, [kind] * 4, [4] * 4, kept=[1] * 4)
     assert c.acceptance() == pytest.approx([1.0] * 4, abs=0.01)
-    assert c.predicted_gain(1) == pytest.approx(200) and c.predicted_gain(4) == pytest.approx(800, rel=0.01)
+    gains = c.predicted_gains()
+    assert gains[1] == pytest.approx(200) and gains[4] == pytest.approx(800, rel=0.01)
     prior = CALIBRATION_PRIOR_STEPS * 4
     overall = (400 + prior) / (1000 + prior)  # gained over the model's gain, all verifying steps, with the prior
     assert c.calibration() == pytest.approx(overall, rel=0.01)

@@ -43,9 +43,11 @@ def test_water_fill():
 
 
 def test_step_tokens_is_water_fill_row_by_row():
-    """The controller's expected tokens of a ragged step (counted over rows grouped by drafts found) equal the sum
-    over water_fill's allocation, row by row; padded, over min(found, k')."""
-    from specpilot.engine.batch_controller import expected_tokens, step_tokens
+    """The controller's plan of a ragged step (`planned_drafts`: rows grouped by drafts found) is water_fill's
+    allocation counted, and its expected tokens the sum over it, row by row; padded, over min(found, k')."""
+    from collections import Counter
+
+    from specpilot.engine.batch_controller import expected_tokens, planned_drafts, step_tokens
 
     rng = random.Random(0)
     for _ in range(500):
@@ -53,6 +55,8 @@ def test_step_tokens_is_water_fill_row_by_row():
         found = [rng.randint(0, k) for _ in range(rng.randint(0, B))]
         p, k_step = [rng.random() for _ in range(k)], rng.randint(1, k)
         ragged = sum(expected_tokens(p, n) for n in water_fill(found, k_step * B))
+        assert +planned_drafts(found, k_step, True, B) == +Counter(water_fill(found, k_step * B))
+        assert +planned_drafts(found, k_step, False, B) == +Counter(min(n, k_step) for n in found)
         assert step_tokens(found, p, k_step, True, B) == pytest.approx(ragged)
         assert step_tokens(found, p, k_step, False, B) == pytest.approx(sum(expected_tokens(p, min(n, k_step))
                                                                             for n in found))
