@@ -280,3 +280,8 @@ def test_a_replayed_profile_with_ranks_brings_the_best_static_trees():
     view = CostView.from_context(deployment | {"replay_ranks": ranks}, prof)
     assert not trees(algorithm_options(controlled, view, skipped))
     assert any(why.startswith("replayed trees: ") for why in skipped)
+
+    # two depths of two candidates hold only 6 paths: one tree of 6 drafts, proposed once, priced as 7 tokens
+    short = deployment | {"replay_acceptance": [0.8, 0.6], "replay_ranks": [[0.1], [0.2]]}
+    [small] = trees(algorithm_options(recipe, CostView.from_context(short, prof), Skips()))
+    assert len(small.patch["tree"]["paths"]) == 6 and "a step of 7 tokens a row" in small.reason

@@ -629,9 +629,13 @@ def _replay_tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: s
         skipped.add("replayed trees: a tree verifies every node every step (no batch controller)")
         return []
     acceptance, ranks = list(view.replay), [list(r) for r in view.replay_ranks]
-    shape, out = random_head_shape(view.dep.model), []
-    for drafts in REPLAY_TREE_DRAFTS:
-        paths = best_static_tree(acceptance, ranks, drafts)
+    shape, out, sizes = random_head_shape(view.dep.model), [], set()
+    for most in REPLAY_TREE_DRAFTS:
+        paths = best_static_tree(acceptance, ranks, most)  # (fewer where no further path can be accepted)
+        drafts = len(paths)
+        if drafts <= 1 or drafts in sizes:
+            continue
+        sizes.add(drafts)
         depth, tree = max(map(len, paths)), tree_from_paths(paths)
         tokens = 1 + expected_accepted(acceptance, ranks, paths)
         tdep = replace(view.dep, k=depth, drafter_kind="eagle3", drafter_model=shape, drafter_layers=0,
