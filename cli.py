@@ -257,13 +257,14 @@ def add_optimize_parsers(sub) -> None:
     o.add_argument("--salt", default=None, help="the gate's prompt nonce for the run (default: a fresh one)")
     o.add_argument("--head", action="append", dest="heads", default=None, metavar="DIR",
                    help="an EAGLE-3 head for the target (repeatable): the algorithm agent may draft with it")
-    o.add_argument("--acceptance", type=replay_profile, default=None, metavar="A1,A2,...|FILE",
+    o.add_argument("--acceptance", type=replay_profile, default=None, metavar="A1,A2,...|FILE|HEAD",
                    help="with a synthetic target (random weights, whose text no drafter can predict): the acceptance "
                         "your drafter reaches, a_i the share of steps that accept at least i drafts (as the bench "
                         "reports a real drafter's); the algorithm agent then drafts by replaying it at an EAGLE-3 "
                         "head's cost. FILE: a JSON of {\"acceptance\": [...], \"ranks\": [[...], ...]} (ranks: per "
                         "depth, the chances the target's token is the drafter's 2nd, 3rd, ... candidate; the "
-                        "head_ranks experiment's output is one): static trees are proposed too")
+                        "head_ranks experiment's output is one): static trees are proposed too. HEAD: a packaged "
+                        "head's measured profile (smollm2-135m-eagle3)")
     o.add_argument("--interactive", action="store_true",
                    help="stop at each decision: [a]pprove [e]dit [s]kip [r]edirect [q]stop")
     o.add_argument("--out", default=None, help="run directory (default: runs/optimize-<timestamp>)")

@@ -201,3 +201,26 @@ def test_optimize_refuses_impossible_ranks_in_one_line(capsys, tmp_path):
     line = one_error_line(capsys)
     assert code == 2 and "--acceptance" in line and "drafter.ranks" in line and "depth 1" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_optimize_takes_the_packaged_heads_measured_profile_by_name(monkeypatch):
+    """`optimize --acceptance smollm2-135m-eagle3`: the profile measured for the packaged head (the H200's head_ranks
+    run, its raw output in docs/benchmarks) ships beside the head and is named by the head's alias; it is one the
+    replay drafter takes, ranks and all."""
+    import gzip
+    from pathlib import Path
+
+    from specpilot.graph.run import check_acceptance
+
+    seen = {}
+    monkeypatch.setattr("specpilot.graph.run.optimize", lambda settings: seen.update(settings) or 0)
+    args = cli.build_parser().parse_args(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance",
+                                          "smollm2-135m-eagle3"])
+    assert args.func(args) == 0
+    raw = Path(__file__).parents[1] / "docs/benchmarks/raw/2026-12-03-twenty-seventh/head_ranks.json.gz"
+    measured = json.loads(gzip.open(raw).read())["results"]["pooled"]
+    assert seen["acceptance"] == pytest.approx(measured["acceptance"], abs=1e-4)
+    assert [r == pytest.approx(m, abs=1e-4) for r, m in zip(seen["acceptance_ranks"], measured["ranks"])] == [True] * 4
+    check_acceptance("synthetic:llama-3.1-8b", seen["acceptance"], seen["acceptance_ranks"])
+    with pytest.raises(argparse.ArgumentTypeError, match=r"a packaged head's name \(smollm2-135m-eagle3\)"):
+        argtypes.replay_profile("no-such-head")

@@ -96,10 +96,16 @@ def replay_profile(text) -> dict:
     """A drafter's acceptance to replay: {"acceptance": [a_1, ...], "ranks": [[...], ...]} from "A1,A2,..." (no
     ranks), or from a JSON file holding those keys (`ranks`: per depth, the chances that the target's token is the
     drafter's 2nd, 3rd, ... candidate), at its top level or as the head_ranks experiment writes them (under
-    results.pooled). The replay drafter checks the values' rules."""
-    path = Path(str(text))
-    if not path.is_file():
-        return {"acceptance": acceptance_profile(text), "ranks": []}
+    results.pooled), or a packaged head's name: the profile measured for it and shipped beside it
+    (replay_profile.json). The replay drafter checks the values' rules."""
+    path = Path(str(text)) if Path(str(text)).is_file() else shipped_profile(str(text))
+    if path is None:
+        try:
+            return {"acceptance": acceptance_profile(text), "ranks": []}
+        except argparse.ArgumentTypeError:
+            heads = [name for name in _head_aliases() if shipped_profile(name)]
+            raise argparse.ArgumentTypeError(f"must be comma-separated shares between 0 and 1, a JSON file or a "
+                                             f"packaged head's name ({', '.join(heads)}), got {str(text)!r}") from None
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -112,6 +118,22 @@ def replay_profile(text) -> dict:
     if not isinstance(ranks, list) or not all(isinstance(r, list) for r in ranks):
         raise argparse.ArgumentTypeError(f"{text}: \"ranks\" must be a list of lists (one a depth)")
     return {"acceptance": acceptance_profile(",".join(map(str, data["acceptance"]))), "ranks": ranks}
+
+
+def _head_aliases() -> list[str]:
+    from ..engine.loader import ALIASES
+
+    return [name for name in ALIASES if name.endswith("-eagle3")]
+
+
+def shipped_profile(name: str) -> Path | None:
+    """The replay profile measured for a packaged head and shipped beside it (replay_profile.json), or None."""
+    if name not in _head_aliases():
+        return None
+    from ..engine.loader import ALIASES
+
+    path = Path(ALIASES[name]()) / "replay_profile.json"
+    return path if path.is_file() else None
 
 
 def check(validator, flag: str, value):
