@@ -122,7 +122,7 @@ def test_bad_space_files_give_one_clear_line(tmp_path, capsys, space, message):
 
 
 def test_missing_space_names_the_shipped_grids():
-    with pytest.raises(SpaceError, match=r"neither a file nor a shipped grid \(llama-3.1-8b-replay, smollm2\)"):
+    with pytest.raises(SpaceError, match=r"neither a file nor a shipped grid \(llama-3.1-8b-head, llama-3.1-8b-replay, smollm2\)"):
         load_space("no-such-space")
 
 
@@ -292,3 +292,27 @@ def test_a_second_run_into_the_same_dir_keeps_the_gate_verdicts(tmp_path, monkey
     gated.clear()
     grid("--gate-tokens", "16")  # another gate: every recipe again
     assert sorted(gated) == sorted(names)
+
+
+def test_the_synthetic_8b_grid_at_the_packaged_heads_profile():
+    """`--space llama-3.1-8b-head`, the yardstick for `optimize --target synthetic:llama-3.1-8b --acceptance
+    smollm2-135m-eagle3`: replayed chains of k = 2-4 at the packaged head's measured profile (its first k positions)
+    and the best static trees of 15 and 31 drafts for it (the profile's ranks included), on the fused layer; the
+    file's profile is the one shipped beside the head and its trees what `best_static_tree` builds from it."""
+    from specpilot.engine.loader import PACKAGED_HEAD
+    from specpilot.engine.replay import best_static_tree
+
+    profile = json.loads((PACKAGED_HEAD / "replay_profile.json").read_text())
+    e = expand(load_space("llama-3.1-8b-head"), 64)
+    assert [r.name for r in e.recipes] == ["k2-replay", "k3-replay", "k4-replay", "tree15-replay", "tree31-replay"]
+    assert not (e.refused or e.excluded or e.duplicates)
+    recipes = [parse(r.recipe) for r in e.recipes]
+    for r in recipes:
+        assert r.drafter.kind == "replay" and r.drafter.acceptance == profile["acceptance"][:r.k]
+        assert r.layer == "fused" and r.overlap
+    chains, trees = recipes[:3], recipes[3:]
+    assert [r.k for r in chains] == [2, 3, 4] and all(r.verification == "chain" for r in chains)
+    for r, drafts in zip(trees, (15, 31)):
+        assert r.drafter.ranks == profile["ranks"][:r.k]
+        assert r.tree.paths == best_static_tree(profile["acceptance"], profile["ranks"], drafts)
+    assert "`--space llama-3.1-8b-head`" in (Path(cli.__file__).parent / "docs" / "GRID.md").read_text()

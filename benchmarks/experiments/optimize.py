@@ -46,8 +46,9 @@ def arguments(p) -> None:
     p.add_argument("--no-hand-best", action="store_true", help=f"leave {HAND_BEST} out of the bench")
     p.add_argument("--grid-best", default=None,
                    help="a grid's best.json to bench beside the found recipe (default: the grid experiment's "
-                        "best for --workload at B = 1 of `--space smollm2`, or of `llama-3.1-8b-replay` for "
-                        "synthetic:llama-3.1-8b, when an earlier call of this machine left it)")
+                        "best for --workload at B = 1 of `--space smollm2`, or for synthetic:llama-3.1-8b of "
+                        "`llama-3.1-8b-replay` (`llama-3.1-8b-head` with --acceptance smollm2-135m-eagle3), when an "
+                        "earlier call of this machine left it)")
     p.add_argument("--memory", default=None,
                    help="start from a copy of this memory (JSON lines, an earlier run's NAME.json `memory` file): a "
                         "warm start (issue #23 item 3)")
@@ -55,9 +56,9 @@ def arguments(p) -> None:
     p.add_argument("--minutes", type=float, default=None,
                    help="optimize's --budget-minutes and --budget-gpu-minutes (default 6)")
     p.add_argument("--acceptance", default=None,
-                   help="with --target synthetic:NAME: optimize --acceptance A1,A2,... (a drafter's acceptance, "
-                        "replayed; issue #24's optimize on a synthetic 8B; add --no-hand-best, whose n-gram drafts "
-                        "of random weights' text mean nothing)")
+                   help="with --target synthetic:NAME: optimize --acceptance A1,A2,...|FILE|HEAD (a drafter's "
+                        "acceptance, replayed; issue #24's optimize on a synthetic 8B; add --no-hand-best, whose "
+                        "n-gram drafts of random weights' text mean nothing)")
 
 
 def run(out_dir, args):
@@ -89,8 +90,10 @@ def run(out_dir, args):
             8 if args.smoke else 128, "--limit", 1 if args.smoke else 4, "--device", ctx.device, "--out", bench_dir]
     if not args.no_hand_best:
         argv += ["--recipe", ctx.recipe(HAND_BEST, SYSTEMS[HAND_BEST])]
-    # the grid experiment's shipped space for this target (the synthetic 8B's replay grid, or SmolLM2's)
-    space = "llama-3.1-8b-replay" if ctx.target == "synthetic:llama-3.1-8b" else "smollm2"
+    # the grid experiment's shipped space for this target and profile (the synthetic 8B's at issue #22's aim or at
+    # the packaged head's measured profile, or SmolLM2's)
+    space = "smollm2" if ctx.target != "synthetic:llama-3.1-8b" else (
+        "llama-3.1-8b-head" if args.acceptance == "smollm2-135m-eagle3" else "llama-3.1-8b-replay")
     grid_best = Path(args.grid_best) if args.grid_best else harness.grid_dir(space, [args.workload], "1") / "best.json"
     grid = json.loads(grid_best.read_text()) if not args.smoke and grid_best.is_file() else None
     if grid:
