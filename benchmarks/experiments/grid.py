@@ -33,7 +33,7 @@ TARGET_8B = "synthetic:llama-3.1-8b"
 
 def arguments(p) -> None:
     p.add_argument("--space", default="llama-3.1-8b-replay",
-                   help="a shipped grid's name (smollm2, llama-3.1-8b-replay) or a space file")
+                   help="a shipped grid's name (smollm2, llama-3.1-8b-replay, llama-3.1-8b-head) or a space file")
     p.add_argument("--workload", default="code,chat")
     p.add_argument("--limit", type=int, default=2, help="prompts a workload in the bench")
     p.add_argument("--max-new-tokens", type=int, default=128)
