@@ -63,7 +63,8 @@ def arguments(p) -> None:
                    help="the replay recipes on each of these layers (fused: with overlap; modular ones named "
                         "...-modular): at 8B the fused layer lost to the modular one at B = 8 (seventeenth lease)")
     p.add_argument("--rank-profile", default=None,
-                   help="a head_ranks.json (its pooled profile) or a {\"acceptance\", \"ranks\"} file: adds "
+                   help="a head_ranks.json (its pooled profile), a {\"acceptance\", \"ranks\"} file or a packaged "
+                        "head's name (smollm2-135m-eagle3: its measured profile): adds "
                         "replay-tree-ranks, the tree at that measured profile, whose 2nd and 3rd candidates count")
     p.add_argument("--best-tree-drafts", default="15,31",
                    help="with --rank-profile: the best static trees of these many drafts (replay-tree-bestN)")
@@ -72,8 +73,11 @@ def arguments(p) -> None:
 
 
 def rank_profile(path: str) -> dict:
-    """A measured replay profile with ranks: head_ranks.json's pooled one, or a file of its own."""
-    data = json.loads(Path(path).read_text())
+    """A measured replay profile with ranks: head_ranks.json's pooled one, a file of its own, or a packaged head's
+    (its name: the profile shipped beside it)."""
+    from specpilot.tools.argtypes import shipped_profile
+
+    data = json.loads((shipped_profile(path) or Path(path)).read_text())
     data = (data.get("results") or {}).get("pooled", data)  # (a head_ranks.json record: its results)
     if not isinstance(data, dict) or "acceptance" not in data or "ranks" not in data:
         raise SystemExit(f"--rank-profile {path}: no replay profile ({{\"acceptance\", \"ranks\"}}) in it")
