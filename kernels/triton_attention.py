@@ -4,8 +4,8 @@
 
 What the engine asks of this slot while decoding: a few queries (the T = k + 1 tokens of a verification step, times
 the `rep` query heads that share a kv head, stacked along the query axis) attend over the whole static KV cache
-(S slots, a power of two >= 512, most of them not yet written or stale). `mask` is True where a query may attend:
-slots up to the query's own position, and in sliding-window layers only the last `window` of them.
+(S slots, at least 512: engine/decode.cache_length; most of them not yet written or stale). `mask` is True where a
+query may attend: slots up to the query's own position, and in sliding-window layers only the last `window` of them.
 
 The reference, `builtin.attention_math`, makes three passes over memory: scores q @ k^T rounded to the model dtype,
 an fp32 masked softmax, and probs (rounded to the model dtype) @ v. Here one kernel does all three in one pass over

@@ -647,7 +647,7 @@ def _attend(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
 
 @triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
-                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, n_tokens,
+                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
                       SKIP_DEAD: tl.constexpr, TREE: tl.constexpr):
@@ -702,8 +702,9 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
             tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
             tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
             run_max, run_sum, acc = _attend(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
-        # The splits that run for this token; clamped, so that a position past the cache cannot hang the merge.
-        n_used = tl.minimum(pos // keys_per_split + 1, N_SPLITS)
+        # The splits that run for this token; clamped to the grid's, so that a position past the cache cannot hang
+        # the merge. (N_SPLITS, the partials' stride, is their count rounded up to a power of two.)
+        n_used = tl.minimum(pos // keys_per_split + 1, splits)
         if n_used == 1:  # the whole context in this one split: the output, no merge
             tl.store(out_ptr + mh * HEAD_DIM + dims, (acc / run_sum).to(out_ptr.dtype.element_ty))
         else:
@@ -860,11 +861,13 @@ def attention_setting(n_tokens: int) -> dict:
 
 
 def attention_splits(n_slots: int, n_tokens: int, device: torch.device) -> tuple[int, int]:
-    """(splits, slots a split) over the static cache: the setting's keys_per_split each, at most MAX_SPLITS (longer
-    splits then), a power of two. The interpreter gets 256 a split: fewer programs, still several splits to merge."""
+    """(splits, slots a split) over the static cache: the setting's keys_per_split each, as many as cover it; past
+    MAX_SPLITS, fewer and longer (a multiple of the setting's). No more programs than that: a split past a token's
+    position only returns, but a grid rounded up to a power of two of them cost a whole step 15% at B = 64
+    (engine/decode.py, MIN_CACHE_SLOTS). The interpreter gets 256 a split: fewer programs, still several to merge."""
     per = attention_setting(n_tokens)["keys_per_split"] if device.type == "cuda" else 256
-    splits = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(n_slots, per)))
-    return splits, triton.cdiv(n_slots, splits)
+    per *= triton.cdiv(triton.cdiv(n_slots, MAX_SPLITS), per)
+    return triton.cdiv(n_slots, per), per
 
 
 _PDL_DEVICES: dict = {}
@@ -1046,16 +1049,17 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     n_slots = kv_cache.shape[3]
     splits, per_split = attention_splits(n_slots, M, dev)
     setting = attention_setting(M)
-    partial = torch.empty(M * H, splits, D, dtype=torch.float32, device=dev)
-    stats = torch.empty(M * H, splits, 2, dtype=torch.float32, device=dev)
+    n_splits = triton.next_power_of_2(splits)  # (the merge's arange; the grid runs `splits`)
+    partial = torch.empty(M * H, n_splits, D, dtype=torch.float32, device=dev)
+    stats = torch.empty(M * H, n_splits, 2, dtype=torch.float32, device=dev)
     attn = torch.empty(M, H * D, dtype=dt, device=dev)
     if tree is not None and block.window is not None:
         raise ValueError("fused layer: tree steps need full attention (a sliding window counts positions)")
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
     _decode_attention[(M * H, splits)](
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
-        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, M, *kv_strides, HEAD_DIM=D,
-        BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=splits,
+        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
+        BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
         num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
@@ -1210,9 +1214,11 @@ def layer_function(fallback, packed: dict | None = None):
 # -- checking and timing -----------------------------------------------------------------------------------------
 # Both take the layer to compare with as an argument (the engine's modular `Block.forward`, plain or compiled), since
 # kernels never import the engine.
-def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0, planes=None) -> float:
+def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0, planes=None,
+          n_slots: int = 512) -> float:
     """Compare `fused_layer` with `reference` (Block.forward with the torch slots) on every layer of `model`, at steps
-    of (B, T) tokens at random, ragged positions over a randomly filled cache of 512 slots: outputs and cache writes.
+    of (B, T) tokens at random, ragged positions over a randomly filled cache of `n_slots` slots: outputs and cache
+    writes.
 
     fp32: the two must agree to 2e-5 (relative to the largest value). bf16/fp16: both round differently at every op,
     and attention with large logits magnifies one rounding step (a score's last bit moves its weight by e^ulp), so
@@ -1230,7 +1236,6 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
         return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
     for B, T in batch_tokens:
-        n_slots = 512
         model._ensure_rope(n_slots)
         start = torch.randint(0, n_slots - T, (B,), generator=g)
         positions = (start[:, None] + torch.arange(T)[None]).to(dev)

@@ -231,6 +231,34 @@ def test_fused_layer_with_widths_that_are_not_powers_of_two(tiny_model_dir):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def test_fused_layer_on_a_cache_that_is_not_a_power_of_two(tiny_model_dir):
+    """A 640-slot cache (engine/decode.cache_length's steps between powers of two): three splits of 256 in the
+    interpreter, the last one short, merged with a power-of-two stride; rows at positions in every split agree with
+    the modular layer."""
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    assert triton_fused_layer.attention_splits(640, 1, torch.device("cpu")) == (3, 256)
+    assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((4, 1), (2, 3)), seed=1,
+                                    n_slots=640) < 2e-5
+
+
+def test_attention_splits_cover_the_cache_and_no_more():
+    """The fused layer's attention grid on the GPU: splits of the setting's keys (a multiple of them past
+    MAX_SPLITS) whose last one starts inside the cache, for the cache lengths decode.cache_length gives."""
+    from specpilot.engine.decode import cache_length
+
+    cuda = torch.device("cuda")
+    for n_slots in sorted({cache_length(p, 128, k, True) for p in range(1, 8000, 7) for k in (0, 4)}):
+        for tokens in (1, 64):
+            splits, per = triton_fused_layer.attention_splits(n_slots, tokens, cuda)
+            base = triton_fused_layer.attention_setting(tokens)["keys_per_split"]
+            assert per % base == 0 and splits <= triton_fused_layer.MAX_SPLITS, (n_slots, tokens, splits, per)
+            assert (splits - 1) * per < n_slots <= splits * per, (n_slots, tokens, splits, per)
+    # powers of two keep the splits they had (the same sums as before)
+    assert triton_fused_layer.attention_splits(512, 1, cuda) == (16, 32)
+    assert triton_fused_layer.attention_splits(2048, 1, cuda) == (32, 64)
+    assert triton_fused_layer.attention_splits(1024, 64, cuda) == (16, 64)
+
+
 def test_fused_layer_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
     """FMA_TILES sets each GEMV role's tile (rows or pairs a program, the K tile, warps) in place of the TILE_VALUES
     rule, whatever the step's tokens: tiles of K in several chunks and of several rows (the pair kernels' chunked
