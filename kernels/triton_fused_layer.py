@@ -647,7 +647,7 @@ def _attend(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
 
 @triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
-                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, splits, n_tokens,
+                      root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
                       SKIP_DEAD: tl.constexpr, TREE: tl.constexpr):
@@ -704,7 +704,7 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
             run_max, run_sum, acc = _attend(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
         # The splits that run for this token; clamped to the grid's, so that a position past the cache cannot hang
         # the merge. (N_SPLITS, the partials' stride, is their count rounded up to a power of two.)
-        n_used = tl.minimum(pos // keys_per_split + 1, splits)
+        n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)
         if n_used == 1:  # the whole context in this one split: the output, no merge
             tl.store(out_ptr + mh * HEAD_DIM + dims, (acc / run_sum).to(out_ptr.dtype.element_ty))
         else:
