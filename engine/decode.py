@@ -156,7 +156,7 @@ def prefill_widths(max_prompt_tokens: int) -> list[int]:
 # recompile and a recapture), fine enough that a longer draft never doubles it. Rounded up to a power of two, the
 # few slots k = 4's verification needs beyond AR's took chat prompts of 380 tokens from 512 slots to 1,024, and every
 # kind of the controller's step ran 15% slower than AR's on the H200 (the fused layer launches attention programs
-# over the whole cache, and the n-gram search scans it: twenty-fifth and twenty-ninth leases, chat at B = 64).
+# over the whole cache: twenty-fifth and twenty-ninth leases, chat at B = 64).
 MIN_CACHE_SLOTS = 512
 CACHE_STEPS_PER_OCTAVE = 8
 
