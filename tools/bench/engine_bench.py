@@ -96,6 +96,12 @@ SYSTEMS = {
     # chains of smollm2-135m's packaged EAGLE-3 head (docs/TRAINING.md), its steps on the fused layer's kernels
     **{f"eagle3-k{k}-fused-overlap": {"name": f"eagle3-k{k}-fused-overlap", "k": k, "layer": "fused", "overlap": True,
                                       "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}} for k in (2, 3, 4)},
+    # ... and with the batch controller (each step's chain length 0..k from the measured acceptance and each kind's
+    # price at the batch's bucket): the head's chain where it pays, AR steps where it would lose (large B)
+    **{f"eagle3-k{k}-cost-fused-overlap": {"name": f"eagle3-k{k}-cost-fused-overlap", "k": k, "layer": "fused",
+                                           "overlap": True, "batch": {"controller": "cost"},
+                                           "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}}
+       for k in (3, 4)},
     # ... and its EAGLE-2 dynamic trees small enough for the fused layer's tree steps (at most 16 tokens): depth d,
     # top-k children a node, t tokens verified (the twenty-third lease's 32-token tree took 4.7 AR steps a step)
     **{f"eagle3-dyn-d{d}-k{topk}-t{t}-fused-overlap": {
