@@ -59,6 +59,10 @@ RECIPES = {
     # rows set up anew for each (continuous batching, Drafter.start_rows)
     "eagle3-k2-b4": {"k": 2, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 4},
                      "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
+    # ... its chain of up to 3 with the batch controller at B = 8 (`--limit 8`): each step's length 0..3, AR steps
+    # with and without the head's search, rows of different lengths
+    "eagle3-cost-b8": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 8, "controller": "cost"},
+                       "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
     "eagle3-tree": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
                     "verification": "tree", "tree": {"kind": "dynamic", "depth": 3, "topk": 2, "tokens": 8},
                     "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
