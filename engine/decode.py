@@ -461,9 +461,11 @@ class Decoder:
     # -- one step ------------------------------------------------------------------------------------------------
     def _step(self, st: DecodeState, sampling: SamplingParams, drafts_k: int | None = None) -> None:
         """One decoding step of kind `drafts_k` (None: k): each row verifies up to that many drafts, or, ragged, the
-        batch up to drafts_k x B packed. With 0 an AR step: the target sees one token; the drafter still searches
-        (with k), so that ar_after_miss and the controller know what it finds. BLIND_AR: an AR step without the
-        search (found 0 for every row). Sampled, its random draws are functions of each row's (seed, salt, length)
+        batch up to drafts_k x B packed. With 0 an AR step: the target sees one token; the drafter still searches:
+        a drafter that finds drafts for some rows only (n-gram) with k, so that ar_after_miss and the controller
+        know what it finds; one that always has k (a head, a draft model) for one draft, the least that keeps its
+        own state up to date (its cache must see every token's pair). BLIND_AR: an AR step without the search
+        (found 0 for every row), for stateless drafters only (`_step_kinds`). Sampled, its random draws are functions of each row's (seed, salt, length)
         and of the draw's place in the step (CounterRng): so a captured step draws anew at each replay."""
         k = self.k
         generator = None if sampling.greedy else step_rng(st)
@@ -478,7 +480,7 @@ class Decoder:
         if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
             # how many drafts each row has; a ragged step verifies up to k a row.
-            width = k if ragged or self.drafter.variable_drafts or not drafts_k else drafts_k
+            width = k if ragged or self.drafter.variable_drafts else max(drafts_k, 1)
             prop = self.drafter.propose(st.history, st.lengths, width, sampling, generator)
             found = prop.valid
             if drafts_k:
@@ -592,9 +594,13 @@ class Decoder:
 
     def _step_kinds(self) -> tuple[int, ...]:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
-        and BLIND_AR."""
+        and BLIND_AR for a stateless drafter. (A drafter with state of its own, an EAGLE-3 head's or a draft model's
+        cache, must see every step's tokens: after a step that skipped its search its cache misses that token's
+        entry, and its drafts are worse for the rest of the request; on the H100, sixth session of December, the
+        head's chain with the controller ran 362 blind AR steps at summarize B = 4 and lost 4-7% to plain AR.)"""
         if self.controller is not None:
-            return tuple(range(self.k, BLIND_AR - 1, -1))
+            low = BLIND_AR if self.drafter.stateless else 0
+            return tuple(range(self.k, low - 1, -1))
         return (self.k, 0) if self.ar_after_miss else (self.k,)
 
     def _capture_all(self, st: DecodeState, sampling: SamplingParams) -> None:

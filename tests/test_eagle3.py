@@ -338,6 +338,37 @@ def test_eagle3_ragged_steps_and_measured_prices(tiny, tiny_reference, head_dir)
                                eng.decoder.drafter.needs_hidden_states) > 0
 
 
+def test_a_head_never_skips_its_search_under_the_batch_controller(tiny, tiny_reference, head_dir):
+    """The head's cache must see every token's pair: with the batch controller its AR steps still search, for one
+    draft (not k: the least that brings the head up to date), and an AR step without the search (BLIND_AR, which
+    the n-gram drafter gets) is never among its kinds. After runs of AR steps its proposals are the reference
+    head's; had the steps skipped the search, they would not be."""
+    from specpilot.engine.batch_controller import BLIND_AR
+
+    def run(step_kinds):
+        eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 4, batch={"controller": "cost"}))
+        kinds = iter(step_kinds * 1000)
+        eng.decoder.controller.choose = lambda prices: next(kinds)
+        calls = record_proposals(eng)
+        rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+        assert [r.tokens for r in rows] == tiny_reference, tiny.family  # lossless either way
+        return eng, calls
+
+    eng, calls = run([0, 0, 0, 4])
+    assert BLIND_AR not in eng.decoder._step_kinds() and 0 in eng.decoder._step_kinds()
+    widths = [c[3].shape[1] for c in calls]  # (besides the steps that time each kind for its price)
+    assert widths.count(1) > 2 * widths.count(4)  # AR steps drafted one token, verifying steps four
+    ngram = Engine(tiny.loaded, parse({"drafter": {"kind": "ngram"}, "k": 4, "cuda_graphs": False,
+                                       "batch": {"controller": "cost"}}))
+    assert BLIND_AR in ngram.decoder._step_kinds()
+    if tiny.family == "llama":  # the reference check once (it replays HF per row and step)
+        args = (tiny.hf, head_dir, tiny.loaded.model.embed.detach(), eng.decoder.drafter.needs_hidden_states)
+        assert check_proposals(calls, *args) > 0
+        _, blind = run([BLIND_AR, BLIND_AR, 4])
+        with pytest.raises(AssertionError):
+            check_proposals(blind, *args)
+
+
 def test_eagle3_narrow_head_with_its_own_embeddings(llama_target, tmp_path):
     """A head of hidden size 32 on the 64-wide target (config target_hidden_size; its own embed_tokens): AR's
     tokens and the reference's drafts."""
