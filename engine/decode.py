@@ -331,6 +331,11 @@ class Prefilled:
     first_host: tuple
 
 
+# The captured work that takes in what AR steps without the search left pending in a drafter with state of its own
+# (`Drafter.absorb`), run before the next step that searches; kept with the steps' graphs under this kind
+ABSORB = "absorb"
+
+
 class EagerStep:
     """What a step "captured" without CUDA graphs is: the step itself, run eagerly at each replay. The decoder keeps
     these where it keeps graphs, so that the same code decides when a shape is new (and counts it) on any device."""
@@ -448,6 +453,7 @@ class Decoder:
         # Profiling hook (specpilot.tools.profile.profiler.PhaseTimer): when set, greedy steps run eagerly (no CUDA
         # graph) and `mark(point)` is called at each phase boundary of a step. Decoding is otherwise unchanged.
         self.phase_timer = None
+        self._blind_run = 0  # AR steps in a row that skipped the search of a drafter with a backlog (`_run_step`)
 
     @property
     def batch_rows(self) -> int | None:
@@ -465,8 +471,11 @@ class Decoder:
         a drafter that finds drafts for some rows only (n-gram) with k, so that ar_after_miss and the controller
         know what it finds; one that always has k (a head, a draft model) for one draft, the least that keeps its
         own state up to date (its cache must see every token's pair). BLIND_AR: an AR step without the search
-        (found 0 for every row), for stateless drafters only (`_step_kinds`). Sampled, its random draws are functions of each row's (seed, salt, length)
+        (found 0 for every row), for a stateless drafter or one with a backlog (`_step_kinds`). ABSORB: no step,
+        the drafter's `absorb` (`_run_step`). Sampled, its random draws are functions of each row's (seed, salt, length)
         and of the draw's place in the step (CounterRng): so a captured step draws anew at each replay."""
+        if drafts_k == ABSORB:
+            return self.drafter.absorb(st.history, st.lengths)
         k = self.k
         generator = None if sampling.greedy else step_rng(st)
         drafts_k = k if drafts_k is None else drafts_k
@@ -515,7 +524,7 @@ class Decoder:
         if drafts is not None and self.adaptive_drafts:
             self._update_budget(st.budget, valid, n_acc, k)
         if hidden is not None:  # every step, AR steps too: the drafter reads the states of every token emitted
-            self.drafter.update(n_acc, hidden=hidden)
+            self.drafter.update(n_acc, hidden=hidden, searched=search)
         elif drafts is not None:
             self.drafter.update(n_acc)
         self._mark("bookkeeping")
@@ -563,6 +572,16 @@ class Decoder:
         return out if self.aux_layers is not None else (out, None)
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, drafts_k: int) -> None:
+        """Run a step of kind `drafts_k`; first, in a drafter with a backlog, have the pairs of the AR steps that
+        skipped its search absorbed when this step searches or the backlog is full."""
+        backlog = self.drafter.backlog if self.drafter is not None else 0
+        if self._blind_run and (drafts_k != BLIND_AR or self._blind_run >= backlog):
+            self._run(st, sampling, ABSORB)
+            self._blind_run = 0
+        self._blind_run = self._blind_run + 1 if drafts_k == BLIND_AR and backlog else 0
+        self._run(st, sampling, drafts_k)
+
+    def _run(self, st: DecodeState, sampling: SamplingParams, drafts_k) -> None:
         if self.phase_timer is not None:
             return self._step(st, sampling, drafts_k)
         self._graph(st, sampling, drafts_k).replay()
@@ -595,21 +614,29 @@ class Decoder:
     def _step_kinds(self) -> tuple[int, ...]:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
         and BLIND_AR for a stateless drafter. (A drafter with state of its own, an EAGLE-3 head's or a draft model's
-        cache, must see every step's tokens: after a step that skipped its search its cache misses that token's
-        entry, and its drafts are worse for the rest of the request; on the H100, sixth session of December, the
-        head's chain with the controller ran 362 blind AR steps at summarize B = 4 and lost 4-7% to plain AR.)"""
+        cache, must see every step's tokens: a step that skipped its search leaves its pair for `absorb`, which only
+        a drafter with a `backlog` can take. Before that was kept, the packaged head's chain with the controller ran
+        362 AR steps without the search at summarize B = 4 on the H100, 2026-12-06, its cache missing each one's
+        entry.)"""
         if self.controller is not None:
-            low = BLIND_AR if self.drafter.stateless else 0
+            low = BLIND_AR if self.drafter.stateless or self.drafter.backlog else 0
             return tuple(range(self.k, low - 1, -1))
         return (self.k, 0) if self.ar_after_miss else (self.k,)
+
+    def _graph_kinds(self) -> tuple:
+        """What `_capture_all` captures: the kinds of step, and ABSORB where a drafter with a backlog may skip
+        its search."""
+        kinds = self._step_kinds()
+        absorbs = BLIND_AR in kinds and self.drafter is not None and self.drafter.backlog
+        return kinds + (ABSORB,) if absorbs else kinds
 
     def _capture_all(self, st: DecodeState, sampling: SamplingParams) -> None:
         """Capture every kind of step this decoder may launch for `st` before the first one runs, rather than when
         each is first needed (a capture takes tens of milliseconds and may compile): the verification step, with
-        ar_after_miss the AR step, with the controller a step for each draft length."""
+        ar_after_miss the AR step, with the controller a step for each draft length (and ABSORB)."""
         if self.phase_timer is not None:
             return
-        for drafts_k in self._step_kinds():
+        for drafts_k in self._graph_kinds():
             self._graph(st, sampling, drafts_k)
 
     def _main_graph(self):
@@ -1018,6 +1045,7 @@ class Decoder:
             start([b for b in range(B) if not active[b]])  # requests that ended at their first token
             st.active.copy_(to_device(torch.tensor(active), device))
             pending = None
+            self._blind_run = 0  # AR steps in a row that skipped a drafter's search (`_run_step`)
             if any(active):
                 self._capture_all(st, sampling)
                 pending = launch()
@@ -1117,7 +1145,7 @@ class Decoder:
             return None
         extra = () if sampling.greedy else (sampling,)  # (a sampled step's graph is one of its setting)
         for bucket in sorted(b for b in self._states if live <= b < rows):
-            if all((bucket, kind) + extra in self._graphs for kind in self._step_kinds()) and (
+            if all((bucket, kind) + extra in self._graphs for kind in self._graph_kinds()) and (
                     self.controller is None or bucket in self.prices):
                 return bucket
         return None

@@ -50,6 +50,10 @@ class Drafter(ABC):
     # True when the drafter keeps per-row state but can set a row's up for a new request (`start_rows`): continuous
     # batching then works as for a stateless one.
     refills = False
+    # How many AR steps in a row a drafter with state of its own can go without its search (BLIND_AR), keeping
+    # their pairs for `absorb`; 0: none (a draft model's cache would miss their tokens). A stateless drafter skips
+    # the search at no cost to later drafts.
+    backlog = 0
 
     def reserve(self, rows: int, max_len: int) -> None:
         """Make room for batches of up to `rows` rows and `max_len` positions: the decoder calls it when it
@@ -100,11 +104,17 @@ class Drafter(ABC):
         """The batch moved to a smaller bucket of `rows` rows: the state of rows `live` ([n] long, in order) goes to
         rows 0..n-1, and the current batch is the first `rows` rows. Nothing to move without per-row state."""
 
-    def update(self, accepted: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def update(self, accepted: torch.Tensor, hidden: torch.Tensor | None = None, searched: bool = True) -> None:
         """Learn from the number of drafts each row accepted this step ([B] long, on device). Called after every
         verification step; with `needs_hidden_states` after every step, AR steps too (accepted 0), with `hidden`
         [B, T, n * hidden]: the target's states of the step's T verified slots, row b's first accepted[b] + 1 of them
-        those of tokens now in the history (the rest are junk, possibly not even finite)."""
+        those of tokens now in the history (the rest are junk, possibly not even finite). `searched` False: an AR
+        step that did not call `propose` (BLIND_AR; only with a `backlog`)."""
+
+    def absorb(self, history: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Take in what the steps that skipped the search left pending (at most `backlog` of them), so that the
+        next `propose` drafts as if every step had searched. The decoder calls it before a step that searches after
+        such steps, and when `backlog` of them ran in a row. Nothing by default."""
 
     def snapshot(self):
         """The device state a step changes, or None: the decoder runs steps it then undoes (warm-ups before a CUDA

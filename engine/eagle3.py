@@ -109,6 +109,11 @@ from .sampling import categorical, probabilities
 from .tree import DynamicTree, TreeShape, grow_dynamic_tree, tree_mask, tree_positions
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# AR steps without the head's search (the batch controller's BLIND_AR, where no draft would pay) whose pairs the
+# pending buffer holds until the decoder has them absorbed into the head's cache (`Eagle3Drafter.absorb`): such a
+# step costs the head nothing, and the head misses no pair. The controller probes after as many short steps by
+# default (BatchSpec.probe_every), so most runs of blind steps end before the buffer is full.
+BLIND_BACKLOG = 16
 
 
 @dataclass(frozen=True)
@@ -459,6 +464,13 @@ def fused_step(head: Eagle3Head, inputs: tuple, kv: torch.Tensor, draft_layer):
     return draft_layer(head.block, x, residual, cos, sin, kv, positions, head.norm, head.lm_head, head.cfg.rms_eps)
 
 
+def absorb_pairs(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
+                 lengths: torch.Tensor, kv: torch.Tensor, ops) -> None:
+    """The new pairs of each row (`first_pairs`, over all of `pending`'s slots) into the head's cache, nothing
+    drafted: `first_draft`'s forward without its logits."""
+    midlayer(head, *first_pairs(head, pending, n_new, history, lengths, kv, ops), kv, ops)
+
+
 def first_draft(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
                 lengths: torch.Tensor, kv: torch.Tensor, ops):
     """The new pairs of each row (module docstring) in one forward over `pending.shape[1]` slots; returns the
@@ -523,6 +535,7 @@ class Eagle3Drafter(Drafter):
 
     name = "eagle3"
     refills = True  # a row's head cache and pending pair are set up anew for a request started in it (start_rows)
+    backlog = BLIND_BACKLOG
 
     def __init__(self, head: Eagle3Head, k: int):
         if k < 1:
@@ -531,13 +544,14 @@ class Eagle3Drafter(Drafter):
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
         self.draft_layer = self.draft_supports = None
-        self._first, self._next, self._nodes = first_draft, next_draft, draft_nodes
+        self._first, self._next, self._nodes, self._absorb = first_draft, next_draft, draft_nodes, absorb_pairs
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
         self.cache: KVCache | None = None  # the current batch's rows of `_base`
         # Each row's new pairs since the last propose: the target's states of up to k + 1 slots (zero past the
-        # accepted ones) and how many were accepted; their tokens are read from the history at propose time.
+        # accepted ones) and how many were accepted; their tokens are read from the history at propose time. A step
+        # that skipped the search appends its one pair (`update(searched=False)`), up to `backlog` of them.
         self._pending_base: torch.Tensor | None = None
         self._new_base: torch.Tensor | None = None
         self._pending: torch.Tensor | None = None
@@ -555,7 +569,7 @@ class Eagle3Drafter(Drafter):
         self.draft_supports = getattr(layer_fn, "draft_supports", None)
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
-            self._nodes = compiled(draft_nodes)
+            self._nodes, self._absorb = compiled(draft_nodes), compiled(absorb_pairs)
             self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
 
     def reserve(self, rows, max_len):
@@ -563,8 +577,8 @@ class Eagle3Drafter(Drafter):
         if self._base is None or self._base.k.shape[1] < rows or self._base.max_len < max_len:
             self._base = head.new_cache(rows, max_len)
         if self._pending_base is None or self._pending_base.shape[0] < rows:
-            self._pending_base = torch.zeros(rows, self.k + 1, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
-                                             device=head.device)
+            self._pending_base = torch.zeros(rows, self.k + 1 + self.backlog, 3 * head.cfg.target_hidden_size,
+                                             dtype=head.dtype, device=head.device)
             self._new_base = torch.zeros(rows, dtype=torch.long, device=head.device)
             # each prompt's last states, from the prefill's pass (`prefill_prompts`), until `prefill` pends them
             self._base_last = torch.zeros(rows, 3 * head.cfg.target_hidden_size, dtype=head.dtype,
@@ -648,8 +662,9 @@ class Eagle3Drafter(Drafter):
     def _draft_first(self, history, lengths):
         """`first_draft`: on the fused layer's kernels where the recipe's layer is fused and they run the step."""
         head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
-        args = (head, self._pending, self._new, history, lengths, kv, ops)
-        if self._fused(history.shape[0] * self._pending.shape[1], history.device):
+        pending = self._pending[:, : self.k + 1]  # (a backlog, if any, was absorbed before: `absorb`)
+        args = (head, pending, self._new, history, lengths, kv, ops)
+        if self._fused(history.shape[0] * pending.shape[1], history.device):
             fused = fused_step(head, self._first_inputs(*args), kv, self.draft_layer)
             if fused is not None:
                 out, logits = fused
@@ -751,17 +766,32 @@ class Eagle3Drafter(Drafter):
         tokens = head.draft_to_target[drafts]
         return tokens, torch.ones_like(tokens, dtype=torch.bool), trees
 
-    def update(self, accepted, hidden=None):
+    def update(self, accepted, hidden=None, searched=True):
         if hidden is None:
             raise ValueError("the EAGLE-3 drafter's update needs the step's hidden states")
+        if not searched:  # an AR step: its one pair after those still pending (the decoder absorbs a full buffer)
+            at = (self._new + 1).clamp(max=self._pending.shape[1] - 1)
+            self._pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]), hidden[:, :1])
+            self._new.copy_(at)
+            return
         T = hidden.shape[1]
         kept = (torch.arange(T, device=hidden.device)[None] <= accepted[:, None])[..., None]
         # torch.where, not a product: the slots past the accepted ones may hold anything, NaN included (a layer
         # that skips dead tokens never wrote them)
         self._pending[:, :T].copy_(torch.where(kept, hidden, 0))
-        if T < self._pending.shape[1]:
-            self._pending[:, T:].zero_()
+        if T < self.k + 1:
+            self._pending[:, T: self.k + 1].zero_()
         self._new.copy_(accepted)
+
+    def absorb(self, history, lengths):
+        """The pending pairs of the steps that skipped the search (`update(searched=False)`) into the head's cache,
+        in one forward over the whole buffer; then the buffer is as after an AR step that searched: the last pair
+        pending alone (the next propose runs it again, for its output)."""
+        self._absorb(self.head, self._pending, self._new, history, lengths, self.cache.kv[:, 0], self.ops)
+        last = self._pending.gather(1, self._new[:, None, None].expand(-1, 1, self._pending.shape[-1]))
+        self._pending[:, 1:].zero_()
+        self._pending[:, :1].copy_(last)
+        self._new.zero_()
 
     def snapshot(self):
         if self._pending is None:

@@ -193,6 +193,7 @@ class ReplayDrafter(Drafter):
         self.seed = torch.tensor([seed], dtype=torch.long, device=device)
         self.needs_hidden_states = cost.needs_hidden_states if cost is not None else None
         self.stateless = cost is None or cost.stateless
+        self.backlog = cost.backlog if cost is not None else 0
         # The replay's own work (find each row's reference, draw its corruptions: some 110 small kernels eagerly,
         # 0.2 ms of an 8B step that a real drafter does not pay) compiled with the decoder's steps (`prepare`)
         self._drafts, self._tree = replay_drafts, replay_tree
@@ -270,9 +271,13 @@ class ReplayDrafter(Drafter):
         if self.cost is not None:
             self.cost.prefill(tokens, positions, max_len, hidden=hidden, lengths=lengths)
 
-    def update(self, accepted, hidden=None):
+    def update(self, accepted, hidden=None, searched=True):
         if self.cost is not None:
-            self.cost.update(accepted, hidden=hidden)
+            self.cost.update(accepted, hidden=hidden, searched=searched)
+
+    def absorb(self, history, lengths):
+        if self.cost is not None:
+            self.cost.absorb(history, lengths)
 
     def snapshot(self):
         return self.cost.snapshot() if self.cost is not None else None

@@ -1,23 +1,26 @@
 """Speculation against AR at every batch size: one `specpilot bench` run, B = 1..64, code, chat and summarize.
 
-What it measures (issue #20 item 5). One `specpilot bench` run over B in {1, 2, 4, 8, 16, 32, 64} and the code, chat
-and summarize workloads (`--workloads` picks some: one run per device call), 128 new tokens, `--cell-requests 8
---waves 4`: a cell decodes max(8, 4 x B) requests, B at a time, continuously batched (a request's row goes to the next
-waiting request when it finishes; HF decodes batches of B in order). Systems: `ar` (the reference), our fastest AR (the
-fused layer with overlap), `stock`, the shipped n-gram recipe (adaptive min-2, ar_after_miss, fused, overlap), the
-same with the batch controller, padded and ragged, and HF's static cache (`--baselines hf-static`; HF's prompt lookup
-decodes a row at a time). Every system warms every shape of a cell before anything is timed; each run reports
-`captures_while_timed`. The table: tok/s per cell and the ratio to our fastest AR, then the controller's choices and
-its step prices; the bench's results.json is in NAME.json, from which tools/bench/report.write_report draws report.md
-and speedup_vs_batch.png.
+What it measures (issue #20 item 5). One `specpilot bench` run over B in {1, 2, 4, 8, 16, 32, 64} and the code, chat and
+summarize workloads (`--workloads` picks some: one run per device call), 128 new tokens, `--cell-requests 8 --waves 4`:
+a cell decodes max(8, 4 x B) requests, B at a time, continuously batched (a request's row goes to the next waiting
+request when it finishes; HF decodes batches of B in order). Systems: `ar` (the reference), `stock`, and by default our
+fastest AR (the fused layer with overlap), the n-gram chain (adaptive min-2, fused, overlap) and the packaged EAGLE-3
+head's chain of up to 3, each under the batch controller, and HF's static cache (`--baselines hf-static`; HF's prompt
+lookup decodes a row at a time). `--recipes` names others (the shipped recipe `ngram2-k4-adaptive-armiss-fused-overlap`,
+ragged verification `ngram2-k4-ragged-fused-overlap`, ...). Every system warms every shape of a cell before anything is
+timed; each run reports `captures_while_timed`. The table: tok/s per cell and the ratio to our fastest AR, then the
+controller's choices and its step prices; the bench's results.json is in NAME.json, from which
+tools/bench/report.write_report draws report.md and speedup_vs_batch.png.
 
 `--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
 ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
 
-Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (issue #20 item 5): its first run is the tenth lease's
-A, docs/benchmarks/2026-12-01-tenth-lease.md (not quotable: it exposed the fused layer's dead-token bug).
+Backs docs/BENCHMARKS.md, "speculation against our fastest AR at B = 1-64" (issue #20 item 5): the thirtieth lease,
+docs/benchmarks/2026-12-06-thirtieth-lease.md (its first run, the tenth lease's A, was not quotable: it exposed the
+fused layer's dead-token bug).
 
-Device minutes: about 4 for `--crash-check`, 8-9 for the sweep.
+Device minutes: about 4 for `--crash-check`; the sweep with HF, one workload a call: code 8.4, chat 5.2,
+summarize 3.0 (H100, thirtieth lease).
 """
 from __future__ import annotations
 
@@ -25,8 +28,7 @@ import harness
 
 MINUTES = 9
 FASTEST_AR = "ar-fused-overlap"
-RECIPES = ("ar-fused-overlap", "ngram2-k4-adaptive-armiss-fused-overlap", "ngram2-k4-cost-fused-overlap",
-           "ngram2-k4-ragged-fused-overlap")
+RECIPES = ("ar-fused-overlap", "ngram2-k4-cost-fused-overlap", "eagle3-k3-cost-fused-overlap")
 # The recipe of issue #20's crash, as the issue gives it.
 CRASH_RECIPE = {"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                             "ar_after_miss": True}, "k": 4, "layer": "fused", "overlap": True}
