@@ -771,7 +771,8 @@ class Eagle3Drafter(Drafter):
             raise ValueError("the EAGLE-3 drafter's update needs the step's hidden states")
         if not searched:  # an AR step: its one pair after those still pending (the decoder absorbs a full buffer)
             at = (self._new + 1).clamp(max=self._pending.shape[1] - 1)
-            self._pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]), hidden[:, :1])
+            self._pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]),
+                                   hidden[:, :1].to(self._pending.dtype))
             self._new.copy_(at)
             return
         T = hidden.shape[1]
