@@ -613,7 +613,7 @@ class Decoder:
 
     def _step_kinds(self) -> tuple[int, ...]:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
-        and BLIND_AR for a stateless drafter. (A drafter with state of its own, an EAGLE-3 head's or a draft model's
+        and BLIND_AR for a stateless drafter or one with a backlog. (A drafter with state of its own, an EAGLE-3 head's or a draft model's
         cache, must see every step's tokens: a step that skipped its search leaves its pair for `absorb`, which only
         a drafter with a `backlog` can take. Before that was kept, the packaged head's chain with the controller ran
         362 AR steps without the search at summarize B = 4 on the H100, 2026-12-06, its cache missing each one's
