@@ -26,6 +26,11 @@ CALIBRATION_PRIOR_STEPS = 4
 # whenever they err (acceptance and step times are measured, with noise); the H200's chat cells at B = 2 and 4 lost
 # 3-4% to marginal choices.
 SPECULATION_MARGIN = BatchSpec.margin
+# After a probe that did not pay and did not change the model's choice (`DraftLengthController`), the steps to the
+# next probe double, up to PROBE_BACKOFF times probe_every; any other probe resets them. A probe of k
+# after AR steps costs 1.6 AR steps at B = 4 on the H100 (20 tokens: the modular layer), and chat at B = 4, where the
+# n-gram drafter's drafts were hopeless, ran one every 17 steps (thirtieth lease: 403 of 481 steps AR, 0.95x AR).
+PROBE_BACKOFF = 8
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -127,7 +132,10 @@ class DraftLengthController:
     k' = 4 at B = 1 that happened to accept nothing priced it below k' = 3 for the rest of the request: only a step
     of that kind corrects its calibration. One draft more, not k: where a long step costs much more, as on a
     launch-bound small model, a probe of k every few steps would cost a few percent.) When even k drafts for every
-    row would not pay, the AR step does not search for drafts either (BLIND_AR).
+    row would not pay, the AR step does not search for drafts either (BLIND_AR). A probe that did not pay (its step
+    yielded fewer tokens a second than an AR step) and after which the model chooses no longer steps than before
+    doubles the steps to the next one (up to PROBE_BACKOFF times `probe_every`: where speculation stays hopeless,
+    probes cost a fraction of a percent); any other probe brings them back to `probe_every`.
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
@@ -176,7 +184,11 @@ class DraftLengthController:
         self.found: list[int] | None = None  # drafts each live row had at the latest step (None: not yet seen)
         self.short_run = 0  # steps in a row chosen below k (AR steps included), since the latest probe
         self.latest = BLIND_AR  # the latest kind chosen by the model (not a probe)
-        # each step chosen and not yet read: (its kind, its allocation), None for an AR step
+        self.probe_gap = self.probe_every  # steps below k in a row before the next probe (`choose`)
+        # the latest probe, once its step is read: (the model's choice before it, its kind, drafts kept, rows)
+        self.probed: tuple[int, int, int, int] | None = None
+        # each step chosen and not yet read: (its kind, its allocation, for a probe the model's choice before it),
+        # None for an AR step
         self.predictions: deque[tuple[int, Counter] | None] = deque()
         self.planned: dict[int, Counter] = {}  # by kind, over this batch's verifying steps: drafts a row -> rows
         self.realized_gain: Counter = Counter()  # by kind: the drafts those steps' rows kept
@@ -203,9 +215,12 @@ class DraftLengthController:
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
         if chosen is not None:  # a verifying step: what it planned, and what it gained
-            kind, allocation = chosen
+            kind, allocation, before_probe = chosen
+            gained = sum(accepted if kept is None else kept)
+            if before_probe is not None:  # a probe: judged at the next choice (`choose`)
+                self.probed = (before_probe, kind, gained, len(verified))
             self.planned.setdefault(kind, Counter()).update(allocation)
-            self.realized_gain[kind] += sum(accepted if kept is None else kept)
+            self.realized_gain[kind] += gained
 
     def predicted_gains(self) -> dict[int, float]:
         """By kind, the model's gain (tokens beyond one a row) for this batch's steps of that kind at the acceptance
@@ -278,10 +293,18 @@ class DraftLengthController:
         rows = len(self.found) if self.found is not None else self.bucket
         return rows > 0 and choose_step(self._tokens([self.k] * rows), priced, self.margin) == 0
 
+    def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
+        """Whether the latest probe changed anything: its own step yielded more tokens a second than an AR step
+        would have (at the prices), or the model now chooses longer steps than before it."""
+        before, kind, gained, rows = self.probed
+        if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0]:
+            return True
+        return max(choice, 0) > max(before, 0)
+
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
         expected = self.expected()
-        probe = self.short_run >= self.probe_every
+        probe = self.short_run >= self.probe_gap
         if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
             choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
         else:
@@ -290,10 +313,15 @@ class DraftLengthController:
             choice = choose_step(expected, searching, self.margin)
             if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
                 choice = BLIND_AR
+            if self.probed is not None:  # the first choice that knows the latest probe's outcome
+                self.probe_gap = (self.probe_every if self._probe_paid(priced, choice)
+                                  else min(2 * self.probe_gap, PROBE_BACKOFF * self.probe_every))
+                self.probed = None
         self.short_run = 0 if probe or choice >= self.k else self.short_run + 1
         if not probe:
             self.latest = choice
         # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
-        self.predictions.append((choice, self.allocation(had, choice)) if choice > 0 else None)
+        self.predictions.append((choice, self.allocation(had, choice), self.latest if probe else None)
+                                if choice > 0 else None)
         return choice

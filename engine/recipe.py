@@ -66,7 +66,8 @@ class WeightsSpec:
 class BatchSpec:
     max_batch_size: int = 64  # rows decoded at once; more requests wait for a row (continuous batching)
     controller: str = "none"  # cost: each step's draft length 0..k from measured acceptance and step prices
-    probe_every: int = 16  # cost: after this many AR steps in a row, one verifies k (after shorter: one more)
+    probe_every: int = 16  # cost: after this many AR steps in a row, one verifies k (after shorter: one more);
+    # after probes that did not pay, up to 8 times as many
     margin: float = 0.05  # cost: how much more a verifying step must be expected to yield a second than an AR step
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
     refill_at: float = 0.0  # continuous batching: waiting requests start once this share of the rows is free (0: as
