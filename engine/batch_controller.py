@@ -4,6 +4,7 @@ batch's bucket (its graph replayed at warm-up, corrected by the decoding loop's 
 (engine/decode.py) asks it before each step and tells it each step's outcome and time; it holds no tensors."""
 from __future__ import annotations
 
+import os
 import statistics
 from collections import Counter, deque
 
@@ -27,10 +28,11 @@ CALIBRATION_PRIOR_STEPS = 4
 # 3-4% to marginal choices.
 SPECULATION_MARGIN = BatchSpec.margin
 # After a probe that did not pay and did not change the model's choice (`DraftLengthController`), the steps to the
-# next probe double, up to PROBE_BACKOFF times probe_every; any other probe resets them. A probe of k
+# next probe double, up to PROBE_BACKOFF times probe_every; any other probe resets them. (SPECPILOT_PROBE_BACKOFF=1
+# turns the backoff off, for A/B timing.) A probe of k
 # after AR steps costs 1.6 AR steps at B = 4 on the H100 (20 tokens: the modular layer), and chat at B = 4, where the
 # n-gram drafter's drafts were hopeless, ran one every 17 steps (thirtieth lease: 403 of 481 steps AR, 0.95x AR).
-PROBE_BACKOFF = 8
+PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
