@@ -69,7 +69,11 @@ def planned_drafts(found: list[int], k_step: int, ragged: bool, bucket: int) -> 
     padded, at most k_step a row; ragged, at most k_step x bucket across the batch, water-filled over the rows that
     have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for every
     kind before every step); 0, none."""
-    rows = Counter(found)  # drafts found -> rows
+    return _plan(Counter(found), k_step, ragged, bucket)
+
+
+def _plan(rows: Counter, k_step: int, ragged: bool, bucket: int) -> Counter:
+    """`planned_drafts` for `rows` (drafts found -> rows)."""
     if not ragged:
         return _capped(rows, k_step)
     # the largest common cap whose drafts fit the budget (raising it by one adds a draft to each row above it), then
@@ -277,23 +281,28 @@ class DraftLengthController:
             out[kind] = price * r
         return out
 
-    def _tokens(self, found: list[int]) -> dict[int, float]:
+    def _tokens(self, found: list[int], ratios: dict[int | None, float] | None = None) -> dict[int, float]:
         """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, each kind's gain
-        calibrated."""
-        p, rows, ratios = self.acceptance(), len(found), self.calibrations()
-        return {kind: rows + ratios.get(kind, ratios[None]) * (step_tokens(found, p, kind, self.ragged, self.bucket)
-                                                                - rows)
-                for kind in range(self.k + 1)}
+        calibrated (by `ratios`, `calibrations()` unless given): `step_tokens` for every kind, with each row's gain
+        by drafts verified and the rows by drafts found computed once (the host runs this before every step)."""
+        ratios = self.calibrations() if ratios is None else ratios
+        p, by_found = self.acceptance(), Counter(found)
+        gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
+        out = {0: float(len(found))}
+        for kind in range(1, self.k + 1):
+            planned = _plan(by_found, kind, self.ragged, self.bucket)
+            out[kind] = len(found) + ratios.get(kind, ratios[None]) * sum(c * gain[n] for n, c in planned.items())
+        return out
 
     def expected(self) -> dict[int, float]:
         """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
         return self._tokens(self.found if self.found is not None else [self.k] * self.bucket)
 
-    def hopeless(self, priced: dict[int, float]) -> bool:
+    def hopeless(self, priced: dict[int, float], ratios: dict[int | None, float] | None = None) -> bool:
         """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
         for drafts is wasted until the acceptance changes (a probe measures it again)."""
         rows = len(self.found) if self.found is not None else self.bucket
-        return rows > 0 and choose_step(self._tokens([self.k] * rows), priced, self.margin) == 0
+        return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
 
     def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
         """Whether the latest probe changed anything: its own step yielded more tokens a second than an AR step
@@ -305,15 +314,16 @@ class DraftLengthController:
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
-        expected = self.expected()
         probe = self.short_run >= self.probe_gap
         if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
             choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
         else:
+            ratios = self.calibrations()
+            expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios)
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
             choice = choose_step(expected, searching, self.margin)
-            if choice == 0 and BLIND_AR in priced and self.hopeless(searching):
+            if choice == 0 and BLIND_AR in priced and self.hopeless(searching, ratios):
                 choice = BLIND_AR
             if self.probed is not None:  # the first choice that knows the latest probe's outcome
                 self.probe_gap = (self.probe_every if self._probe_paid(priced, choice)
