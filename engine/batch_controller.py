@@ -138,7 +138,8 @@ class DraftLengthController:
     k' = 4 at B = 1 that happened to accept nothing priced it below k' = 3 for the rest of the request: only a step
     of that kind corrects its calibration. One draft more, not k: where a long step costs much more, as on a
     launch-bound small model, a probe of k every few steps would cost a few percent.) When even k drafts for every
-    row would not pay, the AR step does not search for drafts either (BLIND_AR). A probe that did not pay (its step
+    row would not pay, the AR step does not search for drafts either (BLIND_AR), nor does any AR step of a drafter
+    that always has k drafts (`fixed_drafts`: its search finds nothing the controller does not know). A probe that did not pay (its step
     yielded fewer tokens a second than an AR step) and after which the model chooses no longer steps than before
     doubles the steps to the next one (up to PROBE_BACKOFF times `probe_every`: where speculation stays hopeless,
     probes cost a fraction of a percent); any other probe brings them back to `probe_every`.
@@ -170,10 +171,13 @@ class DraftLengthController:
     replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
-                 margin: float = SPECULATION_MARGIN):
+                 margin: float = SPECULATION_MARGIN, fixed_drafts: bool = False):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
+        # The drafter always has k drafts a row (an EAGLE-3 head): an AR step's search would tell nothing, so each
+        # AR step is BLIND_AR where that is priced
+        self.fixed_drafts = fixed_drafts
         self.margin = margin
         self.seconds: dict[int, float] = {}
         self.timed: dict[int, deque] = {}
@@ -323,7 +327,7 @@ class DraftLengthController:
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
             choice = choose_step(expected, searching, self.margin)
-            if choice == 0 and BLIND_AR in priced and self.hopeless(searching, ratios):
+            if choice == 0 and BLIND_AR in priced and (self.fixed_drafts or self.hopeless(searching, ratios)):
                 choice = BLIND_AR
             if self.probed is not None:  # the first choice that knows the latest probe's outcome
                 self.probe_gap = (self.probe_every if self._probe_paid(priced, choice)

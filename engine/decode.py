@@ -378,7 +378,8 @@ class Decoder:
         self.ar_after_miss = ar_after_miss and k > 0
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
-        self.controller = (DraftLengthController(k, probe_every, ragged, margin=margin)
+        self.controller = (DraftLengthController(k, probe_every, ragged, margin=margin,
+                                                 fixed_drafts=not drafter.variable_drafts)
                            if controller == "cost" and k > 0 else None)
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
