@@ -158,6 +158,18 @@ def test_probes_back_off_while_speculation_stays_hopeless_and_return_when_it_pay
     assert paying[-50:].count(4) == 50 and c.probe_gap == c.probe_every
 
 
+def test_a_drafter_that_always_has_k_drafts_never_searches_on_ar_steps():
+    """Acceptance where AR wins at these prices but k drafts for every row would not be hopeless: an n-gram-like
+    drafter (whose search says which rows have drafts) runs AR steps that search; a head (`fixed_drafts`: its search
+    would report k for every row, which the controller knows) runs them blind."""
+    prices = {BLIND_AR: 0.95, 0: 1.0, 1: 1.5, 2: 1.6, 3: 1.7, 4: 1.8}
+    for fixed, ar_kind in ((False, 0), (True, BLIND_AR)):
+        c = uncalibrated(DraftLengthController(4, probe_every=1000, bucket=4, fixed_drafts=fixed))
+        c.observe([4] * 40, [4] * 20 + [0] * 20, [1, 1, 0, 0])  # p1 ~ 0.5, then all; two rows have one draft
+        assert not c.hopeless({k: v for k, v in prices.items() if k >= 0})
+        assert {c.choose(prices) for _ in range(5)} == {ar_kind}
+
+
 def test_a_verifying_step_must_beat_ar_by_the_margin():
     """Two rows with drafts accepted 30% of the time: k' = 1 yields 2.6 tokens to AR's 2 for 1.25 of its price,
     1.04 times AR's rate: taken without a margin, not with the default 5% one, taken again when cheaper."""
