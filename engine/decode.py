@@ -123,8 +123,8 @@ COMPILED_PREFILL = os.environ.get("SPECPILOT_COMPILED_PREFILL", "0") == "1"
 # An AR step's search for drafts (which only reports what a stateless drafter finds: the step verifies none) runs on
 # a side stream beside the target's forward, joined before the step records what it found, instead of before the
 # forward: the n-gram search cost the batch controller's AR steps 2% at chat B = 4 on the H100 (0.635 against 0.623
-# ms a step; thirtieth lease). SPECPILOT_SIDE_SEARCH=0 puts it back in line (for A/B timing).
-SIDE_SEARCH = os.environ.get("SPECPILOT_SIDE_SEARCH", "1") != "0"
+# ms a step; thirtieth lease). Off until a GPU has run and timed it (SPECPILOT_SIDE_SEARCH=1 turns it on).
+SIDE_SEARCH = os.environ.get("SPECPILOT_SIDE_SEARCH", "0") == "1"
 # Replayed step prices (`Decoder._measure_prices`): untimed replays of each kind first, then rounds of replays over
 # the kinds in turn, a kind's price its median round
 PRICE_WARM_REPLAYS, PRICE_ROUNDS, PRICE_REPLAYS = 5, 5, 3
