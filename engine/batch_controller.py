@@ -326,11 +326,13 @@ class DraftLengthController:
             expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios)
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
+            if self.fixed_drafts and BLIND_AR in priced:  # its AR steps run blind, so AR costs what they cost
+                searching[0] = priced[BLIND_AR]
             choice = choose_step(expected, searching, self.margin)
             if choice == 0 and BLIND_AR in priced and (self.fixed_drafts or self.hopeless(searching, ratios)):
                 choice = BLIND_AR
             if self.probed is not None:  # the first choice that knows the latest probe's outcome
-                self.probe_gap = (self.probe_every if self._probe_paid(priced, choice)
+                self.probe_gap = (self.probe_every if self._probe_paid(searching, choice)
                                   else min(2 * self.probe_gap, PROBE_BACKOFF * self.probe_every))
                 self.probed = None
         self.short_run = 0 if probe or choice >= self.k else self.short_run + 1

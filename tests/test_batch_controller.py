@@ -170,6 +170,23 @@ def test_a_drafter_that_always_has_k_drafts_never_searches_on_ar_steps():
         assert {c.choose(prices) for _ in range(5)} == {ar_kind}
 
 
+def test_a_head_weighs_verification_against_its_blind_ar_step():
+    """A head's AR step skips its search (`fixed_drafts`), so the choice between AR and verifying prices AR as the
+    blind step: here k' = 3 (8.9 tokens for 2.2) beats an AR step that searched (4 for 1.14, with the 5% margin) and
+    loses to the blind one (4 for 0.95). (Priced as the searching step it never runs, the packaged head's chain
+    verified 3 drafts on 240 of 317 steps at chat B = 4 on the H100 and ran 0.92x AR; thirty-first session.)"""
+    prices = {BLIND_AR: 0.95, 0: 1.14, 1: 1.5, 2: 1.9, 3: 2.2}
+    c = uncalibrated(DraftLengthController(3, probe_every=1000, bucket=4, fixed_drafts=True))
+    c.observe([3] * 100, [0] * 60 + [3] * 40, [3] * 4)  # p1 0.4, then every draft
+    tokens = c.expected()
+    assert tokens[3] / prices[3] > tokens[0] / prices[0] * 1.05  # against the searching AR step: verify
+    assert tokens[3] / prices[3] < tokens[0] / prices[BLIND_AR] * 1.05  # against the blind one: AR
+    assert c.choose(prices) == BLIND_AR
+    searching = uncalibrated(DraftLengthController(3, probe_every=1000, bucket=4))
+    searching.observe([3] * 100, [0] * 60 + [3] * 40, [3] * 4)
+    assert searching.choose(prices) == 3  # a drafter whose AR steps search pays the searching price
+
+
 def test_a_verifying_step_must_beat_ar_by_the_margin():
     """Two rows with drafts accepted 30% of the time: k' = 1 yields 2.6 tokens to AR's 2 for 1.25 of its price,
     1.04 times AR's rate: taken without a margin, not with the default 5% one, taken again when cheaper."""
