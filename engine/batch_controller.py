@@ -139,10 +139,11 @@ class DraftLengthController:
     of that kind corrects its calibration. One draft more, not k: where a long step costs much more, as on a
     launch-bound small model, a probe of k every few steps would cost a few percent.) When even k drafts for every
     row would not pay, the AR step does not search for drafts either (BLIND_AR), nor does any AR step of a drafter
-    that always has k drafts (`fixed_drafts`: its search finds nothing the controller does not know). A probe that did not pay (its step
-    yielded fewer tokens a second than an AR step) and after which the model chooses no longer steps than before
-    doubles the steps to the next one (up to PROBE_BACKOFF times `probe_every`: where speculation stays hopeless,
-    probes cost a fraction of a percent); any other probe brings them back to `probe_every`.
+    that always has k drafts (`fixed_drafts`: its search finds nothing the controller does not know; AR is then
+    priced as that blind step). A probe that did not pay (its step yielded fewer tokens a second than an AR step) and
+    after which the model chooses no longer steps than before doubles the steps to the next one (up to PROBE_BACKOFF
+    times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any other probe
+    brings them back to `probe_every`.
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,

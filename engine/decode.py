@@ -640,13 +640,18 @@ class Decoder:
     def _step_kinds(self) -> tuple[int, ...]:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
         and BLIND_AR for a stateless drafter or one with a backlog. (A drafter with state of its own, an EAGLE-3
-        head's or a draft model's cache, must see every step's tokens: a step that skipped its search leaves its pair for `absorb`, which only
-        a drafter with a `backlog` can take. Before that was kept, the packaged head's chain with the controller ran
-        362 AR steps without the search at summarize B = 4 on the H100, 2026-12-06, its cache missing each one's
-        entry.)"""
+        head's or a draft model's cache, must see every step's tokens: a step that skipped its search leaves its
+        pair for `absorb`, which only a drafter with a `backlog` can take. Before that was kept, the packaged head's
+        chain with the controller ran 362 AR steps without the search at summarize B = 4 on the H100, 2026-12-06, its
+        cache missing each one's entry.) A drafter with a backlog that always has k drafts (the head) never runs 0
+        under the controller, whose AR steps for it are all BLIND_AR (`fixed_drafts`): 0 is neither captured nor
+        priced."""
         if self.controller is not None:
             low = BLIND_AR if self.drafter.stateless or self.drafter.backlog else 0
-            return tuple(range(self.k, low - 1, -1))
+            kinds = tuple(range(self.k, low - 1, -1))
+            if low == BLIND_AR and self.controller.fixed_drafts:
+                kinds = tuple(kind for kind in kinds if kind != 0)
+            return kinds
         return (self.k, 0) if self.ar_after_miss else (self.k,)
 
     def _graph_kinds(self) -> tuple:
