@@ -14,8 +14,8 @@ steps, so verification resumes as soon as it finds drafts again. With more reque
 finishes starts the next waiting one between two steps (continuous batching): waiting prompts are prefilled apart, a
 group at a time, and a request's K/V copied into the row it takes (a drafter with state of its own sets the row up
 anew: `Drafter.start_rows`), all enqueued behind the step in flight; once no request waits, a batch whose rows run
-out moves to a smaller bucket (the drafter's rows too: `Drafter.move_rows`). With `batch.controller` each step's kind (how
-many drafts it verifies, down to an AR step) is the batch controller's choice (engine/batch_controller.py).
+out moves to a smaller bucket (the drafter's rows too: `Drafter.move_rows`). With `batch.controller` each step's kind
+(how many drafts it verifies, down to an AR step) is the batch controller's choice (engine/batch_controller.py).
 """
 from __future__ import annotations
 
