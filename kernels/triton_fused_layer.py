@@ -115,6 +115,12 @@ ESCAPES_AHEAD = 16
 # The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
 # pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
+# The tensor-core path's tile by role, as FMA_TILES is the FMA path's: {"rows": output rows a program (16 or more:
+# tl.dot's least), "block_k": the K tile, "warps", "stages": how deep Triton pipelines the K loop's loads}; a key left
+# out keeps the rule above (4 warps, Triton's default stages). A step of 7-16 tokens cost a layer 2.2x a one-token
+# step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS: `fused_tiles --tokens 8`
+# sweeps these tiles; SPECPILOT_DOT_TILES (a JSON object) sets them for a run.
+DOT_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_DOT_TILES", "{}"))
 # A tree step's nodes a row that the attention kernel masks (each node's ancestors are the bits of one int64)
 TREE_MAX_NODES = 64
 # Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the
@@ -826,10 +832,15 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     TILE_VALUES (else one row in tiles of CHUNK_K), as many rows as fit, halved until there are `min_programs`
     programs for one token (FMA_TILES_AS_ONE_TOKEN), else over all tokens (latency wants width on a GPU; the
     interpreter, which runs programs one by one, wants few), 4 warps. More tokens: the tensor-core tile, DOT_TOKENS
-    tokens a program (more tokens: more token blocks side by side)."""
+    tokens a program (more tokens: more token blocks side by side), the role's DOT_TILES where it gives them."""
     if n_tokens > FMA_MAX_TOKENS:
-        return dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=DOT_ROWS,
-                    BLOCK_K=min(DOT_K // (2 if pairs else 1), max(16, triton.next_power_of_2(k))), num_warps=4)
+        tile = DOT_TILES.get(role, {})
+        cfg = dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=tile.get("rows", DOT_ROWS),
+                   BLOCK_K=min(tile.get("block_k", DOT_K // (2 if pairs else 1)), max(16, triton.next_power_of_2(k))),
+                   num_warps=tile.get("warps", 4))
+        if "stages" in tile:
+            cfg["num_stages"] = tile["stages"]
+        return cfg
     tile = (FMA_TILES_12 if w12 else FMA_TILES).get(role)
     if tile is not None:
         rows = tile["rows"]
@@ -1038,7 +1049,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], NORM=qkv_input is None, **pdl,
+        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **_stages(cfg1), NORM=qkv_input is None, **pdl,
         **_token_skip(skip, cfg1), **_w12(p_qkv))
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
@@ -1079,7 +1090,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=_single(cfg4, hidden, p_mlp), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=cfg4["num_warps"], **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp))
+        num_warps=cfg4["num_warps"], **_stages(cfg4), **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp))
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
@@ -1123,13 +1134,18 @@ def draft_logits(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_he
         MODE=PLAIN, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=2, DOT=cfg["DOT"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SINGLE=cfg["BLOCK_K"] >= hidden,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_P=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-        PDL=on, launch_pdl=on, SKIP_DEAD=False)
+        **_stages(cfg), PDL=on, launch_pdl=on, SKIP_DEAD=False)
     return out.view(x.shape), logits.view(*x.shape[:-1], n)
 
 
 def skips_dead_tokens(n_tokens: int) -> bool:
     """Whether a step of `n_tokens` tokens skips its dead tokens: on the FMA path (one token a program) only."""
     return n_tokens <= FMA_MAX_TOKENS
+
+
+def _stages(cfg: dict) -> dict:
+    """The launch's pipeline depth where its tile sets one (DOT_TILES), else Triton's default."""
+    return {"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}
 
 
 def _token_skip(skip: dict, cfg: dict) -> dict:
@@ -1290,15 +1306,15 @@ def attention_masks(cfg, positions, n_slots):
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
               fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
-              planes=None) -> list[dict]:
+              planes=None, dot_tiles=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
     nodes, at batch size `batch`); for each of the `attention` settings (dicts over attention_setting(batch * T);
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
-    `fma_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2) Packed12Linear, as `check` takes it): the
-    fused layer reads 12-bit weights (the modular one its bf16 matrices), and `fma_tiles` are FMA_TILES_12. GPU
-    only."""
+    `fma_tiles` and each DOT_TILES in `dot_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2)
+    Packed12Linear, as `check` takes it): the fused layer reads 12-bit weights (the modular one its bf16 matrices), and
+    `fma_tiles` are FMA_TILES_12. `modular` None: the modular layer is not timed (a sweep's many rows). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
@@ -1323,16 +1339,20 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
                     a, d = fn(block, a, d, cos, sin, cache.kv[:, i], rows, positions, masks, model.default_ops)
             return layers
 
-        run(modular)()  # compile before capture
-        modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12
+        modular_us = None
+        if modular is not None:
+            run(modular)()  # compile before capture
+            modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES
         current = attention_setting(batch * T)
-        fma_saved, tile_saved = FMA_MAX_TOKENS, TILE_VALUES
+        fma_saved, tile_saved, dot_saved = FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES
         tiles_saved = FMA_TILES if planes is None else FMA_TILES_12  # (the table of the weights' format)
         saved = dict(current)
-        for fma, tile, tiles, setting in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention):
+        for fma, tile, tiles, setting, dot in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention,
+                                                                dot_tiles):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
+            DOT_TILES = dot_saved if dot is None else dot
             if planes is None:
                 FMA_TILES = tiles_saved if tiles is None else tiles
             else:
@@ -1343,12 +1363,13 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
             finally:
                 current.clear()
                 current.update(saved)
-                FMA_MAX_TOKENS, TILE_VALUES = fma_saved, tile_saved
+                FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES = fma_saved, tile_saved, dot_saved
                 if planes is None:
                     FMA_TILES = tiles_saved
                 else:
                     FMA_TILES_12 = tiles_saved
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
-                            fused_us=fused_us, modular_us=modular_us, speedup=modular_us / fused_us))
+                            dot_tiles=dot_saved if dot is None else dot, fused_us=fused_us, modular_us=modular_us,
+                            speedup=modular_us / fused_us if modular_us else None))
     return out

@@ -180,8 +180,9 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
 
     tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "fp32", "cpu")
     record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark,
-                                    lambda model, F, tiles, planes=None: dict.fromkeys(fused_tiles.KERNELS, 2.0),
-                                    roles="o,down", warps="4,8", attention=True, w12=False)
+                                    lambda model, F, tiles, planes=None, tokens=1: dict.fromkeys(fused_tiles.KERNELS,
+                                                                                                 2.0),
+                                    roles="o,down", warps="4,8", attention=True, w12=False, tokens=1)
     assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
     assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
     broken = [s for s in record["sweep"] if "error" in s]
@@ -196,6 +197,56 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     assert len(record["attention"]) == len(fused_tiles.attention_candidates())
     assert 'export SPECPILOT_FMA_ATTENTION=\'{"keys_per_split": 64, "block_s": 32, "num_warps": 2}\'' in env
 
+
+
+def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_path, monkeypatch, tiny_model_dir):
+    """fused_tiles --tokens 8 (past FMA_MAX_TOKENS): the sweep is of DOT_TILES (16 rows a program at every K tile up
+    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth, the best of all
+    goes to SPECPILOT_DOT_TILES, the kernels are profiled at 8 tokens, and the layer is timed at 1-32 tokens with the
+    shipped and the best tiles. 12-bit weights (FMA path only) refuse such a step. Timings faked (GPU work)."""
+    from specpilot.engine import loader
+    from specpilot.kernels import triton_fused_layer as F
+
+    fused_tiles = runner.load("fused_tiles")
+    tiles = fused_tiles.dot_candidates("o", 576)
+    assert {t["block_k"] for t in tiles} == {32, 64, 128, 256, 512, 1024} and {t["rows"] for t in tiles} == {16, 32}
+    assert max(t["block_k"] for t in fused_tiles.dot_candidates("down", 1536)) == 2048
+    winner = {"rows": 16, "block_k": 64, "warps": 2}
+    calls = {"tokens": [], "profiles": []}
+
+    def fake_benchmark(model, modular, tokens, dot_tiles=(None,), attention=(None,), planes=None):
+        calls["tokens"].append(tokens[0])
+        out = []
+        for t in dot_tiles:
+            o = (t or {}).get("o", {})
+            us = 30.0 - (8.0 if {k: v for k, v in o.items() if k != "stages"} == winner else 0.0) - (
+                1.0 if o.get("stages") == 4 else 0.0)
+            out.append({"fused_us": us if tokens[0] > F.FMA_MAX_TOKENS else 14.0,
+                        "modular_us": 34.0 if modular is not None else None})
+        return out
+
+    def fake_kernel_times(model, F, tiles, planes=None, tokens=1):
+        calls["profiles"].append(tokens)
+        return dict.fromkeys(fused_tiles.KERNELS, 5.0)
+
+    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
+    cfg = tiny.model.cfg
+    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
+                                    roles="o", warps="4", attention=False, w12=False, tokens=8)
+    assert record["table"] == "DOT_TILES" and record["best"] == {"o": {**winner, "stages": 4}}
+    assert record["best_us"] == 21.0 and record["shipped_us"] == 30.0
+    staged = [s for s in record["sweep"] if "stages" in s]
+    assert [s["stages"] for s in staged] == [1, 2, 3, 4, 5] and all(s["block_k"] == 64 for s in staged)
+    assert len(record["sweep"]) == len(fused_tiles.dot_candidates("o", cfg.n_heads * cfg.head_dim)) + 5
+    assert calls["profiles"] == [8, 8]
+    assert [b["tokens"] for b in record["by_tokens"]] == [1, 2, 4, 6, 8, 12, 16, 24, 32]
+    assert all(b["best_us"] == (21.0 if b["tokens"] > F.FMA_MAX_TOKENS else 14.0) for b in record["by_tokens"])
+    env = (tmp_path / "fused_tiles.env").read_text()
+    assert env.startswith("export SPECPILOT_DOT_TILES=") and '"stages": 4' in env
+    assert "tensor cores" in table and "1.50x" in table  # 21 against one token's 14
+    with pytest.raises(SystemExit, match="12-bit weights run the FMA path only"):
+        run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
+                        roles="o", warps="4", attention=False, w12=True, tokens=8)
 
 
 def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_dir):
@@ -213,13 +264,13 @@ def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_d
         return [{"fused_us": 90.0 if (t or {}).get("down", {}).get("rows") == 2 else 100.0, "modular_us": 120.0}
                 for t in fma_tiles]
 
-    def fake_kernel_times(model, F, tiles, planes=None):
+    def fake_kernel_times(model, F, tiles, planes=None, tokens=1):
         seen["profiles"].append(planes is not None)
         return dict.fromkeys(fused_tiles.KERNELS, 3.0 if planes is not None else 2.0)
 
     tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
     record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
-                                    roles="down", warps="4", attention=False, w12=True)
+                                    roles="down", warps="4", attention=False, w12=True, tokens=1)
     assert seen["benchmark"] == {True} and seen["profiles"] == [True, True, False]
     block = tiny.model.layers[0]
     planes = tiny.model._lossless12[block.w2.data_ptr()]

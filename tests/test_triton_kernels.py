@@ -334,6 +334,29 @@ def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch, family):
     assert triton_fused_layer.check(loaded.model, Block.forward) < 2e-5
 
 
+def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
+    """DOT_TILES sets each GEMV role's tensor-core tile (rows a program, the K tile, warps, pipeline depth) where a
+    step takes that path; a key left out keeps the rule's. K tiles of 16 (the norm's chunked passes, several
+    iterations of the pipelined loop), 32 rows a program and all of K in one tile agree with the modular layer."""
+    F = triton_fused_layer
+    tiles = {"qkv": {"rows": 32, "block_k": 16, "warps": 2, "stages": 2}, "o": {"block_k": 1024, "warps": 8},
+             "mlp": {"rows": 16, "block_k": 16, "stages": 1}, "down": {"rows": 16, "block_k": 32, "warps": 4}}
+    monkeypatch.setattr(F, "DOT_TILES", tiles)
+    monkeypatch.setattr(F, "FMA_MAX_TOKENS", 1)
+    assert F.gemv_blocks(480, 576, 5, pairs=True, role="qkv") == dict(
+        DOT=True, BLOCK_M=F.DOT_TOKENS, BLOCK_N=32, BLOCK_K=16, num_warps=2, num_stages=2)
+    assert F.gemv_blocks(576, 576, 5, role="o") == dict(DOT=True, BLOCK_M=F.DOT_TOKENS, BLOCK_N=F.DOT_ROWS,
+                                                         BLOCK_K=1024, num_warps=8)  # no stages: Triton's own
+    assert F.gemv_blocks(576, 64, 5, role="o")["BLOCK_K"] == 64  # never past K's power of two
+    assert F.gemv_blocks(576, 576, 1, role="o")["DOT"] is False  # one token: the FMA path, its own table
+    assert F.gemv_blocks(576, 576, 5) == dict(DOT=True, BLOCK_M=F.DOT_TOKENS, BLOCK_N=F.DOT_ROWS, BLOCK_K=F.DOT_K,
+                                              num_warps=4)  # no role (a head's LM head): the rule
+    assert F._stages(F.gemv_blocks(480, 576, 5, pairs=True, role="qkv")) == {"num_stages": 2}
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    assert loaded.model.cfg.hidden_size > 16 and loaded.model.cfg.hidden_size <= 1024  # chunks, and one tile for o
+    assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
+
+
 def test_fused_layer_runs_steps_past_sixteen_tokens_in_token_blocks(tiny_model_dir, monkeypatch):
     """With the limit raised (SPECPILOT_FUSED_MAX_TOKENS), steps of more than 16 tokens run the tensor-core path in
     blocks of 16 tokens side by side: one row of 20, and two rows of 9 (a tree of 9 nodes a row), agree with the

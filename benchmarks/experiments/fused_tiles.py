@@ -1,4 +1,4 @@
-"""The fused layer's one-token GEMV tiles, role by role, against the copy bandwidth: which tile reads a layer fastest.
+"""The fused layer's GEMV tiles, role by role, against the copy bandwidth: which tile reads a layer fastest.
 
 What it measures (kernels/triton_fused_layer.py, `benchmark` with `fma_tiles`): µs a layer of the target's layers in
 one CUDA graph, one token at position 300 of a 512-slot cache (an AR step at B = 1), bf16, PDL on as the engine runs
@@ -21,7 +21,14 @@ The best tiles go to WORK/fused_tiles.env (`export SPECPILOT_FMA_TILES=...`; wit
 later call of the same warm machine can run a bench with them before they become defaults. Run it with `--target
 synthetic:llama-3.1-8b` (the staged GGUF gives it its tokenizer).
 
-Backs docs/BENCHMARKS.md's row on the fused layer's tiles at 8B shapes (issue #24) once run; not run yet.
+With `--tokens T` past FMA_MAX_TOKENS (e.g. 8: a verification step of 7-16 tokens, or a B = 8 AR step) the sweep
+is of the tensor-core path's tiles (`DOT_TILES`: 16 or 32 rows a program, the K tile, warps, then the K loop's
+pipeline depth for the best of those), T tokens of one row, each kernel profiled at T tokens; the layer as shipped
+and with the best tiles is then timed at 1-32 tokens a step beside the modular layer, and the best tiles go to
+WORK/fused_tiles.env as SPECPILOT_DOT_TILES. Why (issue #20): on SmolLM2 such a step cost 2.2x a one-token step
+(32-35 against 14 µs a layer), as much as cuBLAS, so a verification step at B = 2-8 cost 1.7x the AR step it replaced.
+
+Backs docs/BENCHMARKS.md's row on the fused layer's tiles at 8B shapes (issue #24).
 
 Device minutes: about 7 (each candidate tile compiles its kernel once).
 """
@@ -49,6 +56,8 @@ def arguments(p) -> None:
                                                        "beside them)")
     p.add_argument("--attention", action="store_true",
                    help="also sweep the one-token attention's split (cache slots a split, slots an iteration, warps)")
+    p.add_argument("--tokens", type=int, default=1,
+                   help="tokens a step (one row); past FMA_MAX_TOKENS the tensor-core path's tiles (DOT_TILES)")
 
 
 def candidates(role: str, k: int, warps=(4, 8)) -> list[dict]:
@@ -66,6 +75,20 @@ def candidates(role: str, k: int, warps=(4, 8)) -> list[dict]:
     return out
 
 
+def dot_candidates(role: str, k: int, warps=(2, 4, 8)) -> list[dict]:
+    """Tensor-core tiles to try for a role with K = k: 16 rows a program (tl.dot's least: the most programs) with the
+    K tile 32 to all of K (all of K: loaded before the loop, as the FMA path's one tile), then 32 rows at the shipped K
+    tile; Triton's default pipeline depth (`stages_candidates` tries others for the best)."""
+    full = 1 << (k - 1).bit_length()
+    out = [{"rows": 16, "block_k": bk, "warps": w} for bk in (32, 64, 128, 256, 512, 1024, 2048) if bk <= full
+           for w in warps]
+    return out + [{"rows": 32, "block_k": 128, "warps": w} for w in warps]
+
+
+def stages_candidates(tile: dict) -> list[dict]:
+    return [{**tile, "stages": n} for n in (1, 2, 3, 4, 5)]
+
+
 def attention_candidates() -> list[dict]:
     """One-token attention settings to try: cache slots a split 16-128, slots a loop iteration up to that, 2-8 warps."""
     return [{"keys_per_split": keys, "block_s": block, "num_warps": warps}
@@ -73,22 +96,22 @@ def attention_candidates() -> list[dict]:
 
 
 def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, replays: int = 20,
-                 planes=None) -> dict:
-    """Device µs a layer of each of the fused layer's kernels (one token, `tiles` as FMA_TILES), from
-    torch.profiler over replays of all layers captured in one graph: kernels in launch order (`kernel_names`). Without
-    PDL: with it a kernel starts early and waits for its predecessor, so its span would hold part of the other's.
-    `planes`: block -> its 12-bit planes, which the layer then reads."""
+                 planes=None, tokens: int = 1) -> dict:
+    """Device µs a layer of each of the fused layer's kernels (`tokens` of one row, `tiles` as the table of their
+    path: `table`), from torch.profiler over replays of all layers captured in one graph: kernels in launch order
+    (`kernel_names`). Without PDL: with it a kernel starts early and waits for its predecessor, so its span would hold
+    part of the other's. `planes`: block -> its 12-bit planes, which the layer then reads."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     cfg, dev, dt = model.cfg, model.device, model.dtype
     cache = model.new_cache(1, n_slots)
-    positions = torch.full((1, 1), filled, device=dev)
-    x = torch.randn(1, 1, cfg.hidden_size, device=dev, dtype=dt)
+    positions = (filled + torch.arange(tokens, device=dev))[None]
+    x = torch.randn(1, tokens, cfg.hidden_size, device=dev, dtype=dt)
     delta = torch.randn_like(x)
     cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
-    rows = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    table = "FMA_TILES" if planes is None else "FMA_TILES_12"  # (the tiles of the weights' format)
+    rows = torch.zeros(1, tokens, dtype=torch.long, device=dev)
+    table = tile_table(F, tokens, planes is not None)
     saved, saved_pdl = getattr(F, table), F._pdl
     setattr(F, table, tiles)
     F._pdl = lambda device: False
@@ -124,6 +147,14 @@ def kernel_times(model, F, tiles: dict, n_slots: int = 512, filled: int = 300, r
     return {name: t / (replays * cfg.n_layers) for name, t in totals.items()}
 
 
+def tile_table(F, tokens: int, w12: bool) -> str:
+    """The table of tiles a step of `tokens` reads: the tensor-core path's past FMA_MAX_TOKENS, else the FMA path's
+    for the weights' format."""
+    if tokens > F.FMA_MAX_TOKENS:
+        return "DOT_TILES"
+    return "FMA_TILES_12" if w12 else "FMA_TILES"
+
+
 def run(out_dir, args):
     import torch
 
@@ -141,6 +172,12 @@ def run(out_dir, args):
     unknown = sorted(set(roles) - set(F.ROLES))
     if unknown:
         raise SystemExit(f"--roles: {', '.join(unknown)} (of {', '.join(F.ROLES)})")
+    tokens = args.tokens
+    tiles_of = tile_table(F, tokens, args.w12)
+    dot = tiles_of == "DOT_TILES"
+    if dot and args.w12:
+        raise SystemExit(f"--tokens {tokens} with --w12: 12-bit weights run the FMA path only "
+                         f"(at most {F.FMA_MAX_TOKENS} tokens)")
     block = model.layers[0]
     k_of = {"qkv": cfg.hidden_size, "o": cfg.n_heads * cfg.head_dim, "mlp": cfg.hidden_size,
             "down": cfg.intermediate_size}
@@ -159,16 +196,19 @@ def run(out_dir, args):
     torch.cuda.empty_cache()
     floor_us = {role: nbytes[role] / bandwidth * 1e6 for role in F.ROLES}
 
-    def timed(tiles_list):
-        return F.benchmark(model, modular, tokens=(1,), fma_tiles=tuple(tiles_list), planes=planes)
+    def timed(tiles_list, with_modular=False):
+        tiles = {"dot_tiles" if dot else "fma_tiles": tuple(tiles_list)}
+        return F.benchmark(model, modular if with_modular else None, tokens=(tokens,), planes=planes, **tiles)
 
-    shipped = dict(F.FMA_TILES_12 if args.w12 else F.FMA_TILES)
-    base = timed([shipped])[0]
+    shipped = dict(getattr(F, tiles_of))
+    base = timed([shipped], with_modular=True)[0]
     print(f"shipped: {base['fused_us']:.2f} µs a layer (modular {base['modular_us']:.2f})", flush=True)
     sweep, best = [], {}
-    for role in roles:
+
+    def swept(role, tiles):
+        """Time each of `tiles` for `role` (the others as shipped): (µs, tile) of those that ran."""
         timings = []
-        for t in candidates(role, k_of[role], warps):
+        for t in tiles:
             try:  # a tile that does not compile or run costs its own row only
                 us = timed([{**shipped, role: t}])[0]["fused_us"]
                 sweep.append({"role": role, **t, "fused_us": us, "vs_shipped": base["fused_us"] / us})
@@ -177,6 +217,12 @@ def run(out_dir, args):
                 sweep.append({"role": role, **t, "error": f"{type(e).__name__}: {str(e).strip()[:200]}"})
                 torch.cuda.synchronize()
             print(sweep[-1], flush=True)
+        return timings
+
+    for role in roles:
+        timings = swept(role, dot_candidates(role, k_of[role]) if dot else candidates(role, k_of[role], warps))
+        if dot and timings:  # then the pipeline depth of the best tile
+            timings += swept(role, stages_candidates(min(timings, key=lambda ut: ut[0])[1]))
         if timings and min(timings, key=lambda ut: ut[0])[0] < base["fused_us"] * 0.995:  # the sweep's own noise
             best[role] = min(timings, key=lambda ut: ut[0])[1]
     attention, best_attention = [], None
@@ -185,7 +231,7 @@ def run(out_dir, args):
         timings = []
         for setting in attention_candidates():
             try:
-                us = F.benchmark(model, modular, tokens=(1,), attention=(setting,))[0]["fused_us"]
+                us = F.benchmark(model, None, tokens=(1,), attention=(setting,))[0]["fused_us"]
                 attention.append({**setting, "fused_us": us, "vs_shipped": base["fused_us"] / us})
                 timings.append((us, setting))
             except Exception as e:
@@ -203,18 +249,27 @@ def run(out_dir, args):
     for name, tiles, read in (("shipped", shipped, planes), ("best", {**shipped, **best}, planes),
                               *((("bf16", dict(F.FMA_TILES), None),) if args.w12 else ())):
         try:  # a profile that fails leaves the timings above
-            kernels[name] = kernel_times(model, F, tiles, planes=read)
+            kernels[name] = kernel_times(model, F, tiles, planes=read, tokens=tokens if name != "bf16" else 1)
         except Exception as e:
             kernels[name] = {"error": f"{type(e).__name__}: {str(e).strip()[:200]}"}
     layer_bytes = sum(nbytes.values())
     layer_floor_us = layer_bytes / bandwidth * 1e6
     env = harness.WORK / "fused_tiles.env"
-    variable = "SPECPILOT_FMA_TILES_12" if args.w12 else "SPECPILOT_FMA_TILES"
+    variable = f"SPECPILOT_{tiles_of}"
     env.write_text(f"export {variable}={shlex.quote(json.dumps({**shipped, **best}))}\n"
                    + (f"export SPECPILOT_FMA_ATTENTION={shlex.quote(json.dumps(best_attention))}\n"
                       if best_attention else ""))
 
-    lines = [f"Target {args.ctx.target}{' (12-bit planes)' if args.w12 else ''}: {cfg.n_layers} layers of "
+    by_tokens = []
+    if dot:  # the layer as shipped and with the best tiles at every size of step, beside the modular layer
+        for T in (1, 2, 4, 6, 8, 12, 16, 24, 32):
+            pair = F.benchmark(model, modular, tokens=(T,), dot_tiles=(shipped, {**shipped, **best}))
+            by_tokens.append({"tokens": T, "shipped_us": pair[0]["fused_us"], "best_us": pair[1]["fused_us"],
+                              "modular_us": pair[0]["modular_us"]})
+            print(by_tokens[-1], flush=True)
+
+    lines = [f"Target {args.ctx.target}{' (12-bit planes)' if args.w12 else ''}, {tokens} token"
+             f"{'s' if tokens > 1 else ''} a step ({'tensor cores' if dot else 'FMA path'}): {cfg.n_layers} layers of "
              f"{layer_bytes / 1e6:.1f} MB; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s, so a layer's weight-read floor is {layer_floor_us:.1f} µs.",
              f"Shipped tiles {shipped or '(the TILE_VALUES rule)'}: {shipped_us:.2f} µs a layer "
@@ -235,14 +290,21 @@ def run(out_dir, args):
     errors = [f"{name} profile: {k['error']}" for name, k in kernels.items() if "error" in k]
     lines += errors
     table = "\n".join(lines) + "\n" + harness.md_table(header, table_rows)
-    sweep_table = harness.md_table(["role", "rows", "block_k", "warps", "µs a layer", "vs shipped"],
-                                   [[s["role"], s["rows"], s["block_k"], s["warps"],
+    sweep_table = harness.md_table(["role", "rows", "block_k", "warps", "stages", "µs a layer", "vs shipped"],
+                                   [[s["role"], s["rows"], s["block_k"], s["warps"], s.get("stages", "–"),
                                      f"{s['fused_us']:.2f}" if "fused_us" in s else s["error"],
                                      f"{s['vs_shipped']:.3f}" if "fused_us" in s else "–"] for s in sweep])
     record = {"target": args.ctx.target, "copy_bandwidth": bandwidth, "layer_bytes": layer_bytes,
               "layer_floor_us": layer_floor_us, "floor_us": floor_us, "shipped": shipped, "shipped_us": shipped_us,
               "best": best, "best_us": best_us, "modular_us": base["modular_us"], "kernels": kernels, "sweep": sweep,
-              "attention": attention, "best_attention": best_attention, "w12": args.w12}
+              "attention": attention, "best_attention": best_attention, "w12": args.w12, "tokens": tokens,
+              "table": tiles_of, "by_tokens": by_tokens}
+    if by_tokens:
+        table += ("\n\nµs a layer by tokens a step (one row; the FMA path up to FMA_MAX_TOKENS = "
+                  f"{F.FMA_MAX_TOKENS}, where the tiles change nothing):\n\n" + harness.md_table(
+                      ["tokens", "shipped", "best tiles", "modular", "best / one token"],
+                      [[b["tokens"], f"{b['shipped_us']:.2f}", f"{b['best_us']:.2f}", f"{b['modular_us']:.2f}",
+                        f"{b['best_us'] / by_tokens[0]['best_us']:.2f}x"] for b in by_tokens]))
     if attention:
         sweep_table += "\n\nThe one-token attention's split (the tiles shipped):\n\n" + harness.md_table(
             ["slots a split", "slots an iteration", "warps", "µs a layer", "vs shipped"],
