@@ -464,6 +464,16 @@ def fused_step(head: Eagle3Head, inputs: tuple, kv: torch.Tensor, draft_layer):
     return draft_layer(head.block, x, residual, cos, sin, kv, positions, head.norm, head.lm_head, head.cfg.rms_eps)
 
 
+def pend_pair(pending: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor) -> None:
+    """An AR step that skipped the head's search: its pair (the target's states of its one token, hidden [B, 1 or
+    more, 3 x target hidden]) into each row's pending buffer after those already there, the last slot kept for the
+    newest when full (the decoder absorbs a full buffer first). Compiled with the head's steps: eagerly it was four
+    kernels in every such step."""
+    at = (new + 1).clamp(max=pending.shape[1] - 1)
+    pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]), hidden[:, :1].to(pending.dtype))
+    new.copy_(at)
+
+
 def absorb_pairs(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
                  lengths: torch.Tensor, kv: torch.Tensor, ops) -> None:
     """The new pairs of each row (`first_pairs`, over all of `pending`'s slots) into the head's cache, nothing
@@ -545,6 +555,7 @@ class Eagle3Drafter(Drafter):
         self.ops = resolve_kernels()
         self.draft_layer = self.draft_supports = None
         self._first, self._next, self._nodes, self._absorb = first_draft, next_draft, draft_nodes, absorb_pairs
+        self._pend = pend_pair
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
@@ -570,6 +581,7 @@ class Eagle3Drafter(Drafter):
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
             self._nodes, self._absorb = compiled(draft_nodes), compiled(absorb_pairs)
+            self._pend = compiled(pend_pair)
             self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
 
     def reserve(self, rows, max_len):
@@ -770,11 +782,7 @@ class Eagle3Drafter(Drafter):
         if hidden is None:
             raise ValueError("the EAGLE-3 drafter's update needs the step's hidden states")
         if not searched:  # an AR step: its one pair after those still pending (the decoder absorbs a full buffer)
-            at = (self._new + 1).clamp(max=self._pending.shape[1] - 1)
-            self._pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]),
-                                   hidden[:, :1].to(self._pending.dtype))
-            self._new.copy_(at)
-            return
+            return self._pend(self._pending, self._new, hidden)
         T = hidden.shape[1]
         kept = (torch.arange(T, device=hidden.device)[None] <= accepted[:, None])[..., None]
         # torch.where, not a product: the slots past the accepted ones may hold anything, NaN included (a layer

@@ -310,11 +310,18 @@ class Transformer(nn.Module):
             skip["slots"] = tree.slots
             if tree.ancestor_bits is not None and getattr(layer_fn, "takes_tree_ancestors", False):
                 skip["tree_ancestors"] = tree.ancestor_bits
-        after = {}  # layer index -> its output, for aux_layers
+        # aux_layers: each one's output added straight into its slice of one tensor (a torch.cat after the layers
+        # was one more kernel in every step of an EAGLE-3 head's decode, its AR steps included)
+        after, slices = None, {}
+        if aux_layers is not None:
+            H = delta.shape[-1]
+            after = delta.new_empty(*delta.shape[:-1], len(aux_layers) * H)
+            for j, i in enumerate(aux_layers):
+                slices.setdefault(i, []).append(after[..., j * H: (j + 1) * H])
         for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
             x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)
-            if aux_layers is not None and i in aux_layers:
-                after[i] = x + delta  # a layer returns its MLP output unadded (Block): the sum is its output
+            for out in slices.get(i, ()):
+                torch.add(x, delta, out=out)  # a layer returns its MLP output unadded (Block): the sum is its output
         h = None
         final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
         if final_norm is not None and logits_at is None:
@@ -328,7 +335,7 @@ class Transformer(nn.Module):
         logits = ops.linear(h, self.lm_head, None)
         if aux_layers is None:
             return logits
-        return logits, torch.cat([after[i] for i in aux_layers], -1)
+        return logits, after
 
 
 def from_hf_state_dict(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:

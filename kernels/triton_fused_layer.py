@@ -118,9 +118,15 @@ DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 # The tensor-core path's tile by role, as FMA_TILES is the FMA path's: {"rows": output rows a program (16 or more:
 # tl.dot's least), "block_k": the K tile, "warps", "stages": how deep Triton pipelines the K loop's loads}; a key left
 # out keeps the rule above (4 warps, Triton's default stages). A step of 7-16 tokens cost a layer 2.2x a one-token
-# step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS: `fused_tiles --tokens 8`
-# sweeps these tiles; SPECPILOT_DOT_TILES (a JSON object) sets them for a run.
-DOT_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_DOT_TILES", "{}"))
+# step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS. These are the best of
+# `fused_tiles --tokens 8` on the H100 with SmolLM2 (docs/benchmarks/2026-12-06-thirty-second-lease.md): 30.5
+# against 32.2 µs a layer at 8 tokens, 4-7% less at 8-32 tokens; o and down 0.9 and 0.8 µs faster, q/k/v and gate/up
+# within the sweep's noise (the layer's latency is the chain of its kernels' loads, not their tiles). B = 8 AR steps
+# (8 tokens) took 0.83 against 0.89 ms. SPECPILOT_DOT_TILES (a JSON object) sets them for a run.
+DOT_TILES: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_DOT_TILES", json.dumps({
+    "qkv": {"rows": 16, "block_k": 256, "warps": 4}, "o": {"rows": 16, "block_k": 128, "warps": 4, "stages": 5},
+    "mlp": {"rows": 16, "block_k": 128, "warps": 2, "stages": 3},
+    "down": {"rows": 16, "block_k": 512, "warps": 2, "stages": 4}})))
 # A tree step's nodes a row that the attention kernel masks (each node's ancestors are the bits of one int64)
 TREE_MAX_NODES = 64
 # Steps of up to this many tokens take the FMA path (a program per token and row block, with PDL); more take the

@@ -351,6 +351,10 @@ def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, m
     assert F.gemv_blocks(576, 576, 1, role="o")["DOT"] is False  # one token: the FMA path, its own table
     assert F.gemv_blocks(576, 576, 5) == dict(DOT=True, BLOCK_M=F.DOT_TOKENS, BLOCK_N=F.DOT_ROWS, BLOCK_K=F.DOT_K,
                                               num_warps=4)  # no role (a head's LM head): the rule
+    monkeypatch.setattr(F, "DOT_TILES", {})  # none given: the rule for every role
+    assert F.gemv_blocks(480, 576, 5, pairs=True, role="qkv") == dict(
+        DOT=True, BLOCK_M=F.DOT_TOKENS, BLOCK_N=F.DOT_ROWS, BLOCK_K=F.DOT_K // 2, num_warps=4)
+    monkeypatch.setattr(F, "DOT_TILES", tiles)
     assert F._stages(F.gemv_blocks(480, 576, 5, pairs=True, role="qkv")) == {"num_stages": 2}
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert loaded.model.cfg.hidden_size > 16 and loaded.model.cfg.hidden_size <= 1024  # chunks, and one tile for o
@@ -480,8 +484,10 @@ def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
 def test_fused_layer_refuses_what_it_does_not_run(tiny_model_dir):
     block = load(str(tiny_model_dir("llama")), "fp32", "cpu").model.layers[0]
     cpu = torch.device("cpu")
-    assert triton_fused_layer.supports(block, 16, cpu) is None
-    assert "17 tokens" in triton_fused_layer.supports(block, 17, cpu)
+    limit = triton_fused_layer.MAX_TOKENS
+    assert limit == 24 or os.environ.get("SPECPILOT_FUSED_MAX_TOKENS")  # (the default)
+    assert triton_fused_layer.supports(block, limit, cpu) is None
+    assert f"{limit + 1} tokens" in triton_fused_layer.supports(block, limit + 1, cpu)
 
 
 def test_fused_layer_leaves_multi_token_steps_of_layers_past_the_l2(tiny_model_dir, monkeypatch):
