@@ -103,7 +103,11 @@ FMA_TILES_12: dict[str, dict] = json.loads(os.environ.get("SPECPILOT_FMA_TILES_1
 # JSON object) changes the one-token setting for a run (`fused_tiles --attention` sweeps it).
 ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
              **json.loads(os.environ.get("SPECPILOT_FMA_ATTENTION", "{}"))}
-ATTENTION_MULTI = dict(keys_per_split=64, block_s=64, num_warps=4)
+# Steps past the FMA path (more than FMA_MAX_TOKENS tokens) attend with ATTENTION_MULTI, the tensor-core path's layer's
+# largest kernel at 8 tokens on the H100 (7.5 of 30.5 µs, docs/benchmarks/2026-12-06-thirty-second-lease.md, B):
+# SPECPILOT_DOT_ATTENTION (a JSON object) changes it for a run (`fused_tiles --tokens 8 --attention` sweeps it).
+ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4,
+                   **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
 MAX_SPLITS = 32
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
 MIN_PROGRAMS = 256

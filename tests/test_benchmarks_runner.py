@@ -212,10 +212,14 @@ def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_
     assert {t["block_k"] for t in tiles} == {32, 64, 128, 256, 512, 1024} and {t["rows"] for t in tiles} == {16, 32}
     assert max(t["block_k"] for t in fused_tiles.dot_candidates("down", 1536)) == 2048
     winner = {"rows": 16, "block_k": 64, "warps": 2}
-    calls = {"tokens": [], "profiles": []}
+    calls = {"tokens": [], "profiles": [], "attention": []}
 
     def fake_benchmark(model, modular, tokens, dot_tiles=(None,), attention=(None,), planes=None):
         calls["tokens"].append(tokens[0])
+        if attention != (None,):  # the multi-token attention: 128-slot splits win, timed at the sweep's tokens
+            calls["attention"].append(tokens[0])
+            return [{"fused_us": 29.0 if a["keys_per_split"] == 128 and a["block_s"] == 64 and a["num_warps"] == 8
+                     else 30.0, "modular_us": None} for a in attention]
         out = []
         for t in dot_tiles:
             o = (t or {}).get("o", {})
@@ -232,8 +236,10 @@ def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_
     tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
     cfg = tiny.model.cfg
     record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
-                                    roles="o", warps="4", attention=False, w12=False, tokens=8)
+                                    roles="o", warps="4", attention=True, w12=False, tokens=8)
     assert record["table"] == "DOT_TILES" and record["best"] == {"o": {**winner, "stages": 4}}
+    assert set(calls["attention"]) == {8} and record["best_attention"] == {"keys_per_split": 128, "block_s": 64,
+                                                                          "num_warps": 8}
     assert record["best_us"] == 21.0 and record["shipped_us"] == 30.0
     staged = [s for s in record["sweep"] if "stages" in s]
     assert [s["stages"] for s in staged] == [1, 2, 3, 4, 5] and all(s["block_k"] == 64 for s in staged)
@@ -243,7 +249,8 @@ def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_
     assert all(b["best_us"] == (21.0 if b["tokens"] > F.FMA_MAX_TOKENS else 14.0) for b in record["by_tokens"])
     env = (tmp_path / "fused_tiles.env").read_text()
     assert env.startswith("export SPECPILOT_DOT_TILES=") and '"stages": 4' in env
-    assert "tensor cores" in table and "1.50x" in table  # 21 against one token's 14
+    assert 'export SPECPILOT_DOT_ATTENTION=\'{"keys_per_split": 128, "block_s": 64, "num_warps": 8}\'' in env
+    assert "tensor cores" in table and "1.50x" in table and "multi-token attention" in table  # 21 against 14
     with pytest.raises(SystemExit, match="12-bit weights run the FMA path only"):
         run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
                         roles="o", warps="4", attention=False, w12=True, tokens=8)

@@ -227,11 +227,11 @@ def run(out_dir, args):
             best[role] = min(timings, key=lambda ut: ut[0])[1]
     attention, best_attention = [], None
     if args.attention:
-        shipped_attention = dict(F.ATTENTION)
+        shipped_attention = dict(F.ATTENTION_MULTI if dot else F.ATTENTION)
         timings = []
         for setting in attention_candidates():
-            try:
-                us = F.benchmark(model, None, tokens=(1,), attention=(setting,))[0]["fused_us"]
+            try:  # (at --tokens: a step of that many tokens attends with ATTENTION_MULTI past the FMA path)
+                us = F.benchmark(model, None, tokens=(tokens,), attention=(setting,))[0]["fused_us"]
                 attention.append({**setting, "fused_us": us, "vs_shipped": base["fused_us"] / us})
                 timings.append((us, setting))
             except Exception as e:
@@ -257,7 +257,8 @@ def run(out_dir, args):
     env = harness.WORK / "fused_tiles.env"
     variable = f"SPECPILOT_{tiles_of}"
     env.write_text(f"export {variable}={shlex.quote(json.dumps({**shipped, **best}))}\n"
-                   + (f"export SPECPILOT_FMA_ATTENTION={shlex.quote(json.dumps(best_attention))}\n"
+                   + (f"export SPECPILOT_{'DOT' if dot else 'FMA'}_ATTENTION="
+                      f"{shlex.quote(json.dumps(best_attention))}\n"
                       if best_attention else ""))
 
     by_tokens = []
@@ -275,7 +276,8 @@ def run(out_dir, args):
              f"Shipped tiles {shipped or '(the TILE_VALUES rule)'}: {shipped_us:.2f} µs a layer "
              f"({layer_floor_us / shipped_us:.0%} of the floor); best tiles {best or '(none better)'}: "
              f"{best_us:.2f} µs ({layer_floor_us / best_us:.0%}); modular {base['modular_us']:.2f} µs."
-             + (f" Best one-token attention split: {best_attention or 'as shipped'} (shipped {dict(F.ATTENTION)})."
+             + (f" Best {'multi' if dot else 'one'}-token attention split: {best_attention or 'as shipped'} (shipped "
+                f"{dict(F.ATTENTION_MULTI if dot else F.ATTENTION)})."
                 if args.attention else ""), ""]
     header = (["kernel", "floor µs", "shipped µs", "of floor", "best µs", "of floor"]
               + (["bf16 µs"] if args.w12 else []))
@@ -306,9 +308,10 @@ def run(out_dir, args):
                       [[b["tokens"], f"{b['shipped_us']:.2f}", f"{b['best_us']:.2f}", f"{b['modular_us']:.2f}",
                         f"{b['best_us'] / by_tokens[0]['best_us']:.2f}x"] for b in by_tokens]))
     if attention:
-        sweep_table += "\n\nThe one-token attention's split (the tiles shipped):\n\n" + harness.md_table(
+        sweep_table += (f"\n\nThe {'multi' if dot else 'one'}-token attention's split (the tiles shipped):\n\n"
+                        + harness.md_table(
             ["slots a split", "slots an iteration", "warps", "µs a layer", "vs shipped"],
             [[a["keys_per_split"], a["block_s"], a["num_warps"],
               f"{a['fused_us']:.2f}" if "fused_us" in a else a["error"],
-              f"{a['vs_shipped']:.3f}" if "fused_us" in a else "–"] for a in attention])
+              f"{a['vs_shipped']:.3f}" if "fused_us" in a else "–"] for a in attention]))
     return record, table + "\n\nThe sweep (one role's tile changed, the others shipped):\n\n" + sweep_table
