@@ -151,7 +151,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
 
     out = []
     names = ["_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"]
-    saved = F._pdl
+    saved, tiles = F._pdl, F.DOT_TILES
     try:
         F._pdl = lambda device: True
         for shape, dims in SHAPES.items():
@@ -187,8 +187,18 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                             F.fused_layer(block, x, x, cos, cos, cache, rows, rows, None, None, qkv_input=pair),
                             F.draft_logits(x, x, block.attn_norm, lm_head, 1e-5)))
                     out += [(what + " draft head", call) for call in calls]
+        # K split over programs on the tensor-core path (DOT_TILES' "split": o and down), at SmolLM2's shape
+        block, dims = _meta_block(*SHAPES["smollm2-135m"]), SHAPES["smollm2-135m"]
+        F.DOT_TILES = {**tiles, "o": {**tiles.get("o", {}), "split": 2}, "down": {**tiles.get("down", {}), "split": 3}}
+        x = torch.empty(8, 2, dims[0], dtype=torch.bfloat16, device="meta")
+        cos = torch.empty(8, 2, 1, dims[3], dtype=torch.bfloat16, device="meta")
+        cache = torch.empty(2, 8, dims[2], 512, dims[3], dtype=torch.bfloat16, device="meta")
+        rows = torch.empty(8, 2, dtype=torch.long, device="meta")
+        with record(F, names) as calls:
+            _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None))
+        out += [("smollm2-135m B=8 T=2 split K", call) for call in calls]
     finally:
-        F._pdl = saved
+        F._pdl, F.DOT_TILES = saved, tiles
     return out
 
 

@@ -121,7 +121,9 @@ ESCAPES_AHEAD = 16
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 # The tensor-core path's tile by role, as FMA_TILES is the FMA path's: {"rows": output rows a program (16 or more:
 # tl.dot's least), "block_k": the K tile, "warps", "stages": how deep Triton pipelines the K loop's loads}; a key left
-# out keeps the rule above (4 warps, Triton's default stages). A step of 7-16 tokens cost a layer 2.2x a one-token
+# out keeps the rule above (4 warps, Triton's default stages); "split" (o and down, `_gemv`): K in that many shares,
+# a program each, the last to finish adding their partials (more programs for a matrix of few row blocks: SmolLM2's
+# down has 36 of 16 rows), off where not given. A step of 7-16 tokens cost a layer 2.2x a one-token
 # step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS. These are the best of
 # `fused_tiles --tokens 8` on the H100 with SmolLM2 (docs/benchmarks/2026-12-06-thirty-second-lease.md): 30.5
 # against 32.2 µs a layer at 8 tokens, 4-7% less at 8-32 tokens; o and down 0.9 and 0.8 µs faster, q/k/v and gate/up
@@ -751,9 +753,13 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
           HAS_BIAS: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr,
           PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None, scales_ptr=None,
-          W12: tl.constexpr = False, EXC: tl.constexpr = 16):
+          W12: tl.constexpr = False, EXC: tl.constexpr = 16, partial_ptr=None, count_ptr=None, k_split=0,
+          SPLIT: tl.constexpr = 1):
     """out = x @ w^T (+ bias) for M tokens: one token a program on the FMA units, or all on tensor cores. W12: the
-    weights are q_ptr's 12-bit words, as in `_norm_pair_gemv`."""
+    weights are q_ptr's 12-bit words, as in `_norm_pair_gemv`. SPLIT (tensor cores): K in SPLIT shares of k_split
+    columns, one program each (grid axis 2); each stores its partial sums [BLOCK_N, BLOCK_M] (fp32) at partial_ptr,
+    and the last of a block's programs to arrive, told by its counter, adds them in split order (the same sums at
+    every replay) and stores the output."""
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
         if tl.load(live_ptr + tl.program_id(0)) == 0:
@@ -785,12 +791,17 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
                          token_ok, K, scales_ptr, False, False, SINGLE, BLOCK_K8)
         y, _ = _sums12(acc, acc, scales_ptr, esc, esc, r, r, rows, rows, row_ok, row_ptr_ptr, exc_col_ptr,
                        exc_val_ptr, x_ptr, x_ptr, x_ptr, inv_rms, tokens, token_ok, K, False, False, EXC)
-    else:
+    out_ok = token_ok[:, None] & row_ok[None, :]
+    if not W12:
         if DOT:
             y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
             y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo, k_hi = 0, K
+        if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
+            k_lo = tl.program_id(2) * k_split
+            k_hi = tl.minimum(k_lo + k_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             col_ok = k0 + cols < K
             if not SINGLE:
                 w = tl.load(w_ptr + rows[:, None] * K + k0 + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
@@ -801,12 +812,26 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
                 y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
             else:  # one token
                 y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        if SPLIT > 1:
+            # The block's partials, then the last program to arrive sums them. The barrier orders every thread's
+            # stores before the counter's (acq_rel, device-wide) increment, whose acquire side makes the other
+            # programs' stores visible; the others' loads below read unfinished partials and store nothing.
+            block = tl.program_id(0) * tl.num_programs(1) + pid
+            tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(partial_ptr + (block * SPLIT + tl.program_id(2)) * (BLOCK_N * BLOCK_M) + tile, y_t)
+            tl.debug_barrier()
+            last = tl.atomic_add(count_ptr + block, 1) == SPLIT - 1
+            y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for part in tl.static_range(SPLIT):
+                y_t += tl.load(partial_ptr + (block * SPLIT + part) * (BLOCK_N * BLOCK_M) + tile)
+            tl.atomic_add(count_ptr + block, -SPLIT * last.to(tl.int32))  # the last: back to 0, for the next launch
+            out_ok = out_ok & (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + last.to(tl.int32) > 0)  # (the interpreter
+            # holds `last` as a one-element array, which a mask cannot take as it is)
         if DOT:
             y = tl.trans(y_t)
     if HAS_BIAS:
         y += bias
-    tl.store(out_ptr + tokens[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=token_ok[:, None] & row_ok[None, :])
+    tl.store(out_ptr + tokens[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -850,6 +875,8 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
                    num_warps=tile.get("warps", 4))
         if "stages" in tile:
             cfg["num_stages"] = tile["stages"]
+        if tile.get("split", 1) > 1 and not pairs:  # (split K: `_gemv`'s, o and down; `_split_k` sizes it)
+            cfg["SPLIT"] = tile["split"]
         return cfg
     tile = (FMA_TILES_12 if w12 else FMA_TILES).get(role)
     if tile is not None:
@@ -906,15 +933,31 @@ def _pdl(device: torch.device) -> bool:
 _COUNTERS: dict = {}
 
 
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one per (token, head), that `_decode_attention` leaves zeroed: allocated once per device
-    (before CUDA-graph capture, since the decoder runs each step shape once first) and shared by all layers and
-    models. A larger set replaces a smaller one, which is kept alive: graphs captured with it still point at it."""
-    have = _COUNTERS.get(device)
+def _split_counters(n: int, device: torch.device, use: str = "attention") -> torch.Tensor:
+    """Zeroed int32 counters, one per (token, head) of `_decode_attention` or per block of a split-K `_gemv` (`use`),
+    which their kernels leave zeroed: allocated once per device and use (before CUDA-graph capture, since the decoder
+    runs each step shape once first) and shared by all layers and models. A larger set replaces a smaller one, which
+    is kept alive: graphs captured with it still point at it."""
+    have = _COUNTERS.get((device, use))
     if have is None or have[-1].numel() < n:
         fresh = torch.zeros(max(n, MAX_TOKENS * 256), dtype=torch.int32, device=device)
-        _COUNTERS[device] = have = (have or []) + [fresh]
+        _COUNTERS[(device, use)] = have = (have or []) + [fresh]
     return have[-1]
+
+
+def _split_k(cfg: dict, k: int, n_rows: int, n_tokens: int, device: torch.device) -> tuple[tuple, dict]:
+    """A `_gemv` launch's grid and arguments: with the tile's SPLIT (DOT_TILES' "split", tensor cores) K goes in that
+    many shares of whole K tiles, fewer where K has fewer tiles, their partials in a buffer of this launch."""
+    blocks = grid(cfg, n_rows, n_tokens)
+    split = cfg.get("SPLIT", 1)
+    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = triton.cdiv(k, k_split)
+    if split <= 1:
+        return blocks, {key: value for key, value in cfg.items() if key != "SPLIT"}
+    n = blocks[0] * blocks[1]
+    partial = torch.empty(n * split * cfg["BLOCK_N"] * cfg["BLOCK_M"], dtype=torch.float32, device=device)
+    return blocks + (split,), dict(cfg, SPLIT=split, k_split=k_split, partial_ptr=partial,
+                                   count_ptr=_split_counters(n, device, "gemv"))
 
 
 def _qk_norm_weights(block) -> torch.Tensor:
@@ -1086,9 +1129,10 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     # 3. o projection
     attn_delta = torch.empty_like(x)
     cfg3 = _cfg12(gemv_blocks(hidden, H * D, M, width, role="o", w12=p_o is not None), p_o)
-    _gemv[grid(cfg3, hidden, M)](
+    grid3, args3 = _split_k(cfg3, H * D, hidden, M, dev)
+    _gemv[grid3](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **cfg3, **pdl,
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **args3, **pdl,
         **_token_skip(skip, cfg3), **_w12(p_o))
 
     # 4. residual + norm + gate/up + SwiGLU
@@ -1105,9 +1149,10 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
     cfg5 = _cfg12(gemv_blocks(hidden, inter, M, width, role="down", w12=p_down is not None), p_down)
-    _gemv[grid(cfg5, hidden, M)](
+    grid5, args5 = _split_k(cfg5, inter, hidden, M, dev)
+    _gemv[grid5](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=_single(cfg5, inter, p_down), **cfg5, **pdl, **_token_skip(skip, cfg5), **_w12(p_down))
+        SINGLE=_single(cfg5, inter, p_down), **args5, **pdl, **_token_skip(skip, cfg5), **_w12(p_down))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 

@@ -201,9 +201,10 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
 
 def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_path, monkeypatch, tiny_model_dir):
     """fused_tiles --tokens 8 (past FMA_MAX_TOKENS): the sweep is of DOT_TILES (16 rows a program at every K tile up
-    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth, the best of all
-    goes to SPECPILOT_DOT_TILES, the kernels are profiled at 8 tokens, and the layer is timed at 1-32 tokens with the
-    shipped and the best tiles. 12-bit weights (FMA path only) refuse such a step. Timings faked (GPU work)."""
+    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth and (o) with K
+    split over programs, the best of all goes to SPECPILOT_DOT_TILES, the kernels are profiled at 8 tokens, and the
+    layer is timed at 1-32 tokens with the shipped and the best tiles. 12-bit weights (FMA path only) refuse such a
+    step. Timings faked (GPU work)."""
     from specpilot.engine import loader
     from specpilot.kernels import triton_fused_layer as F
 
@@ -241,9 +242,11 @@ def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_
     assert set(calls["attention"]) == {8} and record["best_attention"] == {"keys_per_split": 128, "block_s": 64,
                                                                           "num_warps": 8}
     assert record["best_us"] == 21.0 and record["shipped_us"] == 30.0
-    staged = [s for s in record["sweep"] if "stages" in s]
+    staged = [s for s in record["sweep"] if "stages" in s and "split" not in s]
     assert [s["stages"] for s in staged] == [1, 2, 3, 4, 5] and all(s["block_k"] == 64 for s in staged)
-    assert len(record["sweep"]) == len(fused_tiles.dot_candidates("o", cfg.n_heads * cfg.head_dim)) + 5
+    split = [s for s in record["sweep"] if "split" in s]  # o: then K split over programs, from the best so far
+    assert [s["split"] for s in split] == [2, 3, 4, 6] and all(s["stages"] == 4 for s in split)
+    assert len(record["sweep"]) == len(fused_tiles.dot_candidates("o", cfg.n_heads * cfg.head_dim)) + 5 + 4
     assert calls["profiles"] == [8, 8]
     assert [b["tokens"] for b in record["by_tokens"]] == [1, 2, 4, 6, 8, 12, 16, 24, 32]
     assert all(b["best_us"] == (21.0 if b["tokens"] > F.FMA_MAX_TOKENS else 14.0) for b in record["by_tokens"])

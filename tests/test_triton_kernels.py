@@ -335,9 +335,10 @@ def test_fused_layer_tensor_core_path(tiny_model_dir, monkeypatch, family):
 
 
 def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, monkeypatch):
-    """DOT_TILES sets each GEMV role's tensor-core tile (rows a program, the K tile, warps, pipeline depth) where a
-    step takes that path; a key left out keeps the rule's. K tiles of 16 (the norm's chunked passes, several
-    iterations of the pipelined loop), 32 rows a program and all of K in one tile agree with the modular layer."""
+    """DOT_TILES sets each GEMV role's tensor-core tile (rows a program, the K tile, warps, pipeline depth, K split
+    over programs) where a step takes that path; a key left out keeps the rule's. K tiles of 16 (the norm's chunked
+    passes, several iterations of the pipelined loop), 32 rows a program, all of K in one tile, and K in shares
+    whose partials the last program adds, agree with the modular layer."""
     F = triton_fused_layer
     tiles = {"qkv": {"rows": 32, "block_k": 16, "warps": 2, "stages": 2}, "o": {"block_k": 1024, "warps": 8},
              "mlp": {"rows": 16, "block_k": 16, "stages": 1}, "down": {"rows": 16, "block_k": 32, "warps": 4}}
@@ -359,6 +360,17 @@ def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, m
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert loaded.model.cfg.hidden_size > 16 and loaded.model.cfg.hidden_size <= 1024  # chunks, and one tile for o
     assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
+    # split K (o and down, `_gemv`): shares of whole K tiles, as many as K has tiles at most; a pair kernel takes none
+    split = {"o": {"block_k": 16, "split": 3}, "down": {"block_k": 32, "split": 4}, "qkv": {"split": 2}}
+    monkeypatch.setattr(F, "DOT_TILES", split)
+    assert F.gemv_blocks(64, 64, 5, role="o")["SPLIT"] == 3 and "SPLIT" not in F.gemv_blocks(96, 64, 5, True, "qkv")
+    grid, args = F._split_k(F.gemv_blocks(64, 64, 5, role="o"), 64, 64, 5, torch.device("cpu"))
+    assert grid[2] == 2 and args["k_split"] == 32  # 64 columns in shares of 32: two, not three
+    grid, args = F._split_k(F.gemv_blocks(64, 16, 5, role="o"), 16, 64, 5, torch.device("cpu"))
+    assert len(grid) == 2 and "SPLIT" not in args  # one K tile: nothing to split
+    assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
+    counters = F._COUNTERS[(torch.device("cpu"), "gemv")][-1]
+    assert int(counters.abs().sum()) == 0  # each block's last program reset its counter
 
 
 def test_fused_layer_runs_steps_past_sixteen_tokens_in_token_blocks(tiny_model_dir, monkeypatch):

@@ -23,10 +23,12 @@ synthetic:llama-3.1-8b` (the staged GGUF gives it its tokenizer).
 
 With `--tokens T` past FMA_MAX_TOKENS (e.g. 8: a verification step of 7-16 tokens, or a B = 8 AR step) the sweep
 is of the tensor-core path's tiles (`DOT_TILES`: 16 or 32 rows a program, the K tile, warps, then the K loop's
-pipeline depth for the best of those), T tokens of one row, each kernel profiled at T tokens; the layer as shipped
-and with the best tiles is then timed at 1-32 tokens a step beside the modular layer, and the best tiles go to
-WORK/fused_tiles.env as SPECPILOT_DOT_TILES. Why (issue #20): on SmolLM2 such a step cost 2.2x a one-token step
-(32-35 against 14 µs a layer), as much as cuBLAS, so a verification step at B = 2-8 cost 1.7x the AR step it replaced.
+pipeline depth for the best of those, then for o and down K split over 2-6 programs), T tokens of one row, each
+kernel profiled at T tokens; the layer as shipped and with the best tiles is then timed at 1-32 tokens a step beside
+the modular layer, and the best tiles go to WORK/fused_tiles.env as SPECPILOT_DOT_TILES (with `--attention`, the
+multi-token attention's split: SPECPILOT_DOT_ATTENTION). Why (issue #20): on SmolLM2 such a step cost 2.2x a
+one-token step (32-35 against 14 µs a layer), as much as cuBLAS, so a verification step at B = 2-8 cost 1.7x the AR
+step it replaced (the thirty-second lease's B made its best tiles the defaults: 5% a layer).
 
 Backs docs/BENCHMARKS.md's row on the fused layer's tiles at 8B shapes (issue #24).
 
@@ -87,6 +89,12 @@ def dot_candidates(role: str, k: int, warps=(2, 4, 8)) -> list[dict]:
 
 def stages_candidates(tile: dict) -> list[dict]:
     return [{**tile, "stages": n} for n in (1, 2, 3, 4, 5)]
+
+
+def split_candidates(tile: dict) -> list[dict]:
+    """K split over 2-6 programs (o and down, whose few row blocks leave most multiprocessors idle at 16 rows a
+    program); `_split_k` takes fewer where K has fewer tiles."""
+    return [{**tile, "split": n} for n in (2, 3, 4, 6)]
 
 
 def attention_candidates() -> list[dict]:
@@ -221,8 +229,10 @@ def run(out_dir, args):
 
     for role in roles:
         timings = swept(role, dot_candidates(role, k_of[role]) if dot else candidates(role, k_of[role], warps))
-        if dot and timings:  # then the pipeline depth of the best tile
+        if dot and timings:  # then the pipeline depth of the best tile, then (o, down) K split over programs
             timings += swept(role, stages_candidates(min(timings, key=lambda ut: ut[0])[1]))
+            if role in ("o", "down"):
+                timings += swept(role, split_candidates(min(timings, key=lambda ut: ut[0])[1]))
         if timings and min(timings, key=lambda ut: ut[0])[0] < base["fused_us"] * 0.995:  # the sweep's own noise
             best[role] = min(timings, key=lambda ut: ut[0])[1]
     attention, best_attention = [], None
