@@ -815,18 +815,20 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
         if SPLIT > 1:
             # The block's partials, then the last program to arrive sums them. The barrier orders every thread's
             # stores before the counter's (acq_rel, device-wide) increment, whose acquire side makes the other
-            # programs' stores visible; the others' loads below read unfinished partials and store nothing.
+            # programs' stores visible; the others load and store nothing. (The masks broadcast `last`: the
+            # interpreter holds it as a one-element array, which a mask cannot take as it is.)
             block = tl.program_id(0) * tl.num_programs(1) + pid
             tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
             tl.store(partial_ptr + (block * SPLIT + tl.program_id(2)) * (BLOCK_N * BLOCK_M) + tile, y_t)
             tl.debug_barrier()
-            last = tl.atomic_add(count_ptr + block, 1) == SPLIT - 1
+            last = (tl.atomic_add(count_ptr + block, 1) == SPLIT - 1).to(tl.int32)
+            merging = tl.zeros((BLOCK_N, BLOCK_M), tl.int32) + last > 0
             y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for part in tl.static_range(SPLIT):
-                y_t += tl.load(partial_ptr + (block * SPLIT + part) * (BLOCK_N * BLOCK_M) + tile)
-            tl.atomic_add(count_ptr + block, -SPLIT * last.to(tl.int32))  # the last: back to 0, for the next launch
-            out_ok = out_ok & (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + last.to(tl.int32) > 0)  # (the interpreter
-            # holds `last` as a one-element array, which a mask cannot take as it is)
+                y_t += tl.load(partial_ptr + (block * SPLIT + part) * (BLOCK_N * BLOCK_M) + tile, mask=merging,
+                               other=0.0)
+            tl.atomic_add(count_ptr + block, -SPLIT * last)  # the last: back to 0, for the next launch
+            out_ok = out_ok & (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + last > 0)
         if DOT:
             y = tl.trans(y_t)
     if HAS_BIAS:
