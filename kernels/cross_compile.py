@@ -187,9 +187,10 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                             F.fused_layer(block, x, x, cos, cos, cache, rows, rows, None, None, qkv_input=pair),
                             F.draft_logits(x, x, block.attn_norm, lm_head, 1e-5)))
                     out += [(what + " draft head", call) for call in calls]
-        # K split over programs on the tensor-core path (DOT_TILES' "split": o and down), at SmolLM2's shape
+        # K split over programs on the tensor-core path (DOT_TILES' "split"), every GEMV, at SmolLM2's shape
         block, dims = _meta_block(*SHAPES["smollm2-135m"]), SHAPES["smollm2-135m"]
-        F.DOT_TILES = {**tiles, "o": {**tiles.get("o", {}), "split": 2}, "down": {**tiles.get("down", {}), "split": 3}}
+        F.DOT_TILES = {role: {**tiles.get(role, {}), "split": n} for role, n in (("qkv", 2), ("o", 2), ("mlp", 3),
+                                                                                   ("down", 3))}
         x = torch.empty(8, 2, dims[0], dtype=torch.bfloat16, device="meta")
         cos = torch.empty(8, 2, 1, dims[3], dtype=torch.bfloat16, device="meta")
         cache = torch.empty(2, 8, dims[2], 512, dims[3], dtype=torch.bfloat16, device="meta")

@@ -121,9 +121,9 @@ ESCAPES_AHEAD = 16
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 # The tensor-core path's tile by role, as FMA_TILES is the FMA path's: {"rows": output rows a program (16 or more:
 # tl.dot's least), "block_k": the K tile, "warps", "stages": how deep Triton pipelines the K loop's loads}; a key left
-# out keeps the rule above (4 warps, Triton's default stages); "split" (o and down, `_gemv`): K in that many shares,
-# a program each, the last to finish adding their partials (more programs for a matrix of few row blocks: SmolLM2's
-# down has 36 of 16 rows), off where not given. A step of 7-16 tokens cost a layer 2.2x a one-token
+# out keeps the rule above (4 warps, Triton's default stages); "split": K in that many shares, a program each, the
+# last to finish adding their partials (more programs for a matrix of few row blocks: SmolLM2's q/k/v has 30 of 16
+# pairs, its down 36 of 16 rows), off where not given. A step of 7-16 tokens cost a layer 2.2x a one-token
 # step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS. These are the best of
 # `fused_tiles --tokens 8` on the H100 with SmolLM2 (docs/benchmarks/2026-12-06-thirty-second-lease.md): 30.5
 # against 32.2 µs a layer at 8 tokens, 4-7% less at 8-32 tokens; o and down 0.9 and 0.8 µs faster, q/k/v and gate/up
@@ -401,6 +401,45 @@ def _program_start(M, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
+def _split_tile(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    return tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+
+
+@triton.jit
+def _split_store(y_t, partial_ptr, block, which, SPLIT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Split K (`_gemv`, `_norm_pair_gemv`): this program's partial sums [BLOCK_N, BLOCK_M] (fp32), accumulator
+    `which` of its SLOTS, into the block's partials; the split is grid axis 2."""
+    at = ((block * SPLIT + tl.program_id(2)) * SLOTS + which) * (BLOCK_N * BLOCK_M)
+    tl.store(partial_ptr + at + _split_tile(BLOCK_N, BLOCK_M), y_t)
+
+
+@triton.jit
+def _split_arrive(count_ptr, block, SPLIT: tl.constexpr):
+    """After a program's partials are stored: 1 for the last of its block's programs to arrive, which puts the counter
+    back to 0 for the next launch, else 0. The barrier orders every thread's stores before the counter's (acq_rel,
+    device-wide) increment, whose acquire side makes the other programs' stores visible to the last."""
+    tl.debug_barrier()
+    last = (tl.atomic_add(count_ptr + block, 1) == SPLIT - 1).to(tl.int32)
+    tl.atomic_add(count_ptr + block, -SPLIT * last)
+    return last
+
+
+@triton.jit
+def _split_sum(partial_ptr, block, which, last, SPLIT: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """The block's partials of accumulator `which`, added in split order (the same sums at every replay); loaded by
+    the last program only (`last`: broadcast into a mask, since the interpreter holds it as a one-element array)."""
+    merging = tl.zeros((BLOCK_N, BLOCK_M), tl.int32) + last > 0
+    tile = _split_tile(BLOCK_N, BLOCK_M)
+    y = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for part in tl.static_range(SPLIT):
+        y += tl.load(partial_ptr + ((block * SPLIT + part) * SLOTS + which) * (BLOCK_N * BLOCK_M) + tile,
+                     mask=merging, other=0.0)
+    return y
+
+
+@triton.jit
 def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr,
                     cos_ptr, sin_ptr, positions_ptr, rows_ptr, kv_ptr, live_ptr,
                     M, K, n_pairs, eps, n_heads, n_kv_heads, stride_kv, stride_b, stride_h, stride_s,
@@ -408,12 +447,15 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                     NORM: tl.constexpr = True, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None,
-                    scales_ptr=None, W12: tl.constexpr = False, EXC: tl.constexpr = 16):
+                    scales_ptr=None, W12: tl.constexpr = False, EXC: tl.constexpr = 16, partial_ptr=None,
+                    count_ptr=None, k_split=0, SPLIT: tl.constexpr = 1):
     """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
     add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
     one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
     the head's pre-norm output). W12: the weights are q_ptr's 12-bit words (`_gemv12`; w_ptr is not read), SINGLE
-    then meaning that all of K's groups fit one tile of BLOCK_K / 8, and EXC each row's escapes loaded with them."""
+    then meaning that all of K's groups fit one tile of BLOCK_K / 8, and EXC each row's escapes loaded with them.
+    SPLIT (tensor cores): pass 2 over a share of K a program, as `_gemv`'s; each program makes the norm's statistics
+    over all of K, and the last of a block's programs adds the partials and runs the epilogue."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
     ONE_TILE: tl.constexpr = SINGLE and not W12  # all of K in one tile of bf16 weights and activations
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
@@ -528,7 +570,11 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         else:
             ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
             yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo, k_hi = 0, K
+        if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
+            k_lo = tl.program_id(2) * k_split
+            k_hi = tl.minimum(k_lo + k_split, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             col_ok = k0 + cols < K
             if not SINGLE:
                 w_ok = pair_ok[:, None] & col_ok[None, :]
@@ -552,6 +598,17 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                 ya += tl.sum(wa.to(tl.float32) * h, axis=1)[None, :]
                 if TWO:
                     yb += tl.sum(wb.to(tl.float32) * h, axis=1)[None, :]
+        if SPLIT > 1:  # the block's partials; the last program to arrive adds them and runs the epilogue
+            block = tl.program_id(0) * tl.num_programs(1) + pid
+            SLOTS: tl.constexpr = 2 if TWO else 1
+            _split_store(ya_t, partial_ptr, block, 0, SPLIT, SLOTS, BLOCK_P, BLOCK_M)
+            if TWO:
+                _split_store(yb_t, partial_ptr, block, 1, SPLIT, SLOTS, BLOCK_P, BLOCK_M)
+            last = _split_arrive(count_ptr, block, SPLIT)
+            ya_t = _split_sum(partial_ptr, block, 0, last, SPLIT, SLOTS, BLOCK_P, BLOCK_M)
+            if TWO:
+                yb_t = _split_sum(partial_ptr, block, 1, last, SPLIT, SLOTS, BLOCK_P, BLOCK_M)
+            out_ok = out_ok & (tl.zeros((BLOCK_M, BLOCK_P), tl.int32) + last > 0)
         if DOT:
             ya = tl.trans(ya_t)
             yb = tl.trans(yb_t)
@@ -812,22 +869,11 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
                 y_t += tl.dot(w, tl.trans(x.to(w.dtype)), input_precision=DOT_PRECISION)
             else:  # one token
                 y += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        if SPLIT > 1:
-            # The block's partials, then the last program to arrive sums them. The barrier orders every thread's
-            # stores before the counter's (acq_rel, device-wide) increment, whose acquire side makes the other
-            # programs' stores visible; the others load and store nothing. (The masks broadcast `last`: the
-            # interpreter holds it as a one-element array, which a mask cannot take as it is.)
+        if SPLIT > 1:  # the block's partials; the last program to arrive adds them and stores, the others nothing
             block = tl.program_id(0) * tl.num_programs(1) + pid
-            tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-            tl.store(partial_ptr + (block * SPLIT + tl.program_id(2)) * (BLOCK_N * BLOCK_M) + tile, y_t)
-            tl.debug_barrier()
-            last = (tl.atomic_add(count_ptr + block, 1) == SPLIT - 1).to(tl.int32)
-            merging = tl.zeros((BLOCK_N, BLOCK_M), tl.int32) + last > 0
-            y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            for part in tl.static_range(SPLIT):
-                y_t += tl.load(partial_ptr + (block * SPLIT + part) * (BLOCK_N * BLOCK_M) + tile, mask=merging,
-                               other=0.0)
-            tl.atomic_add(count_ptr + block, -SPLIT * last)  # the last: back to 0, for the next launch
+            _split_store(y_t, partial_ptr, block, 0, SPLIT, 1, BLOCK_N, BLOCK_M)
+            last = _split_arrive(count_ptr, block, SPLIT)
+            y_t = _split_sum(partial_ptr, block, 0, last, SPLIT, 1, BLOCK_N, BLOCK_M)
             out_ok = out_ok & (tl.zeros((BLOCK_M, BLOCK_N), tl.int32) + last > 0)
         if DOT:
             y = tl.trans(y_t)
@@ -877,7 +923,7 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
                    num_warps=tile.get("warps", 4))
         if "stages" in tile:
             cfg["num_stages"] = tile["stages"]
-        if tile.get("split", 1) > 1 and not pairs:  # (split K: `_gemv`'s, o and down; `_split_k` sizes it)
+        if tile.get("split", 1) > 1:  # (K over that many programs; `_split_k` sizes it)
             cfg["SPLIT"] = tile["split"]
         return cfg
     tile = (FMA_TILES_12 if w12 else FMA_TILES).get(role)
@@ -947,19 +993,27 @@ def _split_counters(n: int, device: torch.device, use: str = "attention") -> tor
     return have[-1]
 
 
-def _split_k(cfg: dict, k: int, n_rows: int, n_tokens: int, device: torch.device) -> tuple[tuple, dict]:
-    """A `_gemv` launch's grid and arguments: with the tile's SPLIT (DOT_TILES' "split", tensor cores) K goes in that
-    many shares of whole K tiles, fewer where K has fewer tiles, their partials in a buffer of this launch."""
+def _split_k(cfg: dict, k: int, n_rows: int, n_tokens: int, device: torch.device,
+             slots: int = 1) -> tuple[tuple, dict]:
+    """A GEMV launch's grid and split-K arguments: with the tile's SPLIT (DOT_TILES' "split", tensor cores) K goes in
+    that many shares of whole K tiles, fewer where K has fewer tiles, their partials (`slots` accumulators a program:
+    two in the pair kernels) in a buffer of this launch; without, the grid alone. The tile's other keys are
+    `_tile(cfg)`."""
     blocks = grid(cfg, n_rows, n_tokens)
     split = cfg.get("SPLIT", 1)
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = triton.cdiv(k, k_split)
     if split <= 1:
-        return blocks, {key: value for key, value in cfg.items() if key != "SPLIT"}
+        return blocks, {}
     n = blocks[0] * blocks[1]
-    partial = torch.empty(n * split * cfg["BLOCK_N"] * cfg["BLOCK_M"], dtype=torch.float32, device=device)
-    return blocks + (split,), dict(cfg, SPLIT=split, k_split=k_split, partial_ptr=partial,
+    partial = torch.empty(n * split * slots * cfg["BLOCK_N"] * cfg["BLOCK_M"], dtype=torch.float32, device=device)
+    return blocks + (split,), dict(SPLIT=split, k_split=k_split, partial_ptr=partial,
                                    count_ptr=_split_counters(n, device, "gemv"))
+
+
+def _tile(cfg: dict) -> dict:
+    """A `_gemv` launch's tile arguments: the tile less its split (which `_split_k` turns into the launch's)."""
+    return {key: value for key, value in cfg.items() if key != "SPLIT"}
 
 
 def _qk_norm_weights(block) -> torch.Tensor:
@@ -1098,14 +1152,15 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     cfg1 = _cfg12(gemv_blocks(n_pairs, k1, M, width, pairs=True, role="qkv", w12=p_qkv is not None), p_qkv)
     # With Qwen3's per-head q/k norm, q and k go as computed to `raw`, and a kernel of their own norms and rotates them
     raw = torch.empty(M, H + Hkv, D, dtype=dt, device=dev) if cfg.qk_norm else q
-    _norm_pair_gemv[grid(cfg1, n_pairs, M)](
+    grid1, split1 = _split_k(cfg1, k1, n_pairs, M, dev, slots=2)
+    _norm_pair_gemv[grid1](
         x1, delta if qkv_input is None else x1, resid, block.attn_norm, block.wqkv,
         block.bqkv if block.bqkv is not None else block.wqkv, raw,
         cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
         BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **_stages(cfg1), NORM=qkv_input is None, **pdl,
-        **_token_skip(skip, cfg1), **_w12(p_qkv))
+        **_token_skip(skip, cfg1), **_w12(p_qkv), **split1)
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
             raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
@@ -1131,30 +1186,32 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     # 3. o projection
     attn_delta = torch.empty_like(x)
     cfg3 = _cfg12(gemv_blocks(hidden, H * D, M, width, role="o", w12=p_o is not None), p_o)
-    grid3, args3 = _split_k(cfg3, H * D, hidden, M, dev)
+    grid3, split3 = _split_k(cfg3, H * D, hidden, M, dev)
     _gemv[grid3](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **args3, **pdl,
-        **_token_skip(skip, cfg3), **_w12(p_o))
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **_tile(cfg3),
+        **split3, **pdl, **_token_skip(skip, cfg3), **_w12(p_o))
 
     # 4. residual + norm + gate/up + SwiGLU
     x_out = torch.empty_like(x)
     act = torch.empty(M, inter, dtype=dt, device=dev)
     cfg4 = _cfg12(gemv_blocks(inter, hidden, M, width, pairs=True, role="mlp", w12=p_mlp is not None), p_mlp)
-    _norm_pair_gemv[grid(cfg4, inter, M)](
+    grid4, split4 = _split_k(cfg4, hidden, inter, M, dev, slots=2)
+    _norm_pair_gemv[grid4](
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
         SINGLE=_single(cfg4, hidden, p_mlp), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=cfg4["num_warps"], **_stages(cfg4), **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp))
+        num_warps=cfg4["num_warps"], **_stages(cfg4), **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp), **split4)
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
     cfg5 = _cfg12(gemv_blocks(hidden, inter, M, width, role="down", w12=p_down is not None), p_down)
-    grid5, args5 = _split_k(cfg5, inter, hidden, M, dev)
+    grid5, split5 = _split_k(cfg5, inter, hidden, M, dev)
     _gemv[grid5](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=_single(cfg5, inter, p_down), **args5, **pdl, **_token_skip(skip, cfg5), **_w12(p_down))
+        SINGLE=_single(cfg5, inter, p_down), **_tile(cfg5), **split5, **pdl, **_token_skip(skip, cfg5),
+        **_w12(p_down))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 
 

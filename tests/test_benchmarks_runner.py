@@ -201,7 +201,7 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
 
 def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_path, monkeypatch, tiny_model_dir):
     """fused_tiles --tokens 8 (past FMA_MAX_TOKENS): the sweep is of DOT_TILES (16 rows a program at every K tile up
-    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth and (o) with K
+    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth and with K
     split over programs, the best of all goes to SPECPILOT_DOT_TILES, the kernels are profiled at 8 tokens, and the
     layer is timed at 1-32 tokens with the shipped and the best tiles. 12-bit weights (FMA path only) refuse such a
     step. Timings faked (GPU work)."""
@@ -244,7 +244,7 @@ def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_
     assert record["best_us"] == 21.0 and record["shipped_us"] == 30.0
     staged = [s for s in record["sweep"] if "stages" in s and "split" not in s]
     assert [s["stages"] for s in staged] == [1, 2, 3, 4, 5] and all(s["block_k"] == 64 for s in staged)
-    split = [s for s in record["sweep"] if "split" in s]  # o: then K split over programs, from the best so far
+    split = [s for s in record["sweep"] if "split" in s]  # then K split over programs, from the best so far
     assert [s["split"] for s in split] == [2, 3, 4, 6] and all(s["stages"] == 4 for s in split)
     assert len(record["sweep"]) == len(fused_tiles.dot_candidates("o", cfg.n_heads * cfg.head_dim)) + 5 + 4
     assert calls["profiles"] == [8, 8]

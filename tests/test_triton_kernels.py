@@ -360,14 +360,21 @@ def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, m
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert loaded.model.cfg.hidden_size > 16 and loaded.model.cfg.hidden_size <= 1024  # chunks, and one tile for o
     assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
-    # split K (o and down, `_gemv`): shares of whole K tiles, as many as K has tiles at most; a pair kernel takes none
-    split = {"o": {"block_k": 16, "split": 3}, "down": {"block_k": 32, "split": 4}, "qkv": {"split": 2}}
+    # split K: shares of whole K tiles, as many as K has tiles at most, in `_gemv` (o, down) and in the pair kernels
+    # (q/k/v with RoPE and the cache write, gate/up with SwiGLU after the last program's sum)
+    split = {"o": {"block_k": 16, "split": 3}, "down": {"block_k": 32, "split": 4},
+             "qkv": {"block_k": 16, "split": 2}, "mlp": {"block_k": 16, "split": 4}}
     monkeypatch.setattr(F, "DOT_TILES", split)
-    assert F.gemv_blocks(64, 64, 5, role="o")["SPLIT"] == 3 and "SPLIT" not in F.gemv_blocks(96, 64, 5, True, "qkv")
-    grid, args = F._split_k(F.gemv_blocks(64, 64, 5, role="o"), 64, 64, 5, torch.device("cpu"))
-    assert grid[2] == 2 and args["k_split"] == 32  # 64 columns in shares of 32: two, not three
-    grid, args = F._split_k(F.gemv_blocks(64, 16, 5, role="o"), 16, 64, 5, torch.device("cpu"))
-    assert len(grid) == 2 and "SPLIT" not in args  # one K tile: nothing to split
+    cpu = torch.device("cpu")
+    assert F.gemv_blocks(64, 64, 5, role="o")["SPLIT"] == 3
+    assert F.gemv_blocks(96, 64, 5, pairs=True, role="qkv")["SPLIT"] == 2
+    grid, args = F._split_k(F.gemv_blocks(64, 64, 5, role="o"), 64, 64, 5, cpu)
+    assert grid[2] == 2 and args["k_split"] == 32 and args["SPLIT"] == 2  # 64 columns in shares of 32: two
+    assert "SPLIT" not in F._tile(F.gemv_blocks(64, 64, 5, role="o"))
+    grid, args = F._split_k(F.gemv_blocks(64, 16, 5, role="o"), 16, 64, 5, cpu)
+    assert len(grid) == 2 and args == {}  # one K tile: nothing to split
+    grid, args = F._split_k(F.gemv_blocks(96, 64, 5, pairs=True, role="qkv"), 64, 96, 5, cpu, slots=2)
+    assert args["partial_ptr"].numel() == grid[0] * grid[1] * 2 * 2 * F.DOT_TOKENS * F.DOT_ROWS  # two accumulators
     assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
     counters = F._COUNTERS[(torch.device("cpu"), "gemv")][-1]
     assert int(counters.abs().sum()) == 0  # each block's last program reset its counter

@@ -23,7 +23,7 @@ synthetic:llama-3.1-8b` (the staged GGUF gives it its tokenizer).
 
 With `--tokens T` past FMA_MAX_TOKENS (e.g. 8: a verification step of 7-16 tokens, or a B = 8 AR step) the sweep
 is of the tensor-core path's tiles (`DOT_TILES`: 16 or 32 rows a program, the K tile, warps, then the K loop's
-pipeline depth for the best of those, then for o and down K split over 2-6 programs), T tokens of one row, each
+pipeline depth for the best of those, then K split over 2-6 programs), T tokens of one row, each
 kernel profiled at T tokens; the layer as shipped and with the best tiles is then timed at 1-32 tokens a step beside
 the modular layer, and the best tiles go to WORK/fused_tiles.env as SPECPILOT_DOT_TILES (with `--attention`, the
 multi-token attention's split: SPECPILOT_DOT_ATTENTION). Why (issue #20): on SmolLM2 such a step cost 2.2x a
@@ -92,8 +92,8 @@ def stages_candidates(tile: dict) -> list[dict]:
 
 
 def split_candidates(tile: dict) -> list[dict]:
-    """K split over 2-6 programs (o and down, whose few row blocks leave most multiprocessors idle at 16 rows a
-    program); `_split_k` takes fewer where K has fewer tiles."""
+    """K split over 2-6 programs (a role's few row blocks at 16 rows a program leave most multiprocessors idle:
+    SmolLM2's q/k/v has 30, o and down 36); `_split_k` takes fewer where K has fewer tiles."""
     return [{**tile, "split": n} for n in (2, 3, 4, 6)]
 
 
@@ -229,10 +229,9 @@ def run(out_dir, args):
 
     for role in roles:
         timings = swept(role, dot_candidates(role, k_of[role]) if dot else candidates(role, k_of[role], warps))
-        if dot and timings:  # then the pipeline depth of the best tile, then (o, down) K split over programs
+        if dot and timings:  # then the pipeline depth of the best tile, then K split over programs
             timings += swept(role, stages_candidates(min(timings, key=lambda ut: ut[0])[1]))
-            if role in ("o", "down"):
-                timings += swept(role, split_candidates(min(timings, key=lambda ut: ut[0])[1]))
+            timings += swept(role, split_candidates(min(timings, key=lambda ut: ut[0])[1]))
         if timings and min(timings, key=lambda ut: ut[0])[0] < base["fused_us"] * 0.995:  # the sweep's own noise
             best[role] = min(timings, key=lambda ut: ut[0])[1]
     attention, best_attention = [], None
