@@ -310,18 +310,27 @@ class Transformer(nn.Module):
             skip["slots"] = tree.slots
             if tree.ancestor_bits is not None and getattr(layer_fn, "takes_tree_ancestors", False):
                 skip["tree_ancestors"] = tree.ancestor_bits
-        # aux_layers: each one's output added straight into its slice of one tensor (a torch.cat after the layers
-        # was one more kernel in every step of an EAGLE-3 head's decode, its AR steps included)
-        after, slices = None, {}
+        # aux_layers: each one's output into its slice of one tensor (a torch.cat after the layers was one more
+        # kernel in every step of an EAGLE-3 head's decode, its AR steps included). A layer returns its MLP output
+        # unadded (Block), so layer i's output is the sum x + delta that layer i + 1 makes first: a layer function
+        # that `stores_input_residual` (the fused layer, whose first kernel stores that sum anyway) writes it into
+        # the slice as it goes (`resid_out`); otherwise, and after the last layer run, an add of its own.
+        n_run = n_layers or self.cfg.n_layers
+        after, slices, stored = None, {}, set()
         if aux_layers is not None:
             H = delta.shape[-1]
             after = delta.new_empty(*delta.shape[:-1], len(aux_layers) * H)
             for j, i in enumerate(aux_layers):
                 slices.setdefault(i, []).append(after[..., j * H: (j + 1) * H])
-        for i, layer in enumerate(self.layers[: n_layers or self.cfg.n_layers]):
-            x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip)
-            for out in slices.get(i, ()):
-                torch.add(x, delta, out=out)  # a layer returns its MLP output unadded (Block): the sum is its output
+            if getattr(layer_fn, "stores_input_residual", False):
+                stored = {i for i, outs in slices.items() if i + 1 < n_run and len(outs) == 1}
+        for i, layer in enumerate(self.layers[:n_run]):
+            into = {"resid_out": slices[i - 1][0]} if i - 1 in stored else {}
+            x, delta = layer_fn(layer, x, delta, cos, sin, cache.kv[:, i], rows, positions, masks, ops, **skip,
+                                **into)
+            if i not in stored:
+                for out in slices.get(i, ()):
+                    torch.add(x, delta, out=out)
         h = None
         final_norm = getattr(layer_fn, "final_norm", None)  # a fused layer's add + norm in one kernel (None: not here)
         if final_norm is not None and logits_at is None:

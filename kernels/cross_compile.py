@@ -164,9 +164,12 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                     cache = torch.empty(2, B, dims[2], 512, head_dim, dtype=torch.bfloat16, device="meta")
                     rows = torch.empty(B, T, dtype=torch.long, device="meta")
                     mask = torch.empty(B * T, dtype=torch.int32, device="meta") if live else None
+                    # with the mask, as an EAGLE-3 head's target steps run: the input residual into a slice too
+                    wide = torch.empty(B, T, 3 * hidden, dtype=torch.bfloat16, device="meta")
+                    resid_out = wide[..., hidden: 2 * hidden] if live else None
                     with record(F, names) as calls:
                         _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
-                                                               live=mask))
+                                                               live=mask, resid_out=resid_out))
                         F.final_norm(x, x, block.attn_norm, 1e-5, mask)
                     what = f"{shape} B={B} T={T}{' live mask' if live else ''}"
                     out += [(what, call) for call in calls]
@@ -174,7 +177,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                         planes = tuple(_meta_planes(w) for w in (block.wqkv, block.wo, block.w13, block.w2))
                         with record(F, names) as calls:
                             _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
-                                                                   live=mask, weights12=planes))
+                                                                   live=mask, weights12=planes, resid_out=resid_out))
                         out += [(what + " 12-bit", call) for call in calls]
                     if live:
                         continue

@@ -8,7 +8,8 @@ runs five, each a GEMV (or attention) with the small ops around it folded into i
 
 1. `_norm_pair_gemv` (ROPE_KV): h = RMSNorm(x + delta); q, k, v = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
    written into the KV cache at each token's position; q to a small buffer. The first row block also writes
-   r = x + delta, the residual stream, for step 4. (Qwen3's per-head q/k norm: q and k leave as computed, and
+   r = x + delta, the residual stream, for step 4 (and, given `resid_out`, a copy where an EAGLE-3 head's target
+   forward keeps the previous layer's output). (Qwen3's per-head q/k norm: q and k leave as computed, and
    `_qk_norm_rope`, a sixth kernel, norms and rotates them.)
 2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
    slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
@@ -341,7 +342,18 @@ def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok,
 
 
 @triton.jit
-def _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t: tl.constexpr, K8, K, pid):
+def _store_resid(resid_ptr, aux_ptr, aux_stride, r, tokens, cols, ok, K, AUX: tl.constexpr):
+    """The first row block's store of r = x + delta at `cols`: the residual stream kernel 4 reads, and with AUX the
+    same values at aux_ptr (row stride aux_stride), where the caller keeps this layer's input, the previous layer's
+    output (an EAGLE-3 head's capture: a slice of one [tokens, 3 x hidden] tensor, with no add of its own)."""
+    tl.store(resid_ptr + tokens[:, None] * K + cols[None, :], r.to(resid_ptr.dtype.element_ty), mask=ok)
+    if AUX:
+        tl.store(aux_ptr + tokens[:, None] * aux_stride + cols[None, :], r.to(aux_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t: tl.constexpr, K8, K, pid, aux_ptr,
+                aux_stride, AUX: tl.constexpr):
     """r = x + delta at slot t's columns, rounded as the modular layer's add; the first row block stores it."""
     cols = t * K8 + j
     ok = token_ok[:, None] & (j_ok & (cols < K))[None, :]
@@ -349,7 +361,7 @@ def _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t: tl.co
     r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                  + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
     if pid == 0:
-        tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
+        _store_resid(resid_ptr, aux_ptr, aux_stride, r, tokens, cols, ok, K, AUX)
     return r
 
 
@@ -368,7 +380,8 @@ def _mac12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, r, t: tl.constexpr, j, j_ok, K8
 
 @triton.jit
 def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, K8, x_ptr, delta_ptr, resid_ptr, norm_ptr, eps, tokens,
-                   token_ok, K, pid, scales_ptr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
+                   token_ok, K, pid, scales_ptr, aux_ptr, aux_stride, TWO: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K8: tl.constexpr, AUX: tl.constexpr):
     """`_gemv12` for a normed input with all of K's groups in the words a0..b2 (loaded before the PDL wait): each
     slot's slice of x + delta read once and held in registers for the norm's statistics and the products (the
     general path reads the activations twice: 40 KB of L2 reads a program of two rows at Llama-3.1-8B's K, against
@@ -378,7 +391,8 @@ def _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, K8, x_ptr, delta_ptr, r
     rs = ()  # the eight slots' residual slices (a tuple, unrolled: the norm needs all of them before any product)
     sq = tl.zeros((BLOCK_M,), tl.float32)
     for t in tl.static_range(8):
-        r = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t, K8, K, pid)
+        r = _resid_slot(x_ptr, delta_ptr, resid_ptr, tokens, token_ok, j, j_ok, t, K8, K, pid, aux_ptr, aux_stride,
+                        AUX)
         sq += tl.sum(r * r, axis=1)
         rs = rs + (r,)
     inv_rms = 1.0 / tl.sqrt(sq / K + eps)
@@ -448,14 +462,16 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
                     SKIP_DEAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
                     NORM: tl.constexpr = True, q_ptr=None, row_ptr_ptr=None, exc_col_ptr=None, exc_val_ptr=None,
                     scales_ptr=None, W12: tl.constexpr = False, EXC: tl.constexpr = 16, partial_ptr=None,
-                    count_ptr=None, k_split=0, SPLIT: tl.constexpr = 1):
+                    count_ptr=None, k_split=0, SPLIT: tl.constexpr = 1, aux_ptr=None, aux_stride=0,
+                    AUX: tl.constexpr = False):
     """The pair GEMV (module docstring, kernels 1 and 4). NORM false: x is the GEMV's input as it is (no residual
     add, no norm, nothing stored in resid; an EAGLE-3 head's [embedding; hidden], normed by its caller). MODE PLAIN:
     one row set, out = h @ W^T over n_pairs rows (a draft head's LM head after its final norm; resid gets x + delta,
     the head's pre-norm output). W12: the weights are q_ptr's 12-bit words (`_gemv12`; w_ptr is not read), SINGLE
     then meaning that all of K's groups fit one tile of BLOCK_K / 8, and EXC each row's escapes loaded with them.
     SPLIT (tensor cores): pass 2 over a share of K a program, as `_gemv`'s; each program makes the norm's statistics
-    over all of K, and the last of a block's programs adds the partials and runs the epilogue."""
+    over all of K, and the last of a block's programs adds the partials and runs the epilogue. AUX (NORM on): r is
+    also stored at aux_ptr, row stride aux_stride (`_store_resid`)."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
     ONE_TILE: tl.constexpr = SINGLE and not W12  # all of K in one tile of bf16 weights and activations
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
@@ -534,7 +550,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                      + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
         if pid == 0:
-            tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
+            _store_resid(resid_ptr, aux_ptr, aux_stride, r, tokens, cols, ok, K, AUX)
         inv_rms = 1.0 / tl.sqrt(tl.sum(r * r, axis=1) / K + eps)
         h_single = _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
     elif NORM and not (W12 and SINGLE):  # (with both, `_gemv12_normed` reads each slot's slice once)
@@ -545,7 +561,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
             r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
                          + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
             if pid == 0:  # a uniform branch, not a scalar folded into the mask (newer interpreters reject that mask)
-                tl.store(resid_ptr + offs, r.to(resid_ptr.dtype.element_ty), mask=ok)
+                _store_resid(resid_ptr, aux_ptr, aux_stride, r, tokens, k0 + cols, ok, K, AUX)
             sq += tl.sum(r * r, axis=1)
         inv_rms = 1.0 / tl.sqrt(sq / K + eps)
 
@@ -555,7 +571,7 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         if SINGLE and NORM:
             acc_a, acc_b, inv_rms = _gemv12_normed(acc_a, acc_b, a0, a1, a2, b0, b1, b2, K8, x_ptr, delta_ptr,
                                                    resid_ptr, norm_ptr, eps, tokens, token_ok, K, pid, scales_ptr,
-                                                   TWO, BLOCK_M, BLOCK_K8)
+                                                   aux_ptr, aux_stride, TWO, BLOCK_M, BLOCK_K8, AUX)
         else:
             acc_a, acc_b = _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, pair_ok, K8, x_ptr,
                                    delta_ptr, norm_ptr, inv_rms, tokens, token_ok, K, scales_ptr, NORM, TWO, SINGLE,
@@ -1090,7 +1106,7 @@ def supports(block, n_tokens: int, device: torch.device, w12: bool = False) -> s
 
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None,
-                qkv_input=None, weights12=None):
+                qkv_input=None, weights12=None, resid_out=None):
     """Block.forward's contract (engine/model.py) in five kernels (six with a per-head q/k norm): (x, delta) in,
     (x', delta') out, the tokens' K/V written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed:
     each token's `positions` and `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows
@@ -1111,7 +1127,11 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     may differ from the hidden size), and the residual stream is `x` alone (`delta` is not read).
 
     `weights12` (`weights.format: lossless12`): the layer's (wqkv, wo, w13, w2) as Packed12Linear, read instead of
-    the block's bf16 matrices (FMA-path steps only: `supports(..., w12=True)`)."""
+    the block's bf16 matrices (FMA-path steps only: `supports(..., w12=True)`).
+
+    `resid_out` [B, T, hidden] (any strides that flatten to one row stride, e.g. a slice of a wider tensor's last
+    dim): also gets x + delta, the layer's input residual, which kernel 1 stores anyway (a token it skips, none).
+    So the previous layer's output, which an EAGLE-3 head reads, costs no add of its own (`Transformer.forward`)."""
     cfg = block.cfg
     p_qkv, p_o, p_mlp, p_down = weights12 if weights12 is not None else (None,) * 4
     if weights12 is not None and x.shape[0] * x.shape[1] > FMA_MAX_TOKENS:
@@ -1142,6 +1162,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     precision = "ieee" if dt == torch.float32 else "tf32"  # fp32 models: exact fp32 products, as torch's matmul
 
     # 1. residual + norm + q/k/v + RoPE + cache write (a head's layer: q/k/v of its given input; the residual is x)
+    aux = {}
+    if resid_out is not None:
+        if qkv_input is not None:
+            raise ValueError("fused layer: resid_out needs the layer's own residual (no qkv_input)")
+        out2 = resid_out.view(M, hidden)  # (raises where the rows do not flatten to one stride)
+        if out2.stride(1) != 1:
+            raise ValueError("fused layer: resid_out needs unit stride along the hidden dim")
+        aux = dict(aux_ptr=out2, aux_stride=out2.stride(0), AUX=True)
     if qkv_input is None:
         resid, x1, k1 = torch.empty_like(x), x, hidden
     else:
@@ -1160,7 +1188,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
         DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
         BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **_stages(cfg1), NORM=qkv_input is None, **pdl,
-        **_token_skip(skip, cfg1), **_w12(p_qkv), **split1)
+        **_token_skip(skip, cfg1), **_w12(p_qkv), **split1, **aux)
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
             raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
@@ -1311,16 +1339,18 @@ def layer_function(fallback, packed: dict | None = None):
         return supports(block, n_tokens, device, w12) is None
 
     def layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, unpack=None, slots=None,
-              tree_ancestors=None):
+              tree_ancestors=None, resid_out=None):
         B, T = x.shape[:2]
         if slots is None and runs(block, B * T, x.device):  # packed or not, rows say where tokens go
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live,
-                               weights12=planes(block))
+                               weights12=planes(block), resid_out=resid_out)
         if (slots is not None and tree_ancestors is not None and supports_tree(block, B, T, x.device) is None
                 and runs(block, B * T, x.device)):
             roots = slots[:, :1].expand(B, T)  # node 0, the root, sits at its tree's first slot
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, slots, masks, ops, live,
-                               tree=(roots, tree_ancestors), weights12=planes(block))
+                               tree=(roots, tree_ancestors), weights12=planes(block), resid_out=resid_out)
+        if resid_out is not None:
+            torch.add(x, delta, out=resid_out)
         extra = {k: v for k, v in (("unpack", unpack), ("slots", slots)) if v is not None}
         return fallback(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, **extra)
 
@@ -1336,6 +1366,7 @@ def layer_function(fallback, packed: dict | None = None):
     layer.takes_tree_ancestors = True  # Transformer.forward passes TreeStep.ancestor_bits
     layer.final_norm = last
     layer.skips_dead_tokens = True  # takes `live` (Transformer.forward)
+    layer.stores_input_residual = True  # takes `resid_out` (Transformer.forward's aux_layers)
     layer.draft_layer = draft_layer  # an EAGLE-3 head's chain steps (engine/eagle3.py)
     layer.draft_supports = lambda block, n_tokens, device: supports(block, n_tokens, device) is None
     return layer
@@ -1354,7 +1385,8 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
     and attention with large logits magnifies one rounding step (a score's last bit moves its weight by e^ulp), so
     each is compared with the reference run in fp32 on the same inputs, and the fused layer's error must be at most
     twice the modular layer's own (plus 1e-3). The final norm (`final_norm`) is checked the same way against the
-    modular tail's add and RMSNorm. Returns the largest error; raises AssertionError beyond the bound. `planes`
+    modular tail's add and RMSNorm; the input residual stored through `resid_out` must be x + delta exactly.
+    Returns the largest error; raises AssertionError beyond the bound. `planes`
     (block -> its (wqkv, wo, w13, w2) as Packed12Linear): the fused layer reads those 12-bit weights."""
     import copy
 
@@ -1378,8 +1410,16 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
             cache = torch.randn(2, B, cfg.n_kv_heads, n_slots, cfg.head_dim, generator=g).to(dev, dt)
             mine = cache.clone()
             want = reference(block, x, delta, cos, sin, cache, rows, positions, masks, model.default_ops)
+            # the input residual into the middle third of a wider tensor (an EAGLE-3 head's capture, `resid_out`):
+            # x + delta, the same rounding as the modular layer's add, so equal bit for bit; the rest left alone
+            wide = torch.full((B, T, 3 * cfg.hidden_size), 7.0, dtype=dt, device=dev)
             got = fused_layer(block, x, delta, cos, sin, mine, rows, positions, masks, model.default_ops,
-                              weights12=planes(block) if planes is not None else None)
+                              weights12=planes(block) if planes is not None else None,
+                              resid_out=wide[..., cfg.hidden_size: 2 * cfg.hidden_size])
+            assert torch.equal(wide[..., cfg.hidden_size: 2 * cfg.hidden_size], x + delta), \
+                f"fused layer {i}: the input residual stored at B={B}, T={T} is not x + delta"
+            assert bool((wide[..., : cfg.hidden_size] == 7).all() and (wide[..., 2 * cfg.hidden_size:] == 7).all()), \
+                f"fused layer {i}: the input residual's store wrote outside its slice at B={B}, T={T}"
             if dt == torch.float32:
                 exact, bound = (*want, cache), None
             else:

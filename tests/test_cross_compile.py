@@ -40,6 +40,10 @@ def test_every_fused_layer_kernel_compiles_for_hopper():
     assert {x["constexprs"]["DOT"] for x in report if x["kernel"] == "_gemv"} == {False, True}  # both paths
     for kernel in ("_gemv", "_norm_pair_gemv"):  # split K too
         assert {x["constexprs"].get("SPLIT", 1) for x in report if x["kernel"] == kernel} >= {1, 2, 3}
+    # the input residual stored into a slice as well (an EAGLE-3 head's capture): FMA, tensor cores, 12-bit weights
+    stores = {(x["constexprs"]["DOT"], x["constexprs"].get("W12", False)) for x in report
+              if x["kernel"] == "_norm_pair_gemv" and x["constexprs"].get("AUX")}
+    assert stores >= {(False, False), (True, False), (False, True)}, stores
 
 
 BAD_KERNEL = textwrap.dedent('''

@@ -569,6 +569,36 @@ def test_engine_with_the_fused_layer_decodes_the_same_tokens(tiny_model_dir):
         assert bool(calls) == (recipe.get("k", 0) < 8), recipe  # fused steps ran, or the modular fallback did
 
 
+def test_layer_outputs_a_head_reads_come_from_the_next_layers_first_kernel(tiny_model_dir, monkeypatch):
+    """Transformer.forward(aux_layers) on the fused layer: the output of a named layer that another layer follows is
+    stored by that layer's first kernel (`resid_out`, the input residual it stores anyway), so no add of its own runs;
+    the last layer's, and a layer named twice, still get one. The states and logits are the modular layer's: one
+    token, a step of several rows, and a prefill too long for the fused layer (its fallback adds into the slice)."""
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=3)), "fp32", "cpu")
+    model = loaded.model
+    fused = triton_fused_layer.layer_function(Block.forward)
+    adds = []
+    real_add = torch.add
+    monkeypatch.setattr(torch, "add", lambda *a, **kw: adds.append(1) or real_add(*a, **kw))
+    g = torch.Generator().manual_seed(2)
+    too_long = kernels.FUSED_LAYER_MAX_TOKENS + 1
+    for named, added in (((1, 0, 2), 1), ((1, 1, 0), 2)):  # (layer 2 is the last; layer 1 named twice)
+        for B, T in ((1, 1), (3, 2), (1, too_long)):
+            tokens = torch.randint(0, 256, (B, T), generator=g)
+            positions = torch.arange(T)[None].expand(B, T) + 3
+            runs = []
+            for layer_fn in (None, fused):
+                adds.clear()
+                with torch.no_grad():
+                    runs.append(model(tokens, positions, model.new_cache(B, 64), layer_fn=layer_fn,
+                                      aux_layers=named))
+                if layer_fn is fused and T < too_long:
+                    assert len(adds) == added, (named, B, T, len(adds))
+            (want_logits, want), (got_logits, got) = runs
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(got_logits, want_logits, rtol=2e-5, atol=2e-5)
+
+
 def test_engine_with_the_fused_layer_on_12bit_weights_decodes_the_ar_tokens(tiny_model_dir, monkeypatch):
     """`layer: fused` with `weights.format: lossless12` (a bf16 target): the engine hands the layer its 12-bit planes,
     its steps read them (AR, and n-gram verification of 5 tokens on the FMA path, dead tokens skipped), and the
