@@ -236,7 +236,11 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     """Append each row's emitted tokens (tokens[:, :n_acc+1]) to its history and publish them in `out`."""
     S, width = history.shape[1], tokens.shape[1]
     slots = (lengths[:, None] + torch.arange(width, device=tokens.device)[None]).clamp(max=S - 1)
-    history.scatter_(1, slots, tokens)  # slots past n_acc hold junk beyond the row's length: never read
+    rows = torch.arange(history.shape[0], device=tokens.device)[:, None]
+    # slots past n_acc hold junk beyond the row's length: never read. An indexed store, not scatter_: compiled
+    # (`_finish_step`), a scatter_ into an input was run on a copy of the whole history, copied back after (two
+    # passes over B x S, CPU inductor's code, torch 2.13); an index_put is stored in place
+    history[rows, slots] = tokens
     lengths.add_((n_acc + 1) * active)
     out[:, 0].copy_(n_acc)
     out[:, 1: 1 + width].copy_(tokens)

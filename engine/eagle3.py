@@ -468,10 +468,23 @@ def pend_pair(pending: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor) ->
     """An AR step that skipped the head's search: its pair (the target's states of its one token, hidden [B, 1 or
     more, 3 x target hidden]) into each row's pending buffer after those already there, the last slot kept for the
     newest when full (the decoder absorbs a full buffer first). Compiled with the head's steps: eagerly it was four
-    kernels in every such step."""
+    kernels in every such step. An indexed store, not scatter_, which compiled ran on a copy of the whole buffer
+    (`decode._record` says more)."""
     at = (new + 1).clamp(max=pending.shape[1] - 1)
-    pending.scatter_(1, at[:, None, None].expand(-1, 1, hidden.shape[-1]), hidden[:, :1].to(pending.dtype))
+    pending[torch.arange(pending.shape[0], device=pending.device), at] = hidden[:, 0].to(pending.dtype)
     new.copy_(at)
+
+
+def keep_pairs(pending: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor) -> None:
+    """A step that searched: each row's pairs of its accepted slots (hidden [B, T, 3 x target hidden]) become its new
+    pending ones, from slot 0; the slots past them zero (pending's first k + 1 slots are given). Compiled with the
+    head's steps (eagerly six kernels in every verifying step). torch.where, not a product: the slots past the
+    accepted ones may hold anything, NaN included (a layer that skips dead tokens never wrote them)."""
+    T = hidden.shape[1]
+    kept = (torch.arange(T, device=hidden.device)[None] <= accepted[:, None])[..., None]
+    pending[:, :T] = torch.where(kept, hidden, 0).to(pending.dtype)
+    pending[:, T:] = 0
+    new.copy_(accepted)
 
 
 def absorb_pairs(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, history: torch.Tensor,
@@ -555,7 +568,7 @@ class Eagle3Drafter(Drafter):
         self.ops = resolve_kernels()
         self.draft_layer = self.draft_supports = None
         self._first, self._next, self._nodes, self._absorb = first_draft, next_draft, draft_nodes, absorb_pairs
-        self._pend = pend_pair
+        self._pend, self._keep = pend_pair, keep_pairs
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
@@ -581,7 +594,7 @@ class Eagle3Drafter(Drafter):
         if compile:
             self._first, self._next = compiled(first_draft), compiled(next_draft)
             self._nodes, self._absorb = compiled(draft_nodes), compiled(absorb_pairs)
-            self._pend = compiled(pend_pair)
+            self._pend, self._keep = compiled(pend_pair), compiled(keep_pairs)
             self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
 
     def reserve(self, rows, max_len):
@@ -783,14 +796,7 @@ class Eagle3Drafter(Drafter):
             raise ValueError("the EAGLE-3 drafter's update needs the step's hidden states")
         if not searched:  # an AR step: its one pair after those still pending (the decoder absorbs a full buffer)
             return self._pend(self._pending, self._new, hidden)
-        T = hidden.shape[1]
-        kept = (torch.arange(T, device=hidden.device)[None] <= accepted[:, None])[..., None]
-        # torch.where, not a product: the slots past the accepted ones may hold anything, NaN included (a layer
-        # that skips dead tokens never wrote them)
-        self._pending[:, :T].copy_(torch.where(kept, hidden, 0))
-        if T < self.k + 1:
-            self._pending[:, T: self.k + 1].zero_()
-        self._new.copy_(accepted)
+        self._keep(self._pending[:, : self.k + 1], self._new, hidden, accepted)
 
     def absorb(self, history, lengths):
         """The pending pairs of the steps that skipped the search (`update(searched=False)`) into the head's cache,
