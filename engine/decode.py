@@ -238,8 +238,8 @@ def _record(history, lengths, active, out, n_acc, tokens) -> None:
     slots = (lengths[:, None] + torch.arange(width, device=tokens.device)[None]).clamp(max=S - 1)
     rows = torch.arange(history.shape[0], device=tokens.device)[:, None]
     # slots past n_acc hold junk beyond the row's length: never read. An indexed store, not scatter_: compiled
-    # (`_finish_step`), a scatter_ into an input was run on a copy of the whole history, copied back after (two
-    # passes over B x S, CPU inductor's code, torch 2.13); an index_put is stored in place
+    # (`_finish_step`), a scatter_ into an input ran on a copy of the whole history, copied back after (two passes
+    # over B x S, every step): inductor's reinplacing takes index_put, not scatter (fx_passes/reinplace.py, 2.13)
     history[rows, slots] = tokens
     lengths.add_((n_acc + 1) * active)
     out[:, 0].copy_(n_acc)
