@@ -611,6 +611,16 @@ class Decoder:
         self._blind_run = self._blind_run + 1 if drafts_k == BLIND_AR and backlog else 0
         self._run(st, sampling, drafts_k)
 
+    def absorb_backlog(self, st: DecodeState) -> None:
+        """The pairs that AR steps without the search left pending, absorbed now, as the loop does before its next
+        searching step: a step that searches reads only the first k + 1 pending pairs, and one replayed over a
+        backlog (prices measured mid-call for a new bucket, or replays from the state a call left that ended on such
+        steps) indexed past them (on the H100, thirty-fourth lease: a device-side assert that killed the process)."""
+        if self._blind_run:
+            with torch.inference_mode():
+                self._run(st, SamplingParams(), ABSORB)
+            self._blind_run = 0
+
     def _run(self, st: DecodeState, sampling: SamplingParams, drafts_k) -> None:
         if self.phase_timer is not None:
             return self._step(st, sampling, drafts_k)
@@ -693,6 +703,8 @@ class Decoder:
         the end of its cache wrote past it: H200, seventeenth lease, a device-side assert in the KV write that killed
         the process.) Lengths, budgets, activity and the drafter's state are as before afterwards."""
         graph = self._graph(st, SamplingParams(), drafts_k)
+        if drafts_k != BLIND_AR:
+            self.absorb_backlog(st)
         saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
         drafter_state = self.drafter.snapshot() if self.drafter is not None else None
         st.active.fill_(True)

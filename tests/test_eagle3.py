@@ -374,6 +374,32 @@ def test_a_head_misses_no_pair_under_the_batch_controller(tiny, tiny_reference, 
     assert len(absorbed) >= 2  # a full backlog absorbed mid-run, and before each search
 
 
+def test_a_step_timed_after_blind_steps_absorbs_their_backlog_first(tiny, tiny_reference, head_dir):
+    """A call that ends on AR steps without the search leaves their pairs pending beyond the k + 1 a searching step
+    reads. Timing a searching step from there (a price measured mid-call for a new bucket, or `loop_overhead`'s
+    replays after a call) absorbs them first, as the loop would: it ran over the backlog and indexed past it (a
+    device-side assert on the H100). Timed, the state is as the absorb left it, and the next call decodes AR's
+    tokens."""
+    from specpilot.engine.batch_controller import BLIND_AR
+
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3, batch={"controller": "cost"}))
+    kinds = iter([3] + [BLIND_AR] * 1000)
+    eng.decoder.controller.choose = lambda prices: next(kinds)
+    eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    dec = eng.decoder
+    assert dec._blind_run > 0 and int(dec.drafter._new.max()) > dec.k  # a backlog past the searching step's slots
+    absorbed = dec.drafter.snapshot()
+    with torch.inference_mode():
+        dec._time_step(dec._state, dec.k, 2)
+    assert dec._blind_run == 0 and int(dec.drafter._new.max()) == 0
+    after = dec.drafter.snapshot()
+    dec._time_step(dec._state, BLIND_AR, 2)  # (a blind step reads no backlog: nothing absorbed, state put back)
+    assert all(torch.equal(a, b) for a, b in zip(after, dec.drafter.snapshot()))
+    assert not torch.equal(absorbed[1], after[1])
+    eng.decoder.controller.choose = lambda prices: 3
+    assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
+
+
 def test_eagle3_narrow_head_with_its_own_embeddings(llama_target, tmp_path):
     """A head of hidden size 32 on the 64-wide target (config target_hidden_size; its own embed_tokens): AR's
     tokens and the reference's drafts."""

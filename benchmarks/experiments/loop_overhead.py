@@ -216,6 +216,7 @@ def launch_costs(dec, kinds, launches: int = 40) -> dict:
 
     st = dec._state
     graphs = {k: dec._graph(st, SamplingParams(), k) for k in kinds}
+    dec.absorb_backlog(st)  # (searching steps read no backlog of pending pairs)
     saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
     drafter_state = dec.drafter.snapshot() if dec.drafter is not None else None
     cuda = st.out.device.type == "cuda"
@@ -257,6 +258,7 @@ def eager_steps(dec, kind: int, replays: int) -> None:
     from specpilot.engine.sampling import SamplingParams
 
     st = dec._state
+    dec.absorb_backlog(st)  # (searching steps read no backlog of pending pairs)
     saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
     drafter_state = dec.drafter.snapshot() if dec.drafter is not None else None
     st.active.fill_(True)
