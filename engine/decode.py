@@ -612,11 +612,13 @@ class Decoder:
         self._run(st, sampling, drafts_k)
 
     def absorb_backlog(self, st: DecodeState) -> None:
-        """The pairs that AR steps without the search left pending, absorbed now, as the loop does before its next
-        searching step: a step that searches reads only the first k + 1 pending pairs, and one replayed over a
-        backlog (prices measured mid-call for a new bucket, or replays from the state a call left that ended on such
-        steps) indexed past them (on the H100, thirty-fourth lease: a device-side assert that killed the process)."""
-        if self._blind_run:
+        """Any pairs that AR steps without the search left pending on `st`'s rows, absorbed now, as the loop does
+        before its next searching step: a step that searches reads only the first k + 1 pending pairs, and one
+        replayed over a backlog indexed past them (on the H100, thirty-fourth lease: a device-side assert that killed
+        the process). Where the loop can leave one: prices measured mid-call for a new bucket, and replays from the
+        state a call left, whose rows past the bucket it drained into keep what they held when it moved (so not
+        only when `_blind_run` says so). With no backlog pending it changes nothing a step reads."""
+        if ABSORB in self._graph_kinds():
             with torch.inference_mode():
                 self._run(st, SamplingParams(), ABSORB)
             self._blind_run = 0

@@ -377,9 +377,9 @@ def test_a_head_misses_no_pair_under_the_batch_controller(tiny, tiny_reference, 
 def test_a_step_timed_after_blind_steps_absorbs_their_backlog_first(tiny, tiny_reference, head_dir):
     """A call that ends on AR steps without the search leaves their pairs pending beyond the k + 1 a searching step
     reads. Timing a searching step from there (a price measured mid-call for a new bucket, or `loop_overhead`'s
-    replays after a call) absorbs them first, as the loop would: it ran over the backlog and indexed past it (a
-    device-side assert on the H100). Timed, the state is as the absorb left it, and the next call decodes AR's
-    tokens."""
+    replays after a call, whose rows past the bucket it drained into keep a stale one) absorbs them first, as the
+    loop would: it ran over the backlog and indexed past it (a device-side assert on the H100). Timed, the state is
+    as the absorb left it, and the next call decodes AR's tokens."""
     from specpilot.engine.batch_controller import BLIND_AR
 
     eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 3, batch={"controller": "cost"}))
@@ -396,6 +396,9 @@ def test_a_step_timed_after_blind_steps_absorbs_their_backlog_first(tiny, tiny_r
     dec._time_step(dec._state, BLIND_AR, 2)  # (a blind step reads no backlog: nothing absorbed, state put back)
     assert all(torch.equal(a, b) for a, b in zip(after, dec.drafter.snapshot()))
     assert not torch.equal(absorbed[1], after[1])
+    dec.drafter._new[1:].fill_(dec.k + 5)  # rows a draining batch left behind, their backlog stale; none in the run
+    dec._blind_run = 0
+    dec._time_step(dec._state, dec.k, 2)
     eng.decoder.controller.choose = lambda prices: 3
     assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
 
