@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
 from dataclasses import asdict
 
 MINUTES = 3
@@ -368,6 +369,11 @@ def run(out_dir, args):
             # Replays and kernels on the call's own bucket, the state its rows left there (a batch that drained into
             # smaller buckets ends in one of those: replayed there, its steps priced a batch of 8 or 16 rows)
             st = dec._use(batch_bucket(rows) if dec.bucketed else rows, 0)
+            if dec.drafter is not None:  # its state on those rows too (it was left on the smaller bucket's): the
+                # head's restore between replays put back one row of four, and the other rows' backlog grew
+                # past the pending pairs a searching step reads (device-side asserts, thirty-fourth lease)
+                dec.drafter.move_rows(torch.arange(st.batch, device=st.lengths.device), st.batch)
+                dec.absorb_backlog(st)
             at_end = {k: dec._time_step(st, k, 20) * 1e3 for k in kinds}
             warm = {k: v * 1e3 for k, v in dec.prices.get(st.batch, {}).items()}
             loop = {k: v * 1e3 for k, v in dec.step_seconds.get(st.batch, {}).items()}
@@ -402,6 +408,7 @@ def run(out_dir, args):
             found[name] = {"error": why}
             lines.append(f"| {name} | error: {why} |")
             print(f"loop_overhead: {name}: {why}", file=sys.stderr, flush=True)
+            traceback.print_exc()  # (where: a device-side assert's line says nothing of the Python that launched it)
         eng = dec = None
         torch.cuda.empty_cache() if device == "cuda" else None
     head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
