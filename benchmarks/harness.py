@@ -360,19 +360,40 @@ def bench_b1(ctx, recipes: list, workloads: list[str], limit: int, tokens: int, 
 
 def bench_table(results: dict, reference: str) -> str:
     """A `specpilot bench` results.json as one markdown table, a row a cell and a column a system: tok/s and, in
-    parentheses, the ratio to `reference` in the same cell; then the bench's error entries."""
+    parentheses, the ratio to `reference` in the same cell, with --repeats its range over the repeats (`ratio_range`);
+    then the bench's error entries."""
     systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
-    rows = []
+    rows, ranged = [], False
     for (wl, b), cell in bench_cells(results).items():
-        base = (cell.get(reference) or {}).get("tokens_per_s")
+        ref = cell.get(reference) or {}
+        base = ref.get("tokens_per_s")
         row = [wl, b]
         for s in systems:
-            tps = (cell.get(s) or {}).get("tokens_per_s")
-            row.append("–" if tps is None else f"{tps:,.0f}" + (f" ({tps / base:.2f})" if base else ""))
+            run = cell.get(s) or {}
+            tps = run.get("tokens_per_s")
+            if tps is None:  # (the system failed in this cell, or never ran in it)
+                row.append("–")
+                continue
+            spread = ratio_range(run, ref) if s != reference else None
+            ranged |= spread is not None
+            ratio = "" if not base else f" ({tps / base:.2f}" + (
+                ")" if spread is None else f", {spread[0]:.2f}-{spread[1]:.2f})")
+            row.append(f"{tps:,.0f}{ratio}")
         rows.append(row)
     errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
-    return md_table(["workload", "B"] + systems, rows) + f"\n\nIn parentheses: over {reference} in the same cell." \
-        + errors
+    note = f"In parentheses: over {reference} in the same cell" + (
+        ", then the lowest and highest of that ratio in one repeat (the replica noise)." if ranged else ".")
+    return md_table(["workload", "B"] + systems, rows) + "\n\n" + note + errors
+
+
+def ratio_range(run: dict, reference: dict) -> tuple[float, float] | None:
+    """The lowest and highest ratio of `run`'s tok/s to `reference`'s over a cell's repeats, repeat r against repeat r
+    (results.json `tokens_per_s_repeats`); None without repeats of both."""
+    mine, theirs = run.get("tokens_per_s_repeats"), reference.get("tokens_per_s_repeats")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return None
+    ratios = [a / b for a, b in zip(mine, theirs) if b]
+    return (min(ratios), max(ratios)) if ratios else None
 
 
 def engine_bench_arguments(p, systems: str, hf: str = "") -> None:

@@ -7,6 +7,7 @@ the arithmetic between the reported numbers is checked, never a speed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -228,6 +229,43 @@ def test_cell_requests_caps_each_cell(tiny_smol_dir, tmp_path):
     check_consistent(results)
     assert results["header"]["cell_requests"] == 1
     assert {(r["batch_size"], r["requests"]) for r in results["runs"]} == {(1, 1), (2, 2)}
+
+
+def test_repeats_give_each_ratio_its_range_over_the_repeats(tiny_smol_dir, tmp_path, monkeypatch):
+    """--repeats 3: every run keeps each repeat's tok/s (its reported tok/s that of the median repeat, ratios paired
+    repeat by repeat); the report's and the experiments' tables give each ratio's lowest and highest in one repeat,
+    which hold the cell's own ratio. One repeat: no range, and the tables say nothing of one."""
+    import importlib.util
+
+    from specpilot.tools.bench.report import speedup_range, workload_table
+
+    spec = importlib.util.spec_from_file_location("harness", Path(__file__).parents[1] / "benchmarks" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)  # benchmarks/harness.py: the experiments' tables
+    monkeypatch.setitem(sys.modules, "harness", harness)  # (its dataclasses look their module up there)
+    spec.loader.exec_module(harness)
+
+    recipe = tmp_path / "ngram.json"
+    recipe.write_text(json.dumps({"name": "ngram-chain", "drafter": {"kind": "ngram"}, "k": 2}))
+    args = ("--target", str(tiny_smol_dir), "--workload", "code", "--limit", "2", "--batch-sizes", "1,2",
+            "--max-new-tokens", "4", "--recipe", str(recipe))
+    results = bench(tmp_path / "three", *args, "--repeats", "3")
+    check_consistent(results)
+    cells = {}
+    for run in results["runs"]:
+        repeats = run["tokens_per_s_repeats"]
+        assert len(repeats) == 3 and sorted(repeats)[1] == pytest.approx(run["tokens_per_s"], rel=1e-9)
+        cells.setdefault(run["batch_size"], {})[run["system"]] = run
+    for cell in cells.values():
+        low, high = speedup_range(cell["ngram-chain"], cell["ar"])
+        ratios = [a / b for a, b in zip(cell["ngram-chain"]["tokens_per_s_repeats"], cell["ar"]["tokens_per_s_repeats"])]
+        assert (low, high) == (min(ratios), max(ratios)) and speedup_range(cell["ar"], cell["ar"]) is None
+        assert harness.ratio_range(cell["ngram-chain"], cell["ar"]) == (low, high)
+    text = harness.bench_table(results, "ar")
+    assert "replica noise" in text and f"{low:.2f}-{high:.2f}" in text
+    assert f"{low:.2f}-{high:.2f}x" in workload_table(results["runs"])
+    once = bench(tmp_path / "one", *args)
+    assert all(r["tokens_per_s_repeats"] is None for r in once["runs"])
+    assert "replica noise" not in harness.bench_table(once, "ar")
 
 
 def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):

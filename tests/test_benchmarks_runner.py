@@ -98,6 +98,29 @@ def test_cuda_only_experiment_refuses_without_cuda(runner, tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+def test_batch_sweep_names_the_losses_beyond_the_replica_noise(runner):
+    """batch_sweep's verdict on issue #20's bar: a speculative cell below our fastest AR in every repeat is a loss
+    (named with its ratio's range); one that reached 1.0x in any repeat is within the noise; AR systems and HF's
+    are not judged; without repeats there is no verdict."""
+    batch_sweep = runner.load("batch_sweep")
+
+    def run(system, workload, b, repeats):
+        return {"system": system, "workload": workload, "batch_size": b, "tokens_per_s": sorted(repeats)[1],
+                "tokens_per_s_repeats": repeats}
+
+    ref = "ar-fused-overlap"
+    runs = [run(ref, "chat", 4, [100.0, 102.0, 98.0]), run("ngram", "chat", 4, [97.0, 99.0, 96.0]),
+            run("head", "chat", 4, [99.0, 103.0, 97.0]), run("ar", "chat", 4, [50.0, 50.0, 50.0]),
+            run("hf-static", "chat", 4, [20.0, 20.0, 20.0]),
+            run(ref, "code", 8, [100.0, 100.0, 100.0]), run("ngram", "code", 8, [140.0, 150.0, 145.0])]
+    results = {"runs": runs}
+    assert batch_sweep.losses_beyond_noise(results, ref) == ["chat B=4 ngram (0.97-0.98)"]
+    assert "Below 1.0x ar-fused-overlap in every repeat" in batch_sweep.table(results, ref)
+    once = {"runs": [dict(r, tokens_per_s_repeats=None) for r in runs]}
+    assert batch_sweep.losses_beyond_noise(once, ref) is None
+    assert "every repeat" not in batch_sweep.table(once, ref)
+
+
 def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     """fused_tokens' thresholds: the FMA path up to the last width where it beat the tensor cores, the fused layer's
     limit at the last whole 16-token block where every tested width beat the modular layer."""

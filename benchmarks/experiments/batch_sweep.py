@@ -41,6 +41,9 @@ def arguments(p) -> None:
     p.add_argument("--cell-requests", type=int, default=8)
     p.add_argument("--waves", type=int, default=4, help="a cell decodes at least this many times B requests")
     p.add_argument("--batching", default="continuous", choices=("continuous", "static"))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="each cell's call timed this many times a system (the systems in turn): with 2 or more, "
+                        "each ratio's range over the repeats (the replica noise issue #20's bar is read within)")
     p.add_argument("--baselines", default="hf-static")
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
@@ -62,6 +65,10 @@ def table(results: dict, reference: str) -> str:
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
     text = harness.bench_table(results, reference) + f"\n\nShapes captured while timed: {captured or 'none'}."
+    beyond = losses_beyond_noise(results, reference)
+    if beyond is not None:
+        text += (f"\n\nBelow 1.0x {reference} in every repeat (a loss beyond the replica noise, issue #20's bar): "
+                 + (", ".join(beyond) or "none") + ".")
     if kinds:
         text += ("\n\nSteps by kind k' (0: AR), where a run had more than one kind, and the controller's price of "
                  "each kind (replayed at warm-up; then as the loop timed it):\n\n" + "\n".join(kinds))
@@ -91,6 +98,23 @@ def table(results: dict, reference: str) -> str:
             text += ("\n\nBefore the drain, the steps not behind a refill by kind (count, mean loop time, live rows, "
                      "tokens):\n\n" + "\n".join(kinds))
     return text
+
+
+def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:
+    """The speculative systems' cells (not an AR system, not HF's) whose tok/s was below `reference`'s in every
+    repeat, with the ratio's range; None where the run has no repeats to tell noise by."""
+    cells, ranged = harness.bench_cells(results), False
+    out = []
+    for (workload, b), cell in cells.items():
+        ref = cell.get(reference)
+        for system, run in cell.items():
+            if ref is None or system.startswith(("ar", "hf-")):
+                continue
+            spread = harness.ratio_range(run, ref)
+            ranged |= spread is not None
+            if spread is not None and spread[1] < 1.0:
+                out.append(f"{workload} B={b} {system} ({spread[0]:.2f}-{spread[1]:.2f})")
+    return out if ranged else None
 
 
 def budget_row(r: dict) -> str:
@@ -125,7 +149,7 @@ def run(out_dir, args):
             sizes = sizes[:2]
         argv = ["--workload", ",".join(workloads), "--batch-sizes", ",".join(sizes), "--max-new-tokens", tokens,
                 "--limit", max(limit, max(map(int, sizes))), "--cell-requests", 1 if args.smoke else args.cell_requests,
-                "--waves", 1 if args.smoke else args.waves, "--batching", args.batching]
+                "--waves", 1 if args.smoke else args.waves, "--batching", args.batching, "--repeats", args.repeats]
         names = [n for n in args.recipes.split(",") if n]
         unknown = sorted(set(names) - set(SYSTEMS))
         if unknown or FASTEST_AR not in names:

@@ -301,8 +301,10 @@ def run(out_dir, args):
     errors = [f"{name} profile: {k['error']}" for name, k in kernels.items() if "error" in k]
     lines += errors
     table = "\n".join(lines) + "\n" + harness.md_table(header, table_rows)
-    sweep_table = harness.md_table(["role", "rows", "block_k", "warps", "stages", "µs a layer", "vs shipped"],
+    sweep_table = harness.md_table(["role", "rows", "block_k", "warps", "stages", "K split", "µs a layer",
+                                    "vs shipped"],
                                    [[s["role"], s["rows"], s["block_k"], s["warps"], s.get("stages", "–"),
+                                     s.get("split", "–"),
                                      f"{s['fused_us']:.2f}" if "fused_us" in s else s["error"],
                                      f"{s['vs_shipped']:.3f}" if "fused_us" in s else "–"] for s in sweep])
     record = {"target": args.ctx.target, "copy_bandwidth": bandwidth, "layer_bytes": layer_bytes,

@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 
 PLOTS = ("speedup_vs_batch.png", "tau_histogram.png", "latency_cdf.png")
+# The column of the speedup's lowest and highest over a cell's repeats, each repeat's tok/s over AR's in that repeat
+# (`--repeats N`, results.json tokens_per_s_repeats): the replica noise of the speedup
+SPEEDUP_RANGE = "speedup_range"
 # (heading, run key, format): one column of a workload's table
 COLUMNS = (("system", "system", "{}"), ("B", "batch_size", "{}"), ("requests", "requests", "{}"),
            ("tok/s", "tokens_per_s", "{:,.1f}"), ("speedup", "speedup_vs_ar", "{:.2f}x"),
+           ("in a repeat", SPEEDUP_RANGE, "{:.2f}-{:.2f}x"),
            ("τ", "mean_accepted", "{:.2f}"), ("p50 tok ms", "p50_token_ms", "{:.2f}"),
            ("p99 tok ms", "p99_token_ms", "{:.2f}"), ("TTFT ms", "ttft_ms", "{:.1f}"),
            ("p50 req ms", "p50_request_ms", "{:.0f}"), ("p99 req ms", "p99_request_ms", "{:.0f}"),
@@ -29,11 +33,29 @@ def _cell(run: dict, key: str, fmt: str) -> str:
     return fmt.format(value / 2**20 if key == "peak_memory_bytes" else value)
 
 
+def speedup_range(run: dict, ar: dict | None) -> tuple[float, float] | None:
+    """The lowest and highest of `run`'s tok/s over AR's (`ar`, the same cell's), repeat r against repeat r; None
+    without repeats of both."""
+    mine, theirs = run.get("tokens_per_s_repeats"), (ar or {}).get("tokens_per_s_repeats")
+    if not mine or not theirs or len(mine) != len(theirs) or run is ar:
+        return None
+    ratios = [a / b for a, b in zip(mine, theirs) if b]
+    return (min(ratios), max(ratios)) if ratios else None
+
+
 def workload_table(runs: list[dict]) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
              "|" + "|".join("---" if k in ("system",) else "---:" for _, k, _ in COLUMNS) + "|"]
+    ar = {r["batch_size"]: r for r in runs if r["system"] == "ar"}
     for run in sorted(runs, key=lambda r: r["batch_size"]):  # stable: system order kept within a batch size
-        lines.append("| " + " | ".join(_cell(run, k, f) for _, k, f in COLUMNS) + " |")
+        cells = []
+        for _, key, fmt in COLUMNS:
+            if key == SPEEDUP_RANGE:
+                spread = speedup_range(run, ar.get(run["batch_size"]))
+                cells.append("-" if spread is None else fmt.format(*spread))
+            else:
+                cells.append(_cell(run, key, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

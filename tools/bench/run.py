@@ -258,6 +258,7 @@ class Bench:
         for name, run in cell.items():
             compare_to_ar(run, chosen[name], cell.get("ar"), ar_runs)
             run["repeated_requests"] = repeated
+            run["tokens_per_s_repeats"] = repeat_throughputs(measured[name])
             # What was timed, request by request: the optimize graph judges these tokens against the reference
             # (tools/gate/timed.py), so a candidate cannot behave only while it is being checked.
             run["outputs"] = [{"prompt": prompt, "tokens": tokens, "finish": finish}
@@ -265,6 +266,18 @@ class Bench:
                               for prompt, tokens, finish in zip(batch, r.tokens, r.finish_reasons)]
         self.results["runs"] += cell.values()
         self.write()
+
+
+def repeat_throughputs(per_batch: list[list[BatchRun]]) -> list[float] | None:
+    """A system's tok/s in each repeat of a cell (its timed calls of that repeat together), in the repeats' order:
+    the systems ran each repeat one after another (the order rotated), so repeat r of two systems pair up, and the
+    spread of their ratio over the repeats is the noise of the ratio the cell reports (issue #20: speculation is to
+    hold 1.0x AR within it). None with one repeat, or where a call's repeats are missing."""
+    counts = {len(reps) for reps in per_batch}
+    if len(counts) != 1 or counts.pop() < 2:
+        return None
+    rounds = zip(*per_batch)
+    return [sum(len(row) for r in runs for row in r.tokens) / sum(r.seconds for r in runs) for runs in rounds]
 
 
 def continuous(args) -> bool:
