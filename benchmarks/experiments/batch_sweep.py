@@ -12,6 +12,10 @@ timed; each run reports `captures_while_timed`. The table: tok/s per cell and th
 controller's choices and its step prices; the bench's results.json is in NAME.json, from which
 tools/bench/report.write_report draws report.md and speedup_vs_batch.png.
 
+`--repeats N` times each cell's call N times a system (the systems in turn, the order rotated): each ratio then
+carries its range over the repeats, and the table ends with the speculative cells below our fastest AR in every
+repeat (issue #20's bar reads a loss within that replica noise as none).
+
 `--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
 ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
 
