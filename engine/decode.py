@@ -703,7 +703,8 @@ class Decoder:
         step would start from: the rows' lengths and the drafter's state are put back before each. (Replayed one
         after the other, a step appends up to drafts_k + 1 tokens each time, and 20 replays of k = 16 from a row near
         the end of its cache wrote past it: H200, seventeenth lease, a device-side assert in the KV write that killed
-        the process.) Lengths, budgets, activity and the drafter's state are as before afterwards."""
+        the process.) Lengths, budgets, activity and the drafter's state are as before afterwards, but for a backlog
+        of pending pairs, absorbed before a searching step is timed (`absorb_backlog`: what the loop does next)."""
         graph = self._graph(st, SamplingParams(), drafts_k)
         if drafts_k != BLIND_AR:
             self.absorb_backlog(st)
