@@ -140,10 +140,10 @@ class DraftLengthController:
     launch-bound small model, a probe of k every few steps would cost a few percent.) When even k drafts for every
     row would not pay, the AR step does not search for drafts either (BLIND_AR), nor does any AR step of a drafter
     that always has k drafts (`fixed_drafts`: its search finds nothing the controller does not know; AR is then
-    priced as that blind step). A probe that did not pay (its step yielded fewer tokens a second than an AR step) and
-    after which the model chooses no longer steps than before doubles the steps to the next one (up to PROBE_BACKOFF
-    times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any other probe
-    brings them back to `probe_every`.
+    priced as that blind step). A probe that did not pay (its step did not beat an AR step's tokens a second by the
+    margin) and after which the model chooses no longer steps than before doubles the steps to the next one (up to
+    PROBE_BACKOFF times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any
+    other probe brings them back to `probe_every`.
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
@@ -310,10 +310,12 @@ class DraftLengthController:
         return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
 
     def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
-        """Whether the latest probe changed anything: its own step yielded more tokens a second than an AR step
-        would have (at the prices), or the model now chooses longer steps than before it."""
+        """Whether the latest probe changed anything: its own step beat an AR step's tokens a second (at the prices)
+        by the margin a chosen step must, or the model now chooses longer steps than before it. (Judged without the
+        margin, a batch at a tie, whose probes beat AR about every other time, kept probing every `probe_every`
+        steps: the probe said "pays" where the model, with the margin, would not verify.)"""
         before, kind, gained, rows = self.probed
-        if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0]:
+        if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0] * (1 + self.margin):
             return True
         return max(choice, 0) > max(before, 0)
 

@@ -158,6 +158,32 @@ def test_probes_back_off_while_speculation_stays_hopeless_and_return_when_it_pay
     assert paying[-50:].count(4) == 50 and c.probe_gap == c.probe_every
 
 
+def test_a_probe_at_a_tie_backs_off_unless_it_beats_ar_by_the_margin():
+    """Every verifying step accepts exactly one draft a row: a probe of k yields 4 tokens for 1.9 AR steps' time,
+    2.1 a unit against AR's 2.0, which the model never runs at a 10% margin (nor k' = 1 at 1.85). Judged with that
+    margin the probes do not pay and back off to PROBE_BACKOFF x probe_every; at margin 0 verifying does pay (k' = 1,
+    2.16 a unit), and the model verifies on every step."""
+    prices = {BLIND_AR: 0.95, 0: 1.0, 1: 1.85, 2: 1.87, 3: 1.88, 4: 1.9}
+
+    def run(margin: float) -> tuple[list[int], DraftLengthController]:
+        c, unread, chosen = DraftLengthController(4, probe_every=4, bucket=2, margin=margin), deque(), []
+        for _ in range(300):
+            kind = c.choose(prices)
+            chosen.append(kind)
+            unread.append(kind)
+            if len(unread) > 1:
+                done = max(unread.popleft(), 0)
+                c.observe([done] * 2, [min(done, 1)] * 2, [4] * 2)
+        return chosen, c
+
+    chosen, c = run(0.10)
+    at = [i for i, kind in enumerate(chosen) if kind > 0]
+    assert c.probe_gap == PROBE_BACKOFF * c.probe_every and set(chosen[20:]) <= {4, BLIND_AR}
+    assert [b - a - 1 for a, b in zip(at, at[1:])][-3:] == [PROBE_BACKOFF * 4] * 3 and len(at) <= 20
+    chosen, c = run(0.0)
+    assert min(chosen[-100:]) >= 1  # no margin: verifying pays, and the model does it
+
+
 def test_a_drafter_that_always_has_k_drafts_never_searches_on_ar_steps():
     """Acceptance where AR wins at these prices but k drafts for every row would not be hopeless: an n-gram-like
     drafter (whose search says which rows have drafts) runs AR steps that search; a head (`fixed_drafts`: its search

@@ -54,7 +54,8 @@ def arguments(p) -> None:
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="the sweep's recipes besides ar and stock: any of the bench's systems (tools/bench)")
     p.add_argument("--margins", default="",
-                   help="also the controller recipe at these batch.margin values, e.g. 0.15 (cost-m15)")
+                   help="also each controller recipe of --recipes at these batch.margin values, e.g. 0.15 "
+                        "(ngram2-k4-cost-m15-fused-overlap)")
 
 
 def table(results: dict, reference: str) -> str:
@@ -161,10 +162,11 @@ def run(out_dir, args):
                              f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
         for name in names:
             argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
-        cost = SYSTEMS["ngram2-k4-cost-fused-overlap"]
         for margin in (float(m) for m in args.margins.split(",") if m):
-            name = f"ngram2-k4-cost-m{round(margin * 100)}-fused-overlap"
-            argv += ["--recipe", ctx.recipe(name, {**cost, "batch": {**cost["batch"], "margin": margin}})]
+            for name in (n for n in names if "-cost-" in n):  # every controller recipe, at this margin too
+                cost = SYSTEMS[name]
+                argv += ["--recipe", ctx.recipe(name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
+                                                {**cost, "batch": {**cost["batch"], "margin": margin}})]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
         found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
