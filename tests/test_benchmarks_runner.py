@@ -427,3 +427,22 @@ def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path
     staged = harness.stage(root, work, sha=hashlib.sha256(b"the model").hexdigest())
     assert staged.model == work / "smollm2" / "model.gguf"
     assert os.environ["SPECPILOT_SYNTHETIC_TOKENIZER"] == str(staged.model)
+
+
+def test_batch_sweep_margins_add_each_controller_recipe_at_each_margin(runner):
+    """`--margins 0.15,0.25`: every batch-controller recipe of the sweep (n-gram's and the head's) again at each
+    margin, named by it; the other recipes once, and the shipped recipes themselves left as they were."""
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    batch_sweep = runner.load("batch_sweep")
+    names = list(batch_sweep.RECIPES)
+    recipes = dict(batch_sweep.sweep_recipes(names, SYSTEMS, [0.15, 0.25]))
+    controlled = [n for n in names if SYSTEMS[n].get("batch", {}).get("controller") == "cost"]
+    assert len(controlled) == 2 and len(recipes) == len(names) + 2 * len(controlled)
+    for name in controlled:
+        for margin, tag in ((0.15, "m15"), (0.25, "m25")):
+            variant = recipes[name.replace("-cost-", f"-cost-{tag}-")]
+            assert variant["batch"]["margin"] == margin
+            assert {**variant, "batch": SYSTEMS[name]["batch"]} == SYSTEMS[name]  # the margin alone differs
+        assert recipes[name] is SYSTEMS[name]
+    assert dict(batch_sweep.sweep_recipes(names, SYSTEMS, [])) == {n: SYSTEMS[n] for n in names}

@@ -122,6 +122,19 @@ def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:
     return out if ranged else None
 
 
+def sweep_recipes(names: list[str], systems: dict, margins: list[float]) -> list[tuple[str, dict]]:
+    """The sweep's recipes by name: each of `names` (the bench's systems), then every batch-controller recipe among
+    them (named -cost-) again at each of `margins` (its batch.margin), named -cost-mNN- (NN: the margin in
+    hundredths)."""
+    out = [(name, systems[name]) for name in names]
+    for margin in margins:
+        for name in (n for n in names if "-cost-" in n):
+            cost = systems[name]
+            out.append((name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
+                        {**cost, "batch": {**cost["batch"], "margin": margin}}))
+    return out
+
+
 def budget_row(r: dict) -> str:
     b = r["time_budget"]
     live = "-" if b["drain_live_rows"] is None else f"{b['drain_live_rows']:.1f}"
@@ -160,13 +173,8 @@ def run(out_dir, args):
         if unknown or FASTEST_AR not in names:
             raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (any of the bench's systems: "
                              f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
-        for name in names:
-            argv += ["--recipe", ctx.recipe(name, SYSTEMS[name])]
-        for margin in (float(m) for m in args.margins.split(",") if m):
-            for name in (n for n in names if "-cost-" in n):  # every controller recipe, at this margin too
-                cost = SYSTEMS[name]
-                argv += ["--recipe", ctx.recipe(name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
-                                                {**cost, "batch": {**cost["batch"], "margin": margin}})]
+        for name, recipe in sweep_recipes(names, SYSTEMS, [float(m) for m in args.margins.split(",") if m]):
+            argv += ["--recipe", ctx.recipe(name, recipe)]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
         found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
