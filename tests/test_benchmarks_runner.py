@@ -446,3 +446,34 @@ def test_batch_sweep_margins_add_each_controller_recipe_at_each_margin(runner):
             assert {**variant, "batch": SYSTEMS[name]["batch"]} == SYSTEMS[name]  # the margin alone differs
         assert recipes[name] is SYSTEMS[name]
     assert dict(batch_sweep.sweep_recipes(names, SYSTEMS, [])) == {n: SYSTEMS[n] for n in names}
+
+
+def test_loop_overhead_takes_the_timing_s_own_work_off_a_step_s_kernels(runner, tiny_model_dir):
+    """`loop_overhead --kernels` traces a kind of step through the decoder's timing, which saves and puts back the
+    rows' lengths and the drafter's state around each replay. Traced again with the steps left out
+    (`steps_left_out`: no forward runs, everything around it does), that work comes off (`without`): the head's
+    restores had read as three device copies a step more than AR's."""
+    import torch
+
+    from specpilot.engine.engine import Engine
+    from specpilot.engine.loader import load
+    from specpilot.engine.recipe import parse
+
+    loop_overhead = runner.load("loop_overhead")
+    step = {"copy": {"per_step": 5.0, "us": 6.5}, "gemv": {"per_step": 60.0, "us": 400.0}}
+    around = {"copy": {"per_step": 5.0, "us": 6.4}, "fill": {"per_step": 1.0, "us": 1.0}}
+    assert loop_overhead.without(step, around) == {"copy": {"per_step": 0.0, "us": pytest.approx(0.1)},
+                                                   "gemv": {"per_step": 60.0, "us": 400.0}}
+
+    eng = Engine(load(str(tiny_model_dir("llama")), "fp32", "cpu"), parse({"cuda_graphs": False}))
+    eng.generate([[1, 2, 3], [4, 5]], 3, ignore_eos=True)
+    dec, forwards = eng.decoder, []
+    real = dec.model.forward
+    dec.model.forward = lambda *a, **kw: forwards.append(1) or real(*a, **kw)
+    before = dec._state.lengths.clone()
+    with loop_overhead.steps_left_out(dec, 0):
+        dec._time_step(dec._state, 0, 3)
+    assert forwards == [] and torch.equal(dec._state.lengths, before)
+    assert "_graph" not in vars(dec) and "_step" not in vars(dec)  # the decoder's own methods again
+    dec._time_step(dec._state, 0, 3)
+    assert len(forwards) == 3 and torch.equal(dec._state.lengths, before)

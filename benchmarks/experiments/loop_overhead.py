@@ -182,7 +182,11 @@ def step_kernels(dec, kind: int, replays: int = 5) -> dict:
     """One step of this kind on the batch's bucket, kernel by kernel: its graph replayed `replays` times from the
     state the call left (`_time_step` puts the state back) under torch.profiler; device µs a step by kernel name.
     Where the trace holds no kernels of the graph's (a CUPTI that does not trace graph nodes), the step run eagerly
-    instead (its kernels' device times are the same; only the gaps between them differ), marked so."""
+    instead (its kernels' device times are the same; only the gaps between them differ), marked so. What the timing
+    does around the steps (its copies that save and put back the rows' lengths and the drafter's state, an absorb
+    of pending pairs first) is traced again with the steps left out and taken off: a step's table holds its own
+    kernels alone. (Counted in, the head's state put back before each replay read as three device copies a step
+    more than AR's: thirty-fourth lease, not the loop's.)"""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,9 +204,46 @@ def step_kernels(dec, kind: int, replays: int = 5) -> dict:
 
     dec._time_step(dec._state, kind, 2)  # (outside the trace: the profiler's own start-up)
     kernels = traced(lambda: dec._time_step(dec._state, kind, replays))
-    if sum(v["per_step"] for v in kernels.values()) > 2:
-        return {"how": "graph", "kernels": kernels}
-    return {"how": "eager", "kernels": traced(lambda: eager_steps(dec, kind, replays))}
+    how, step = "graph", lambda: dec._time_step(dec._state, kind, replays)
+    if sum(v["per_step"] for v in kernels.values()) <= 2:
+        how, step = "eager", lambda: eager_steps(dec, kind, replays)
+        kernels = traced(step)
+    with steps_left_out(dec, kind):
+        around = traced(step)
+    return {"how": how, "kernels": without(kernels, around)}
+
+
+class _NoReplay:
+    replay = staticmethod(lambda: None)
+
+
+class steps_left_out:
+    """Within it, `dec`'s steps of `kind` do nothing (their graph's replay, or the eager step), everything around
+    them as before: what a timing of them does besides the steps."""
+
+    def __init__(self, dec, kind: int):
+        self.dec, self.kind = dec, kind
+
+    def __enter__(self):
+        graph, step, kind = self.dec._graph, self.dec._step, self.kind
+        self.dec._graph = lambda st, sampling, k: _NoReplay() if k == kind else graph(st, sampling, k)
+        self.dec._step = lambda st, sampling, k=None: None if k == kind else step(st, sampling, k)
+        return self
+
+    def __exit__(self, *exc):
+        del self.dec._graph, self.dec._step  # (the instance's shadows: the class's methods again)
+
+
+def without(kernels: dict, around: dict) -> dict:
+    """`kernels` (name -> per step count, µs) less what ran `around` them; names left with no count or time a step
+    are dropped."""
+    out = {}
+    for name, v in kernels.items():
+        less = around.get(name, {"per_step": 0.0, "us": 0.0})
+        count, us = v["per_step"] - less["per_step"], v["us"] - less["us"]
+        if count > 1e-9 or abs(us) > 1e-3:
+            out[name] = {"per_step": count, "us": us}
+    return out
 
 
 def launch_costs(dec, kinds, launches: int = 40) -> dict:
