@@ -477,3 +477,33 @@ def test_loop_overhead_takes_the_timing_s_own_work_off_a_step_s_kernels(runner, 
     assert "_graph" not in vars(dec) and "_step" not in vars(dec)  # the decoder's own methods again
     dec._time_step(dec._state, 0, 3)
     assert len(forwards) == 3 and torch.equal(dec._state.lengths, before)
+
+
+def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_model_dir):
+    """`--side-by-side ROUNDS`: each kept system's kinds of step replayed in turn, round after round, a median of the
+    rounds for each (system, kind), and a table of them over the first system's first kind; the decoders' states are
+    as before it."""
+    import torch
+
+    from specpilot.engine.engine import Engine
+    from specpilot.engine.loader import load
+    from specpilot.engine.recipe import parse
+
+    loop_overhead = runner.load("loop_overhead")
+    target = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    systems, calls = [], []
+    for name, recipe in (("ar", {}), ("ngram", {"drafter": {"kind": "ngram"}, "k": 2})):
+        eng = Engine(target, parse({"cuda_graphs": False, **recipe}))
+        eng.generate([[1, 2, 3], [4, 5]], 3, ignore_eos=True)
+        dec = eng.decoder
+        real = dec._time_step
+        dec._time_step = lambda st, kind, n, real=real, name=name: calls.append((name, kind, n)) or real(st, kind, n)
+        systems.append((name, dec, dec._state, [0] if name == "ar" else [0, 2]))
+    before = [s[1]._state.lengths.clone() for s in systems]
+    found = loop_overhead.side_by_side(systems, rounds=3, replays=2)
+    assert calls == [("ar", 0, 2), ("ngram", 0, 2), ("ngram", 2, 2)] * 3  # in turn, round after round
+    assert set(found) == {"ar", "ngram"} and set(found["ngram"]) == {0, 2} and found["ar"][0] > 0
+    assert all(torch.equal(s[1]._state.lengths, b) for s, b in zip(systems, before))
+    table = loop_overhead.side_by_side_table({"side_by_side": found})
+    assert "| ar | 0 |" in table and table.count("\n| ngram |") == 2 and "| 1.000 |" in table
+    assert loop_overhead.side_by_side_table({}) == ""

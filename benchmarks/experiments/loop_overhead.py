@@ -21,6 +21,11 @@ a step, and the kernels whose time differs most from the first system's AR step;
 launch, the same kind each time against the kinds in turn (`ar-attention-triton-overlap` is
 AR with the Triton attention, which reads only the cache blocks a row has written).
 
+With `--side-by-side ROUNDS`, after the last system every system's AR-like kinds of step (AR, blind AR) and its
+longest one replayed in turn, round after round, all systems kept in memory: their costs compared in one stretch of
+the device's time, where one system after another moved the same graph's time by a few percent (the head's blind
+step against AR's step: thirty-fifth lease).
+
 Any of the bench's systems runs too (`stock` is the target's), NAME+compiled-prefill is NAME with its prefill's
 layers compiled, and a system named twice runs twice (the second NAME#2): in the bench's order, with the controller
 first and last, it says whether what ran before a system slows its steps (the twenty-fifth lease's bench replayed
@@ -79,6 +84,9 @@ def arguments(p) -> None:
     p.add_argument("--probe-refills", type=int, default=0,
                    help="then a third call whose first N refills are timed alone (device drained before and after "
                         "each phase) and their kernels traced: where a started request's time goes")
+    p.add_argument("--side-by-side", type=int, default=0, metavar="ROUNDS",
+                   help="then every system's kinds of step replayed in turn, ROUNDS rounds of 10 replays each, all "
+                        "systems kept: their step costs compared in one stretch of the device's time (medians)")
 
 
 def random_target(layers: int, device: str, scratch):
@@ -246,6 +254,38 @@ def without(kernels: dict, around: dict) -> dict:
     return out
 
 
+def side_by_side(systems: list, rounds: int, replays: int = 10) -> dict:
+    """Each system's kinds of step (`systems`: (name, decoder, state, kinds)) replayed `replays` times in turn, system
+    after system, for `rounds` rounds: ms a step, each (name, kind) the median of its rounds. Timed one system at a
+    time, the same graph on the same card moved by a few percent between systems (the thirty-fourth lease's
+    profiles: the n-gram's blind step, AR's graph, +17 µs a step at B = 8); in turn, a drift of clocks or of what
+    ran before lands on every system alike."""
+    import statistics
+
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for name, dec, st, kinds in systems:
+            for kind in kinds:
+                times.setdefault((name, kind), []).append(dec._time_step(st, kind, replays) * 1e3)
+    out: dict[str, dict[int, float]] = {}
+    for (name, kind), ms in times.items():
+        out.setdefault(name, {})[kind] = statistics.median(ms)
+    return out
+
+
+def side_by_side_table(found: dict) -> str:
+    """The side-by-side replays' table: ms a step by system and kind, and over the first system's first kind."""
+    rows = found.get("side_by_side")
+    if not rows:
+        return ""
+    first = next(iter(rows.values()))
+    ref = first[next(iter(first))]
+    lines = [f"| {name} | {kind} | {ms:.4f} | {ms / ref:.3f} |" for name, kinds in rows.items()
+             for kind, ms in kinds.items()]
+    return ("\n\nEvery system's kinds of step replayed in turn (ms a step, the median of the rounds; over the first "
+            "row):\n\n| system | kind | ms | ratio |\n|---|---:|---:|---:|\n" + "\n".join(lines))
+
+
 def launch_costs(dec, kinds, launches: int = 40) -> dict:
     """Host µs of one step's launch (`graph.replay()`, the call alone) on the call's bucket: the same kind each time,
     and the kinds in turn (as the controller launches them when its choice changes from step to step), each with the
@@ -370,7 +410,7 @@ def run(out_dir, args):
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
                                  generator=g).tolist() for _ in range(requests)]
-    found, lines = {}, []
+    found, lines, kept = {}, [], []
     names = args.systems.split(",")
     for at, system in enumerate(names):
         # a system named twice is measured twice, the second time as NAME#2 (in the same process after the others:
@@ -433,6 +473,8 @@ def run(out_dir, args):
                 # (a controller's AR, blind AR and two draft lengths; a fixed-k decoder's own kinds)
             found[name]["launch_us"] = launch_costs(dec, [k for k in dec._step_kinds() if k in (-1, 0, 3, 4)]
                                                     or list(dec._step_kinds()))
+            if args.side_by_side:  # kept for the replays in turn after the last system: its AR-like kinds, and k
+                kept.append((name, dec, st, [k for k in dec._step_kinds() if k <= 0 or k == dec.k]))
             lines.append(f"| {name} | {tokens / wall:,.0f} | {stats.steps} | "
                          f"{stats.row_steps / max(1, stats.steps):.1f} | "
                          f"{wall / stats.steps * 1e3:.3f} | "
@@ -452,12 +494,16 @@ def run(out_dir, args):
             traceback.print_exc()  # (where: a device-side assert's line says nothing of the Python that launched it)
         eng = dec = None
         torch.cuda.empty_cache() if device == "cuda" else None
+    if kept:
+        found["side_by_side"] = side_by_side(kept, args.side_by_side)
+        kept.clear()
     head = ("| system | tok/s | steps | live rows a step | wall ms/step | replay ms at the end, by kind | at warm-up | "
             "in the loop | host ms: wait / launch / prefill requests / move them in / move to a smaller bucket / rest "
             "| of which the drafter's start_rows ms | refill prefills, their device ms | requests started | steps behind a "
             "refill | their ms beyond a typical step | drain steps | drain ms |\n"
             "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    return found, head + "\n" + "\n".join(lines) + "\n\n" + probe_table(found) + kernel_table(found)
+    return found, (head + "\n" + "\n".join(lines) + "\n\n" + probe_table(found) + kernel_table(found)
+                   + side_by_side_table(found))
 
 
 def probe_table(found: dict) -> str:
