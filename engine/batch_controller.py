@@ -145,6 +145,14 @@ class DraftLengthController:
     PROBE_BACKOFF times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any
     other probe brings them back to `probe_every`.
 
+    With `shadow` (a drafter that searches at AR steps, n-gram) an AR step is itself a free measurement: the row's
+    first draft either is the token the step emitted or is not, exactly what verifying it would have found (sampled
+    too: a one-hot draft is accepted with the target's probability of it, the chance that the sample is it). Such
+    steps update the acceptance (`observe`'s hits), so they need no verifying probe after them, and the probe after
+    blind AR steps is a searching AR step, which costs the search alone. (Without it, chat at B = 4 on the H100 ran
+    22 verifying steps among 511, probes and the choices that followed them, each 1.6 AR steps' price for about
+    one AR step's tokens: all of the n-gram controller's 2% loss to AR, thirty-sixth lease.)
+
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
     and each verifying kind's expected gain is scaled by (gained + prior) / (predicted + prior) over this batch's
@@ -172,13 +180,18 @@ class DraftLengthController:
     replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
-                 margin: float = SPECULATION_MARGIN, fixed_drafts: bool = False):
+                 margin: float = SPECULATION_MARGIN, fixed_drafts: bool = False, shadow: bool = False):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
         # The drafter always has k drafts a row (an EAGLE-3 head): an AR step's search would tell nothing, so each
         # AR step is BLIND_AR where that is priced
         self.fixed_drafts = fixed_drafts
+        # Its AR steps measure acceptance: a drafter that searches at AR steps (not `fixed_drafts`) reports whether
+        # each row's first draft is the token the step emitted (`observe`'s hits), which is what verifying it would
+        # have accepted; so no verifying probe is needed after them, and the probe after blind steps is a searching
+        # AR step (batch.shadow)
+        self.shadow = shadow and not fixed_drafts
         self.margin = margin
         self.seconds: dict[int, float] = {}
         self.timed: dict[int, deque] = {}
@@ -198,6 +211,7 @@ class DraftLengthController:
         self.probe_gap = self.probe_every  # steps below k in a row before the next probe (`choose`)
         # the latest probe, once its step is read: (the model's choice before it, its kind, drafts kept, rows)
         self.probed: tuple[int, int, int, int] | None = None
+        self.hit_run: dict[int, int] = {}  # by row: its latest first drafts that were its AR steps' tokens
         # each step chosen and not yet read: (its kind, its allocation, for a probe the model's choice before it),
         # None for an AR step
         self.predictions: deque[tuple[int, Counter] | None] = deque()
@@ -215,23 +229,42 @@ class DraftLengthController:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
     def observe(self, verified: list[int], accepted: list[int], found: list[int],
-                kept: list[int] | None = None) -> None:
+                kept: list[int] | None = None, hits: list[int] | None = None, rows: list[int] | None = None) -> None:
         """A step's outcome for its live rows: drafts each verified, accepted, and found (available), and of the
         accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
-        observed in the order they were chosen."""
+        observed in the order they were chosen. A searching AR step also gives `hits` (each row's first draft was the
+        token it emitted) and the `rows` (their indices in the batch), taken as `shadow` verification: a row's
+        hit or miss after r hits in a row (its searches at consecutive steps) counts at every position 1..r + 1
+        (up to k), as draft i + 1 after drafts 1..i were accepted (a prompt-lookup drafter whose first draft was
+        right proposes the rest of its match at the next step). So each row counts once a step at the first
+        position, as in a verifying step; counted at position r + 1 alone, a row that kept hitting took k steps
+        to count once there, and the first draft's rate came out low by as much."""
         for v, n in zip(verified, accepted):
             for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
+        if self.shadow and hits is not None:
+            for b, f, hit in zip(rows, found, hits):
+                run = self.hit_run.get(b, 0)
+                if f > 0:
+                    for i in range(min(run, self.k - 1) + 1):
+                        self.reached[i] += 1
+                        self.accepted[i] += bool(hit)
+                self.hit_run[b] = run + 1 if f > 0 and hit else 0
+        else:
+            self.hit_run.clear()
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
-        if chosen is not None:  # a verifying step: what it planned, and what it gained
+        if chosen is not None:  # a verifying step or a probe: what it planned, and what it gained
             kind, allocation, before_probe = chosen
             gained = sum(accepted if kept is None else kept)
-            if before_probe is not None:  # a probe: judged at the next choice (`choose`)
+            if before_probe is not None and kind == 0:  # a shadow probe: its hits, over the rows that had drafts
+                self.probed = (before_probe, 0, sum(map(bool, hits or ())), sum(f > 0 for f in found))
+            elif before_probe is not None:  # a probe: judged at the next choice (`choose`)
                 self.probed = (before_probe, kind, gained, len(verified))
-            self.planned.setdefault(kind, Counter()).update(allocation)
-            self.realized_gain[kind] += gained
+            if kind > 0:
+                self.planned.setdefault(kind, Counter()).update(allocation)
+                self.realized_gain[kind] += gained
 
     def predicted_gains(self) -> dict[int, float]:
         """By kind, the model's gain (tokens beyond one a row) for this batch's steps of that kind at the acceptance
@@ -313,17 +346,24 @@ class DraftLengthController:
         """Whether the latest probe changed anything: its own step beat an AR step's tokens a second (at the prices)
         by the margin a chosen step must, or the model now chooses longer steps than before it. (Judged without the
         margin, a batch at a tie, whose probes beat AR about every other time, kept probing every `probe_every`
-        steps: the probe said "pays" where the model, with the margin, would not verify.)"""
+        steps: the probe said "pays" where the model, with the margin, would not verify.) A shadow probe (a searching
+        AR step after blind ones) verifies nothing: it paid if its rows' first drafts were right more often than
+        the acceptance measured so far says, a sign that acceptance is coming back."""
         before, kind, gained, rows = self.probed
+        if kind == 0:  # a shadow probe: its rows' first drafts were right more often than measured so far
+            return (rows > 0 and gained / rows > self.acceptance()[0]) or max(choice, 0) > max(before, 0)
         if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0] * (1 + self.margin):
             return True
         return max(choice, 0) > max(before, 0)
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
-        probe = self.short_run >= self.probe_gap
-        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
-            choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
+        # (searching AR steps that measure acceptance themselves need no probe)
+        probe = self.short_run >= self.probe_gap and not (self.shadow and self.latest == 0)
+        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more);
+            # after blind steps with shadow, a searching AR step (its hits measure what a verifying one would)
+            choice = (0 if self.shadow and self.latest == BLIND_AR else self.k if self.latest <= 0
+                      else min(self.k, self.latest + 1))
         else:
             ratios = self.calibrations()
             expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios)
@@ -344,5 +384,5 @@ class DraftLengthController:
         # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
         self.predictions.append((choice, self.allocation(had, choice), self.latest if probe else None)
-                                if choice > 0 else None)
+                                if choice > 0 or probe else None)
         return choice

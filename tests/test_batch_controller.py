@@ -330,7 +330,8 @@ def test_the_decoder_counts_what_each_row_kept(tiny):
     eng = controlled(tiny.loaded, {2: {k: 1.0 for k in range(5)}})  # every kind at one price: k' = 4 wins
     seen = []
     observe = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f, kept=None: (seen.append((a, kept)), observe(v, a, f, kept))
+    eng.decoder.controller.observe = lambda v, a, f, kept=None, *shadow: (seen.append((a, kept)),
+                                                                          observe(v, a, f, kept, *shadow))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
     out = eng.generate(prompts, 7, ignore_eos=True)
     assert all(len(r.tokens) == 7 for r in out)
@@ -394,8 +395,8 @@ def test_cost_controller_switches_and_stays_exact(tiny, tiny_reference):
     """With prices where AR wins once the first draft is accepted less than half the time (k'=1 costs 1.5 AR steps,
     longer drafts more), the n-gram drafter's acceptance on the ragged batch makes the choice flip between steps,
     with probes back to k after two AR steps (more after probes that did not pay: at most PROBE_BACKOFF x 2); the
-    tokens are AR's."""
-    eng = controlled(tiny.loaded, {3: RISING}, probe_every=2)
+    tokens are AR's. (Without shadow verification: with it, AR steps that search need no probe.)"""
+    eng = controlled(tiny.loaded, {3: RISING}, probe_every=2, shadow=False)
     rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
     assert [r.tokens for r in rows] == tiny_reference, tiny.family
     lengths = eng.decoder.last_stats.draft_lengths
@@ -416,7 +417,8 @@ def test_cost_controller_picks_ar_or_k_by_price(tiny, tiny_reference):
     uncalibrated(eng.decoder.controller).margin = 0.0
     found = []
     real = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f, kept=None: found.append(max(f, default=0)) or real(v, a, f, kept)
+    eng.decoder.controller.observe = lambda v, a, f, kept=None, *shadow: (found.append(max(f, default=0))
+                                                                          or real(v, a, f, kept, *shadow))
     assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
     lengths = eng.decoder.last_stats.draft_lengths
     assert lengths[0] == 4 and lengths[1:] == [min(f, 4) for f in found[:len(lengths) - 1]] and 4 in lengths[1:]
@@ -555,6 +557,96 @@ def test_blind_ar_when_no_draft_could_pay():
     assert c.hopeless({k: v for k, v in prices.items() if k >= 0})
     assert [c.choose(prices) for _ in range(3)] == [BLIND_AR, BLIND_AR, 4]  # three AR steps in a row, then a probe
     assert DraftLengthController(4, bucket=4).choose({0: 1.0, 4: 2.2}) in (0, 4)  # no blind price: never blind
+
+
+def test_shadow_verification_measures_acceptance_at_ar_steps():
+    """With shadow verification an AR step that searched counts each row's first draft as verified: accepted where
+    it was the token the step emitted. A hit or miss after r hits in a row counts at positions 1..r + 1 (up to k); a
+    miss, or a step where the row had no drafts, starts its run over; a verifying step clears every run. No
+    verifying probe follows such steps, however many."""
+    c = uncalibrated(DraftLengthController(4, probe_every=3, bucket=2, shadow=True))
+    for hits in ([1, 0], [1, 1], [1, 1], [1, 0], [1, 1]):
+        c.observe([0, 0], [0, 0], [4, 4], None, hits, [0, 1])
+    # (each with its prior of 1) row 0, all hits: at positions 1; 1-2; 1-3; 1-4; 1-4 (a run of k or more: up to k).
+    # Row 1 (miss, hit, hit, miss, hit): 1; 1; 1-2; 1-3 (the miss); 1
+    assert c.reached == [1 + 5 + 5, 1 + 4 + 2, 1 + 3 + 1, 1 + 2] and c.accepted == [1 + 5 + 3, 1 + 4 + 1, 1 + 3, 1 + 2]
+    c.observe([0, 0], [0, 0], [0, 4], None, [0, 0], [0, 1])  # row 0 found nothing: no count, its run starts over
+    assert c.reached[:2] == [12, 8] and c.accepted[:2] == [9, 6] and c.hit_run == {0: 0, 1: 0}  # (row 1: 1-2, miss)
+    c.observe([0, 0], [0, 0], [4, 4], None, [1, 1], [0, 1])
+    c.observe([1, 1], [1, 0], [4, 4])  # a verifying step: its own counts, and the runs end
+    assert c.hit_run == {}
+    # the same hits without shadow (a head's controller, or batch.shadow off) count nothing
+    off = DraftLengthController(4, bucket=2)
+    off.observe([0, 0], [0, 0], [4, 4], None, [1, 1], [0, 1])
+    assert off.reached == [1.0] * 4
+    # never a verifying probe after searching AR steps: their hits are the measurement. Each row has one draft; row
+    # 0's is always right, row 1's never: a verifying step pays 3 tokens for 1.6 AR steps' price, so AR, searching
+    # (k drafts a row would pay, at the runs' deep acceptance), for good
+    prices = {-1: 0.98, 0: 1.0, 1: 1.6, 2: 1.7, 3: 1.8, 4: 1.9}
+    c = DraftLengthController(4, probe_every=3, bucket=2, shadow=True)
+    kinds = []
+    for _ in range(60):
+        kind = c.choose(prices)
+        kinds.append(kind)
+        verified = [min(max(kind, 0), 1)] * 2
+        c.observe(verified, [verified[0], 0], [1, 1], None, [1, 0] if kind == 0 else None, [0, 1])
+    assert kinds[0] == 4 and set(kinds[1:]) == {0}, kinds  # (4: the optimistic prior, before any step)
+
+
+def test_after_blind_steps_the_shadow_probe_is_a_searching_ar_step():
+    """Hopeless drafts with shadow verification: the batch goes blind, and every probe is a searching AR step (kind
+    0, no verification), backing off like a verifying probe while its rows' first drafts are right no more often
+    than measured; once they are right more often, the probes come every `probe_every` steps again, and when the
+    measure says that drafts pay, the batch verifies again."""
+    prices = {-1: 0.95, 0: 1.0, 1: 1.6, 2: 1.7, 3: 1.8, 4: 1.9}
+    c = DraftLengthController(4, probe_every=4, bucket=2, shadow=True)
+    kinds = []
+
+    def run(steps: int, hit: int) -> None:
+        for _ in range(steps):
+            kind = c.choose(prices)
+            kinds.append(kind)
+            c.observe([max(kind, 0)] * 2, [max(kind, 0) if hit else 0] * 2, [4] * 2, None,
+                      [hit] * 2 if kind == 0 else None, [0, 1])
+
+    run(120, hit=0)
+    assert set(kinds[2:]) == {BLIND_AR, 0} and 4 not in kinds[2:], kinds  # (two verifying steps at the prior)
+    probes = [i for i, kind in enumerate(kinds) if kind == 0 and i > 2]
+    assert [b - a - 1 for a, b in zip(probes, probes[1:])][:4] == [8, 16, 32, 32], kinds
+    run(120, hit=1)
+    assert kinds[-20:].count(4) == 20, kinds[-120:]
+
+
+def test_the_decoder_reports_each_searching_ar_step_s_shadow_hits(tiny):
+    """An n-gram batch priced so that every step is AR: each step's hits, as the controller is told them, are
+    whether the drafter's first draft on the row's tokens so far (searched again here, on the host) is the token
+    the step emitted; the tokens are AR's."""
+    eng = controlled(tiny.loaded, {3: {0: 1.0, 1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}}, probe_every=2)
+    seen = []
+    real = eng.decoder.controller.observe
+    eng.decoder.controller.observe = lambda v, a, f, kept=None, hits=None, rows=None: (
+        seen.append((list(f), hits, list(rows))), real(v, a, f, kept, hits, rows))
+    prompts = tiny_prompts()
+    out = eng.generate(prompts, TINY_NEW, ignore_eos=True)
+    assert eng.decoder.last_stats.draft_lengths == [0] * len(seen)
+    drafter, searched = eng.decoder.drafter, Counter()
+    for step, (found, hits, rows) in enumerate(seen):
+        for b, f, hit in zip(rows, found, hits):
+            tokens = prompts[b] + out[b].tokens
+            so_far = len(prompts[b]) + 1 + step  # the prompt, the prefill's token, the steps before
+            prop = drafter.propose(torch.tensor([tokens[:so_far]]), torch.tensor([so_far]), 4, None, None)
+            assert f == int(prop.valid[0])
+            assert hit == int(f > 0 and int(prop.tokens[0, 0]) == tokens[so_far]), (step, b)
+            searched[(f > 0, hit)] += 1
+    assert searched[(True, 0)] > 0 and searched[(False, 1)] == 0  # (hits: as the tiny model's tokens fall)
+
+
+def test_shadow_hits_are_first_drafts_equal_to_the_emitted_token():
+    from specpilot.engine.decode import shadow_hits
+
+    first, found, tokens = torch.tensor([7, 7, 3, 9]), torch.tensor([2, 0, 1, 4]), torch.tensor([[7], [7], [4], [9]])
+    assert shadow_hits(first, found, tokens).tolist() == [1, 0, 0, 1]  # (row 1 found nothing: its draft is junk)
+    assert shadow_hits(None, found, tokens).tolist() == [0, 0, 0, 0]
 
 
 def test_blind_ar_steps_decode_ar_tokens(tiny, tiny_reference):

@@ -56,6 +56,9 @@ def arguments(p) -> None:
     p.add_argument("--margins", default="",
                    help="also each controller recipe of --recipes at these batch.margin values, e.g. 0.15 "
                         "(ngram2-k4-cost-m15-fused-overlap)")
+    p.add_argument("--no-shadow", action="store_true",
+                   help="also each n-gram controller recipe of --recipes with batch.shadow off "
+                        "(ngram2-k4-cost-noshadow-fused-overlap): its AR steps measure nothing, its probes verify")
 
 
 def table(results: dict, reference: str) -> str:
@@ -122,16 +125,20 @@ def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:
     return out if ranged else None
 
 
-def sweep_recipes(names: list[str], systems: dict, margins: list[float]) -> list[tuple[str, dict]]:
+def sweep_recipes(names: list[str], systems: dict, margins: list[float],
+                  no_shadow: bool = False) -> list[tuple[str, dict]]:
     """The sweep's recipes by name: each of `names` (the bench's systems), then every batch-controller recipe among
     them (named -cost-) again at each of `margins` (its batch.margin), named -cost-mNN- (NN: the margin in
-    hundredths)."""
+    hundredths), and with `no_shadow` each n-gram one with batch.shadow off, named -cost-noshadow-."""
     out = [(name, systems[name]) for name in names]
-    for margin in margins:
+    variants = [(f"m{round(margin * 100)}", {"margin": margin}) for margin in margins]
+    variants += [("noshadow", {"shadow": False})] if no_shadow else []
+    for tag, change in variants:
         for name in (n for n in names if "-cost-" in n):
             cost = systems[name]
-            out.append((name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
-                        {**cost, "batch": {**cost["batch"], "margin": margin}}))
+            if "shadow" in change and cost["drafter"]["kind"] != "ngram":
+                continue
+            out.append((name.replace("-cost-", f"-cost-{tag}-"), {**cost, "batch": {**cost["batch"], **change}}))
     return out
 
 
@@ -173,7 +180,8 @@ def run(out_dir, args):
         if unknown or FASTEST_AR not in names:
             raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (any of the bench's systems: "
                              f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
-        for name, recipe in sweep_recipes(names, SYSTEMS, [float(m) for m in args.margins.split(",") if m]):
+        margins = [float(m) for m in args.margins.split(",") if m]
+        for name, recipe in sweep_recipes(names, SYSTEMS, margins, args.no_shadow):
             argv += ["--recipe", ctx.recipe(name, recipe)]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
