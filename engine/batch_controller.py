@@ -33,6 +33,9 @@ SPECULATION_MARGIN = BatchSpec.margin
 # after AR steps costs 1.6 AR steps at B = 4 on the H100 (20 tokens: the modular layer), and chat at B = 4, where the
 # n-gram drafter's drafts were hopeless, ran one every 17 steps (thirtieth lease: 403 of 481 steps AR, 0.95x AR).
 PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
+# With shadow verification (batch.shadow): the first drafts of searching AR steps whose hits measure, over the
+# latest this many, whether a probe would pay (a window: the rate of the requests running now)
+SHADOW_WINDOW = 64
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -145,13 +148,18 @@ class DraftLengthController:
     PROBE_BACKOFF times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any
     other probe brings them back to `probe_every`.
 
-    With `shadow` (a drafter that searches at AR steps, n-gram) an AR step is itself a free measurement: the row's
-    first draft either is the token the step emitted or is not, exactly what verifying it would have found (sampled
-    too: a one-hot draft is accepted with the target's probability of it, the chance that the sample is it). Such
-    steps update the acceptance (`observe`'s hits), so they need no verifying probe after them, and the probe after
-    blind AR steps is a searching AR step, which costs the search alone. (Without it, chat at B = 4 on the H100 ran
-    22 verifying steps among 511, probes and the choices that followed them, each 1.6 AR steps' price for about
-    one AR step's tokens: all of the n-gram controller's 2% loss to AR, thirty-sixth lease.)
+    With `shadow` (a drafter that searches at AR steps, n-gram) an AR step is also a free measurement: each row's
+    first draft either is the token the step emitted or is not, what verifying it would have found (sampled too: a
+    one-hot draft is accepted with the target's probability of it, the chance that the sample is it). The rate of
+    those hits over the latest SHADOW_WINDOW first drafts decides the probes: after searching AR steps, a probe only
+    where a verifying step would pay at that rate (the deeper positions and the calibration aside: `_shadow_pays`);
+    after blind AR steps, the probe is a searching AR step (the search's price alone), followed by a verifying probe
+    where its hits say so. The hits do not enter the acceptance the choices are made with: a prompt-lookup drafter's
+    drafts are right in bursts (a copied span), so the rate over every AR step understates what the steps it is
+    worth verifying accept (in a simulation of rows that copy in spans at B = 1, the acceptance fed the hits made 1.07x
+    AR where verifying probes made 1.38x; tests/test_batch_controller.py `lookup_rows` simulates such rows). Without the shadow, chat at B = 4 on the H100 ran
+    22 verifying steps among 511, probes and the choices that followed them, each 1.6 AR steps' price for about one
+    AR step's tokens: all of the n-gram controller's 2% loss to AR (thirty-sixth lease).
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
@@ -187,10 +195,9 @@ class DraftLengthController:
         # The drafter always has k drafts a row (an EAGLE-3 head): an AR step's search would tell nothing, so each
         # AR step is BLIND_AR where that is priced
         self.fixed_drafts = fixed_drafts
-        # Its AR steps measure acceptance: a drafter that searches at AR steps (not `fixed_drafts`) reports whether
-        # each row's first draft is the token the step emitted (`observe`'s hits), which is what verifying it would
-        # have accepted; so no verifying probe is needed after them, and the probe after blind steps is a searching
-        # AR step (batch.shadow)
+        # Its AR steps measure whether probes pay: a drafter that searches at AR steps (not `fixed_drafts`) reports
+        # whether each row's first draft is the token the step emitted (`observe`'s hits), what verifying it would
+        # have accepted (batch.shadow)
         self.shadow = shadow and not fixed_drafts
         self.margin = margin
         self.seconds: dict[int, float] = {}
@@ -211,7 +218,10 @@ class DraftLengthController:
         self.probe_gap = self.probe_every  # steps below k in a row before the next probe (`choose`)
         # the latest probe, once its step is read: (the model's choice before it, its kind, drafts kept, rows)
         self.probed: tuple[int, int, int, int] | None = None
-        self.hit_run: dict[int, int] = {}  # by row: its latest first drafts that were its AR steps' tokens
+        # with shadow: whether each of the latest SHADOW_WINDOW first drafts found at searching AR steps was the
+        # token the step emitted; and whether the next step is a verifying probe (a shadow probe said drafts pay)
+        self.shadow_hits: deque[bool] = deque(maxlen=SHADOW_WINDOW)
+        self.verify_next = False
         # each step chosen and not yet read: (its kind, its allocation, for a probe the model's choice before it),
         # None for an AR step
         self.predictions: deque[tuple[int, Counter] | None] = deque()
@@ -229,38 +239,23 @@ class DraftLengthController:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
     def observe(self, verified: list[int], accepted: list[int], found: list[int],
-                kept: list[int] | None = None, hits: list[int] | None = None, rows: list[int] | None = None) -> None:
+                kept: list[int] | None = None, hits: list[int] | None = None) -> None:
         """A step's outcome for its live rows: drafts each verified, accepted, and found (available), and of the
         accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
-        observed in the order they were chosen. A searching AR step also gives `hits` (each row's first draft was the
-        token it emitted) and the `rows` (their indices in the batch), taken as `shadow` verification: a row's
-        hit or miss after r hits in a row (its searches at consecutive steps) counts at every position 1..r + 1
-        (up to k), as draft i + 1 after drafts 1..i were accepted (a prompt-lookup drafter whose first draft was
-        right proposes the rest of its match at the next step). So each row counts once a step at the first
-        position, as in a verifying step; counted at position r + 1 alone, a row that kept hitting took k steps
-        to count once there, and the first draft's rate came out low by as much."""
+        observed in the order they were chosen. A searching AR step also gives `hits`: whether each row's first
+        draft was the token it emitted (with `shadow`, the rate at which probes are worth it)."""
         for v, n in zip(verified, accepted):
             for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
         if self.shadow and hits is not None:
-            for b, f, hit in zip(rows, found, hits):
-                run = self.hit_run.get(b, 0)
-                if f > 0:
-                    for i in range(min(run, self.k - 1) + 1):
-                        self.reached[i] += 1
-                        self.accepted[i] += bool(hit)
-                self.hit_run[b] = run + 1 if f > 0 and hit else 0
-        else:
-            self.hit_run.clear()
+            self.shadow_hits.extend(bool(hit) for f, hit in zip(found, hits) if f > 0)
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
         if chosen is not None:  # a verifying step or a probe: what it planned, and what it gained
             kind, allocation, before_probe = chosen
             gained = sum(accepted if kept is None else kept)
-            if before_probe is not None and kind == 0:  # a shadow probe: its hits, over the rows that had drafts
-                self.probed = (before_probe, 0, sum(map(bool, hits or ())), sum(f > 0 for f in found))
-            elif before_probe is not None:  # a probe: judged at the next choice (`choose`)
+            if before_probe is not None:  # a probe: judged at the next choice (`choose`)
                 self.probed = (before_probe, kind, gained, len(verified))
             if kind > 0:
                 self.planned.setdefault(kind, Counter()).update(allocation)
@@ -342,26 +337,47 @@ class DraftLengthController:
         rows = len(self.found) if self.found is not None else self.bucket
         return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
 
+    def _shadow_pays(self, prices_by_k: dict[int, float]) -> bool:
+        """Whether a verifying step would pay at the first draft's rate the shadow measured (the latest
+        SHADOW_WINDOW first drafts of searching AR steps; the later positions as measured by verifying steps), for
+        the rows as the latest step found them, the model's calibration aside (only verifying steps correct it)."""
+        if not self.shadow_hits:
+            return True
+        saved = self.accepted[0], self.reached[0]
+        self.accepted[0], self.reached[0] = sum(self.shadow_hits) + 1.0, len(self.shadow_hits) + 1.0
+        try:
+            priced = {kind: price for kind, price in self.priced(prices_by_k).items() if kind >= 0}
+            found = self.found if self.found is not None else [self.k] * self.bucket
+            return choose_step(self._tokens(found, {None: 1.0}), priced, self.margin) > 0
+        finally:
+            self.accepted[0], self.reached[0] = saved
+
     def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
         """Whether the latest probe changed anything: its own step beat an AR step's tokens a second (at the prices)
         by the margin a chosen step must, or the model now chooses longer steps than before it. (Judged without the
         margin, a batch at a tie, whose probes beat AR about every other time, kept probing every `probe_every`
-        steps: the probe said "pays" where the model, with the margin, would not verify.) A shadow probe (a searching
-        AR step after blind ones) verifies nothing: it paid if its rows' first drafts were right more often than
-        the acceptance measured so far says, a sign that acceptance is coming back."""
+        steps: the probe said "pays" where the model, with the margin, would not verify.) (A shadow probe is judged in `choose`.)"""
         before, kind, gained, rows = self.probed
-        if kind == 0:  # a shadow probe: its rows' first drafts were right more often than measured so far
-            return (rows > 0 and gained / rows > self.acceptance()[0]) or max(choice, 0) > max(before, 0)
         if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0] * (1 + self.margin):
             return True
         return max(choice, 0) > max(before, 0)
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
-        # (searching AR steps that measure acceptance themselves need no probe)
-        probe = self.short_run >= self.probe_gap and not (self.shadow and self.latest == 0)
-        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more);
-            # after blind steps with shadow, a searching AR step (its hits measure what a verifying one would)
+        if self.probed is not None and self.probed[1] == 0:  # a shadow probe (a searching AR step after blind
+            # ones) paid if, with its hits, a verifying step would (`_shadow_pays`): then the next step verifies k
+            self.verify_next = self._shadow_pays(prices_by_k)
+            self.probe_gap = (self.probe_every if self.verify_next
+                              else min(2 * self.probe_gap, PROBE_BACKOFF * self.probe_every))
+            self.probed = None
+        probe = self.short_run >= self.probe_gap
+        if probe and self.shadow and self.latest == 0:  # searching AR steps: a probe only where their hits say
+            probe = self._shadow_pays(prices_by_k)
+        if self.verify_next:  # (a shadow probe said so)
+            probe, self.verify_next = True, False
+            choice = self.k
+        elif probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little
+            # more); after blind steps with shadow, a searching AR step, whose hits say whether to verify next
             choice = (0 if self.shadow and self.latest == BLIND_AR else self.k if self.latest <= 0
                       else min(self.k, self.latest + 1))
         else:

@@ -1162,8 +1162,8 @@ class Decoder:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
                     searched_ar = stats.draft_lengths[index] == 0  # (its shadow verification: `shadow_hits`)
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
-                                       [kept[b] for b in stepped], [out[b][-3] for b in stepped] if searched_ar
-                                       else None, stepped)
+                                       [kept[b] for b in stepped],
+                                       [out[b][-3] for b in stepped] if searched_ar else None)
                 idle += finished
                 # Requests start once enough rows are free, or all of them fit, or nothing else would run
                 started = bool(waiting or ready) and bool(idle) and (
