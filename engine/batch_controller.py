@@ -36,6 +36,7 @@ PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
 # With shadow verification (batch.shadow): the first drafts of searching AR steps whose hits measure, over the
 # latest this many, whether a probe would pay (a window: the rate of the requests running now)
 SHADOW_WINDOW = 64
+SHADOW_CALIBRATED = os.environ.get("SHADOW_CAL", "0") == "1"
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -348,7 +349,7 @@ class DraftLengthController:
         try:
             priced = {kind: price for kind, price in self.priced(prices_by_k).items() if kind >= 0}
             found = self.found if self.found is not None else [self.k] * self.bucket
-            return choose_step(self._tokens(found, {None: 1.0}), priced, self.margin) > 0
+            return choose_step(self._tokens(found, None if SHADOW_CALIBRATED else {None: 1.0}), priced, self.margin) > 0
         finally:
             self.accepted[0], self.reached[0] = saved
 
