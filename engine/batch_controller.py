@@ -36,7 +36,6 @@ PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
 # With shadow verification (batch.shadow): the first drafts of searching AR steps whose hits measure, over the
 # latest this many, whether a probe would pay (a window: the rate of the requests running now)
 SHADOW_WINDOW = 64
-SHADOW_CALIBRATED = os.environ.get("SHADOW_CAL", "0") == "1"
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -153,14 +152,13 @@ class DraftLengthController:
     first draft either is the token the step emitted or is not, what verifying it would have found (sampled too: a
     one-hot draft is accepted with the target's probability of it, the chance that the sample is it). The rate of
     those hits over the latest SHADOW_WINDOW first drafts decides the probes: after searching AR steps, a probe only
-    where a verifying step would pay at that rate (the deeper positions and the calibration aside: `_shadow_pays`);
-    after blind AR steps, the probe is a searching AR step (the search's price alone), followed by a verifying probe
-    where its hits say so. The hits do not enter the acceptance the choices are made with: a prompt-lookup drafter's
-    drafts are right in bursts (a copied span), so the rate over every AR step understates what the steps it is
-    worth verifying accept (in a simulation of rows that copy in spans at B = 1, the acceptance fed the hits made 1.07x
-    AR where verifying probes made 1.38x; tests/test_batch_controller.py `lookup_rows` simulates such rows). Without the shadow, chat at B = 4 on the H100 ran
-    22 verifying steps among 511, probes and the choices that followed them, each 1.6 AR steps' price for about one
-    AR step's tokens: all of the n-gram controller's 2% loss to AR (thirty-sixth lease).
+    where the model would verify at that rate (`_shadow_pays`); after blind AR steps, the probe is a searching AR
+    step (the search's price alone), followed by a verifying probe where its hits say so. The hits do not enter the
+    acceptance the choices are made with: a prompt-lookup drafter's drafts are right in bursts (a copied span), so the
+    rate over every AR step misstates what the steps worth verifying accept (rows that copy in spans at B = 1,
+    simulated with the hits fed to the acceptance: 1.07x AR where verifying probes made 1.38x; `lookup_rows` in
+    tests/test_batch_controller.py). On the H100 (thirty-sixth lease) it is within the replica noise of verifying
+    probes: B = 1-8, chat, summarize and code, 1.095x against 1.092x AR on average over 11 cells.
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
@@ -338,10 +336,12 @@ class DraftLengthController:
         rows = len(self.found) if self.found is not None else self.bucket
         return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
 
-    def _shadow_pays(self, prices_by_k: dict[int, float]) -> bool:
-        """Whether a verifying step would pay at the first draft's rate the shadow measured (the latest
-        SHADOW_WINDOW first drafts of searching AR steps; the later positions as measured by verifying steps), for
-        the rows as the latest step found them, the model's calibration aside (only verifying steps correct it)."""
+    def _shadow_pays(self, prices_by_k: dict[int, float], calibrated: bool = True) -> bool:
+        """Whether the model would verify drafts next at the first draft's rate the shadow measured (the latest
+        SHADOW_WINDOW first drafts of searching AR steps; the later positions as verifying steps measured them), for
+        the rows as the latest step found them; with its calibration or without. (After searching AR steps, without
+        it, it probed chat at B = 4 more, on the real SmolLM2's choices priced at the H100's step times: 0.945x AR
+        against 0.957x with verifying probes, 0.966x with the calibration.)"""
         if not self.shadow_hits:
             return True
         saved = self.accepted[0], self.reached[0]
@@ -349,7 +349,7 @@ class DraftLengthController:
         try:
             priced = {kind: price for kind, price in self.priced(prices_by_k).items() if kind >= 0}
             found = self.found if self.found is not None else [self.k] * self.bucket
-            return choose_step(self._tokens(found, None if SHADOW_CALIBRATED else {None: 1.0}), priced, self.margin) > 0
+            return choose_step(self._tokens(found, None if calibrated else {None: 1.0}), priced, self.margin) > 0
         finally:
             self.accepted[0], self.reached[0] = saved
 
@@ -366,14 +366,18 @@ class DraftLengthController:
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
         if self.probed is not None and self.probed[1] == 0:  # a shadow probe (a searching AR step after blind
-            # ones) paid if, with its hits, a verifying step would (`_shadow_pays`): then the next step verifies k
-            self.verify_next = self._shadow_pays(prices_by_k)
+            # ones) paid if, with its hits, the model would verify (`_shadow_pays`): then the next step verifies k.
+            # (Without the calibration: a batch blind because its first verifying steps gained little, and the
+            # calibration with them, would stay blind for good)
+            self.verify_next = self._shadow_pays(prices_by_k, calibrated=False)
             self.probe_gap = (self.probe_every if self.verify_next
                               else min(2 * self.probe_gap, PROBE_BACKOFF * self.probe_every))
             self.probed = None
         probe = self.short_run >= self.probe_gap
-        if probe and self.shadow and self.latest == 0:  # searching AR steps: a probe only where their hits say
-            probe = self._shadow_pays(prices_by_k)
+        if probe and self.shadow and self.latest == 0:  # searching AR steps: a probe where their hits say, and
+            # at least every PROBE_BACKOFF x probe_every steps (the calibration, which only verifying steps correct,
+            # may be what says no)
+            probe = self.short_run >= PROBE_BACKOFF * self.probe_every or self._shadow_pays(prices_by_k)
         if self.verify_next:  # (a shadow probe said so)
             probe, self.verify_next = True, False
             choice = self.k
