@@ -33,9 +33,6 @@ SPECULATION_MARGIN = BatchSpec.margin
 # after AR steps costs 1.6 AR steps at B = 4 on the H100 (20 tokens: the modular layer), and chat at B = 4, where the
 # n-gram drafter's drafts were hopeless, ran one every 17 steps (thirtieth lease: 403 of 481 steps AR, 0.95x AR).
 PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
-# With shadow verification (batch.shadow): the first drafts of searching AR steps whose hits measure, over the
-# latest this many, whether a probe would pay (a window: the rate of the requests running now)
-SHADOW_WINDOW = 64
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -148,18 +145,6 @@ class DraftLengthController:
     PROBE_BACKOFF times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any
     other probe brings them back to `probe_every`.
 
-    With `shadow` (a drafter that searches at AR steps, n-gram) an AR step is also a free measurement: each row's
-    first draft either is the token the step emitted or is not, what verifying it would have found (sampled too: a
-    one-hot draft is accepted with the target's probability of it, the chance that the sample is it). The rate of
-    those hits over the latest SHADOW_WINDOW first drafts decides the probes: after searching AR steps, a probe only
-    where the model would verify at that rate (`_shadow_pays`); after blind AR steps, the probe is a searching AR
-    step (the search's price alone), followed by a verifying probe where its hits say so. The hits do not enter the
-    acceptance the choices are made with: a prompt-lookup drafter's drafts are right in bursts (a copied span), so the
-    rate over every AR step misstates what the steps worth verifying accept (rows that copy in spans at B = 1,
-    simulated with the hits fed to the acceptance: 1.07x AR where verifying probes made 1.38x; `lookup_rows` in
-    tests/test_batch_controller.py). On the H100 (thirty-sixth lease) it is within the replica noise of verifying
-    probes: B = 1-8, chat, summarize and code, 1.095x against 1.092x AR on average over 11 cells.
-
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
     and each verifying kind's expected gain is scaled by (gained + prior) / (predicted + prior) over this batch's
@@ -187,17 +172,13 @@ class DraftLengthController:
     replay scaled like the timed kinds around it."""
 
     def __init__(self, k: int, probe_every: int = 16, ragged: bool = False, bucket: int = 1,
-                 margin: float = SPECULATION_MARGIN, fixed_drafts: bool = False, shadow: bool = False):
+                 margin: float = SPECULATION_MARGIN, fixed_drafts: bool = False):
         if probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k, self.probe_every, self.ragged, self.bucket = k, probe_every, ragged, bucket
         # The drafter always has k drafts a row (an EAGLE-3 head): an AR step's search would tell nothing, so each
         # AR step is BLIND_AR where that is priced
         self.fixed_drafts = fixed_drafts
-        # Its AR steps measure whether probes pay: a drafter that searches at AR steps (not `fixed_drafts`) reports
-        # whether each row's first draft is the token the step emitted (`observe`'s hits), what verifying it would
-        # have accepted (batch.shadow)
-        self.shadow = shadow and not fixed_drafts
         self.margin = margin
         self.seconds: dict[int, float] = {}
         self.timed: dict[int, deque] = {}
@@ -217,10 +198,6 @@ class DraftLengthController:
         self.probe_gap = self.probe_every  # steps below k in a row before the next probe (`choose`)
         # the latest probe, once its step is read: (the model's choice before it, its kind, drafts kept, rows)
         self.probed: tuple[int, int, int, int] | None = None
-        # with shadow: whether each of the latest SHADOW_WINDOW first drafts found at searching AR steps was the
-        # token the step emitted; and whether the next step is a verifying probe (a shadow probe said drafts pay)
-        self.shadow_hits: deque[bool] = deque(maxlen=SHADOW_WINDOW)
-        self.verify_next = False
         # each step chosen and not yet read: (its kind, its allocation, for a probe the model's choice before it),
         # None for an AR step
         self.predictions: deque[tuple[int, Counter] | None] = deque()
@@ -238,27 +215,23 @@ class DraftLengthController:
         return [a / r for a, r in zip(self.accepted, self.reached)]
 
     def observe(self, verified: list[int], accepted: list[int], found: list[int],
-                kept: list[int] | None = None, hits: list[int] | None = None) -> None:
+                kept: list[int] | None = None) -> None:
         """A step's outcome for its live rows: drafts each verified, accepted, and found (available), and of the
         accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
-        observed in the order they were chosen. A searching AR step also gives `hits`: whether each row's first
-        draft was the token it emitted (with `shadow`, the rate at which probes are worth it)."""
+        observed in the order they were chosen."""
         for v, n in zip(verified, accepted):
             for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
-        if self.shadow and hits is not None:
-            self.shadow_hits.extend(bool(hit) for f, hit in zip(found, hits) if f > 0)
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
-        if chosen is not None:  # a verifying step or a probe: what it planned, and what it gained
+        if chosen is not None:  # a verifying step: what it planned, and what it gained
             kind, allocation, before_probe = chosen
             gained = sum(accepted if kept is None else kept)
             if before_probe is not None:  # a probe: judged at the next choice (`choose`)
                 self.probed = (before_probe, kind, gained, len(verified))
-            if kind > 0:
-                self.planned.setdefault(kind, Counter()).update(allocation)
-                self.realized_gain[kind] += gained
+            self.planned.setdefault(kind, Counter()).update(allocation)
+            self.realized_gain[kind] += gained
 
     def predicted_gains(self) -> dict[int, float]:
         """By kind, the model's gain (tokens beyond one a row) for this batch's steps of that kind at the acceptance
@@ -336,28 +309,11 @@ class DraftLengthController:
         rows = len(self.found) if self.found is not None else self.bucket
         return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
 
-    def _shadow_pays(self, prices_by_k: dict[int, float], calibrated: bool = True) -> bool:
-        """Whether the model would verify drafts next at the first draft's rate the shadow measured (the latest
-        SHADOW_WINDOW first drafts of searching AR steps; the later positions as verifying steps measured them), for
-        the rows as the latest step found them; with its calibration or without. (After searching AR steps, without
-        it, it probed chat at B = 4 more, on the real SmolLM2's choices priced at the H100's step times: 0.945x AR
-        against 0.957x with verifying probes, 0.966x with the calibration.)"""
-        if not self.shadow_hits:
-            return True
-        saved = self.accepted[0], self.reached[0]
-        self.accepted[0], self.reached[0] = sum(self.shadow_hits) + 1.0, len(self.shadow_hits) + 1.0
-        try:
-            priced = {kind: price for kind, price in self.priced(prices_by_k).items() if kind >= 0}
-            found = self.found if self.found is not None else [self.k] * self.bucket
-            return choose_step(self._tokens(found, None if calibrated else {None: 1.0}), priced, self.margin) > 0
-        finally:
-            self.accepted[0], self.reached[0] = saved
-
     def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
         """Whether the latest probe changed anything: its own step beat an AR step's tokens a second (at the prices)
         by the margin a chosen step must, or the model now chooses longer steps than before it. (Judged without the
         margin, a batch at a tie, whose probes beat AR about every other time, kept probing every `probe_every`
-        steps: the probe said "pays" where the model, with the margin, would not verify.) (A shadow probe is judged in `choose`.)"""
+        steps: the probe said "pays" where the model, with the margin, would not verify.)"""
         before, kind, gained, rows = self.probed
         if kind in priced and 0 in priced and (rows + gained) / priced[kind] > rows / priced[0] * (1 + self.margin):
             return True
@@ -365,26 +321,9 @@ class DraftLengthController:
 
     def choose(self, prices_by_k: dict[int, float]) -> int:
         """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
-        if self.probed is not None and self.probed[1] == 0:  # a shadow probe (a searching AR step after blind
-            # ones) paid if, with its hits, the model would verify (`_shadow_pays`): then the next step verifies k.
-            # (Without the calibration: a batch blind because its first verifying steps gained little, and the
-            # calibration with them, would stay blind for good)
-            self.verify_next = self._shadow_pays(prices_by_k, calibrated=False)
-            self.probe_gap = (self.probe_every if self.verify_next
-                              else min(2 * self.probe_gap, PROBE_BACKOFF * self.probe_every))
-            self.probed = None
         probe = self.short_run >= self.probe_gap
-        if probe and self.shadow and self.latest == 0:  # searching AR steps: a probe where their hits say, and
-            # at least every PROBE_BACKOFF x probe_every steps (the calibration, which only verifying steps correct,
-            # may be what says no)
-            probe = self.short_run >= PROBE_BACKOFF * self.probe_every or self._shadow_pays(prices_by_k)
-        if self.verify_next:  # (a shadow probe said so)
-            probe, self.verify_next = True, False
-            choice = self.k
-        elif probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little
-            # more); after blind steps with shadow, a searching AR step, whose hits say whether to verify next
-            choice = (0 if self.shadow and self.latest == BLIND_AR else self.k if self.latest <= 0
-                      else min(self.k, self.latest + 1))
+        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
+            choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
         else:
             ratios = self.calibrations()
             expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios)
@@ -405,5 +344,5 @@ class DraftLengthController:
         # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
         self.predictions.append((choice, self.allocation(had, choice), self.latest if probe else None)
-                                if choice > 0 or probe else None)
+                                if choice > 0 else None)
         return choice

@@ -219,10 +219,9 @@ class DecodeState:
         self.history = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
-        # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., first draft hit (a
-        #  searching AR step: the row's first draft was the token it emitted, `shadow_hits`), drafts verified,
+        # [n_accepted, tokens (k + 1: the step's accepted drafts and the target's token)..., drafts verified,
         #  drafts found]
-        self.out = torch.zeros(batch, k + 5, dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, k + 4, dtype=torch.long, device=device)
         self.budget = torch.full((batch,), k, dtype=torch.long, device=device)  # drafts a row may verify next
         # Sampling's random draws (CounterRng): the call's seed, and each row's salt (its request's index)
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
@@ -275,18 +274,9 @@ def _update_budget(budget, valid, n_acc, k: int) -> None:
     budget.copy_(torch.where(valid > 0, grown, budget))
 
 
-def shadow_hits(first_draft, found, tokens) -> torch.Tensor:
-    """Each row's shadow verification at an AR step that searched: 1 where the drafter found drafts and the first
-    is the token the step emitted (what verifying it would have accepted), else 0; zeros without a search (None)."""
-    if first_draft is None:
-        return torch.zeros_like(found)
-    return ((found > 0) & (first_draft == tokens[:, 0])).long()
-
-
-def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, found, first_draft=None) -> torch.Tensor:
+def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, found) -> torch.Tensor:
     n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
-    out[:, -3].copy_(shadow_hits(first_draft, found, tokens))
     out[:, -2].copy_(valid)
     out[:, -1].copy_(found)
     return n_acc
@@ -372,8 +362,7 @@ class Decoder:
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
                  ragged: bool = False, tree: TreeShape | DynamicTree | None = None,
-                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0, packed_weights: dict | None = None,
-                 shadow: bool = True):
+                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0, packed_weights: dict | None = None):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -394,7 +383,7 @@ class Decoder:
         # The batch-level controller: each step verifies k' = 0..k drafts, whichever the acceptance measured so far
         # and the price of each kind of step at this batch size make fastest (each k' a graph of its own).
         self.controller = (DraftLengthController(k, probe_every, ragged, margin=margin,
-                                                 fixed_drafts=not drafter.variable_drafts, shadow=shadow)
+                                                 fixed_drafts=not drafter.variable_drafts)
                            if controller == "cost" and k > 0 else None)
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
@@ -506,7 +495,7 @@ class Decoder:
         if self.tree is not None and drafts_k > 0:
             return self._tree_step(st, sampling, generator)
         ragged = self.ragged and drafts_k > 0 and sampling.greedy
-        drafts = proposed = prop = side = first_draft = None
+        drafts = proposed = prop = side = None
         found = torch.zeros_like(st.lengths)
         if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
@@ -520,8 +509,6 @@ class Decoder:
             else:
                 prop = self.drafter.propose(st.history, st.lengths, width, sampling, generator)
             found = prop.valid
-            if not drafts_k and self.drafter.variable_drafts:  # a searching AR step: its shadow verification
-                first_draft = prop.tokens[:, 0]
             if drafts_k:
                 keep = k if ragged else drafts_k
                 drafts, proposed = prop.tokens[:, :keep], prop.valid.clamp(max=keep)
@@ -544,7 +531,7 @@ class Decoder:
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
             n_acc = self._finish(st.history, st.lengths, st.active, st.out, inputs[:, 1:], valid, logits,
-                                 self.ops.accept, found, first_draft)
+                                 self.ops.accept, found)
         else:
             logits, hidden = self._forward(inputs, positions)
             self._mark("verify")
@@ -553,7 +540,6 @@ class Decoder:
             q = prop.probs[:, : inputs.shape[1] - 1] if drafts is not None and prop.probs is not None else None
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)  # q None: one-hot
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
-            st.out[:, -3].copy_(shadow_hits(first_draft, found, tokens))
             st.out[:, -2].copy_(valid)
             st.out[:, -1].copy_(found)
         if drafts is not None and self.adaptive_drafts:
@@ -1160,10 +1146,8 @@ class Decoder:
                                                  emitted, waited, queue_empty))
                 if controller is not None:
                     found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
-                    searched_ar = stats.draft_lengths[index] == 0  # (its shadow verification: `shadow_hits`)
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
-                                       [kept[b] for b in stepped],
-                                       [out[b][-3] for b in stepped] if searched_ar else None)
+                                       [kept[b] for b in stepped])
                 idle += finished
                 # Requests start once enough rows are free, or all of them fit, or nothing else would run
                 started = bool(waiting or ready) and bool(idle) and (

@@ -69,8 +69,6 @@ class BatchSpec:
     probe_every: int = 16  # cost: after this many AR steps in a row, one verifies k (after shorter: one more);
     # after probes that did not pay, up to 8 times as many
     margin: float = 0.05  # cost: how much more a verifying step must be expected to yield a second than an AR step
-    shadow: bool = True  # cost: an AR step that searches (n-gram) measures acceptance: was each row's first draft
-    # the token it emitted; no verifying probe after such steps
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
     refill_at: float = 0.0  # continuous batching: waiting requests start once this share of the rows is free (0: as
     # soon as one is), so that rows ending at different steps start their next requests in fewer, larger groups

@@ -8,9 +8,8 @@ from collections import Counter, deque
 import pytest
 import torch
 
-from specpilot.engine.batch_controller import (BLIND_AR, CALIBRATION_PRIOR_STEPS, PROBE_BACKOFF, SHADOW_WINDOW,
-                                               TIME_WINDOW, DraftLengthController, choose_step, expected_tokens,
-                                               step_tokens)
+from specpilot.engine.batch_controller import (BLIND_AR, CALIBRATION_PRIOR_STEPS, PROBE_BACKOFF, TIME_WINDOW,
+                                               DraftLengthController, choose_step, expected_tokens, step_tokens)
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -331,8 +330,7 @@ def test_the_decoder_counts_what_each_row_kept(tiny):
     eng = controlled(tiny.loaded, {2: {k: 1.0 for k in range(5)}})  # every kind at one price: k' = 4 wins
     seen = []
     observe = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f, kept=None, *shadow: (seen.append((a, kept)),
-                                                                          observe(v, a, f, kept, *shadow))
+    eng.decoder.controller.observe = lambda v, a, f, kept=None: (seen.append((a, kept)), observe(v, a, f, kept))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
     out = eng.generate(prompts, 7, ignore_eos=True)
     assert all(len(r.tokens) == 7 for r in out)
@@ -396,8 +394,8 @@ def test_cost_controller_switches_and_stays_exact(tiny, tiny_reference):
     """With prices where AR wins once the first draft is accepted less than half the time (k'=1 costs 1.5 AR steps,
     longer drafts more), the n-gram drafter's acceptance on the ragged batch makes the choice flip between steps,
     with probes back to k after two AR steps (more after probes that did not pay: at most PROBE_BACKOFF x 2); the
-    tokens are AR's. (Without shadow verification: with it, AR steps that search need no probe.)"""
-    eng = controlled(tiny.loaded, {3: RISING}, probe_every=2, shadow=False)
+    tokens are AR's."""
+    eng = controlled(tiny.loaded, {3: RISING}, probe_every=2)
     rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
     assert [r.tokens for r in rows] == tiny_reference, tiny.family
     lengths = eng.decoder.last_stats.draft_lengths
@@ -418,8 +416,7 @@ def test_cost_controller_picks_ar_or_k_by_price(tiny, tiny_reference):
     uncalibrated(eng.decoder.controller).margin = 0.0
     found = []
     real = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f, kept=None, *shadow: (found.append(max(f, default=0))
-                                                                          or real(v, a, f, kept, *shadow))
+    eng.decoder.controller.observe = lambda v, a, f, kept=None: found.append(max(f, default=0)) or real(v, a, f, kept)
     assert [r.tokens for r in eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)] == tiny_reference
     lengths = eng.decoder.last_stats.draft_lengths
     assert lengths[0] == 4 and lengths[1:] == [min(f, 4) for f in found[:len(lengths) - 1]] and 4 in lengths[1:]
@@ -558,141 +555,6 @@ def test_blind_ar_when_no_draft_could_pay():
     assert c.hopeless({k: v for k, v in prices.items() if k >= 0})
     assert [c.choose(prices) for _ in range(3)] == [BLIND_AR, BLIND_AR, 4]  # three AR steps in a row, then a probe
     assert DraftLengthController(4, bucket=4).choose({0: 1.0, 4: 2.2}) in (0, 4)  # no blind price: never blind
-
-
-def test_shadow_hits_decide_the_probes_after_searching_ar_steps():
-    """With shadow verification the hits of searching AR steps (each row's first draft was the token it emitted)
-    keep their own rate, over the latest SHADOW_WINDOW first drafts of rows that had drafts, and leave the
-    acceptance the choices are made with alone. After searching AR steps a verifying probe comes only where a
-    verifying step would pay at that rate: never while the drafts are wrong, and as soon as they are right often
-    enough (here a rate above 1/4: 2 (1 + 4p) tokens for 1.9 AR steps' price, against 2 x 1.05)."""
-    prices = {0: 1.0, 1: 1.6, 2: 1.7, 3: 1.8, 4: 1.9}  # (no blind AR step: AR steps search)
-    c = DraftLengthController(4, probe_every=3, bucket=2, shadow=True)
-    for _ in range(3):
-        c.observe([4, 4], [0, 0], [4, 4])  # drafts rejected: p_1 = 1/7
-    kinds = []
-    for _ in range(40):
-        kinds.append(c.choose(prices))
-        c.observe([0, 0], [0, 0], [4, 0], None, [0, 1])  # row 0's drafts wrong; row 1 has none (its hit: junk)
-    assert set(kinds) == {0}, kinds
-    assert c.acceptance() == [1 / 7] + [1.0] * 3 and list(c.shadow_hits) == [False] * 40
-    while kinds[-1] != 4 and len(kinds) < 60:
-        kinds.append(c.choose(prices))
-        if kinds[-1] == 0:
-            c.observe([0, 0], [0, 0], [4, 4], None, [1, 1])
-    # 40 misses and 2s hits: above 1/4 at s = 7, (15) / (55): the next step probes
-    assert kinds[40:] == [0] * 7 + [4], kinds[40:]
-    assert c.acceptance() == [1 / 7] + [1.0] * 3 and len(c.shadow_hits) == 54
-    # the same hits without shadow (a head's controller, or batch.shadow off) are not kept
-    off = DraftLengthController(4, bucket=2)
-    off.observe([0, 0], [0, 0], [4, 4], None, [1, 1])
-    assert not off.shadow_hits and not off.shadow
-
-
-def test_after_blind_steps_the_shadow_probe_is_a_searching_ar_step():
-    """Hopeless drafts with shadow verification: the batch goes blind, and every probe is a searching AR step (kind
-    0, no verification), backing off like a verifying probe while its hits say verifying would not pay; once they
-    say it would, a verifying probe follows it at once, and when that pays the batch verifies again."""
-    prices = {-1: 0.95, 0: 1.0, 1: 1.6, 2: 1.7, 3: 1.8, 4: 1.9}
-    c = DraftLengthController(4, probe_every=4, bucket=2, shadow=True)
-    kinds = []
-
-    def run(steps: int, right: bool) -> None:
-        for _ in range(steps):
-            kind = c.choose(prices)
-            kinds.append(kind)
-            n = max(kind, 0) if right else 0
-            c.observe([max(kind, 0)] * 2, [n] * 2, [4] * 2, None, [int(right)] * 2 if kind == 0 else None)
-
-    run(120, right=False)
-    assert set(kinds[8:]) == {BLIND_AR, 0}, kinds  # (the start: k at the prior; the first shadow probe, with two
-    # misses, says yes once)
-    probes = [i for i, kind in enumerate(kinds) if kind == 0]
-    assert [b - a - 1 for a, b in zip(probes, probes[1:])][1:4] == [16, 32, 32], kinds
-    run(120, right=True)
-    at = kinds.index(4, 120)  # the first verifying step once the drafts are right
-    assert kinds[at - 1] == 0 and kinds[-20:].count(4) == 20, kinds[120:]
-
-
-# The n-gram controller's steps at B = 4 on the H100 (SmolLM2-135M, replayed at warm-up; thirty-sixth lease,
-# loop_overhead), blind AR a hair below a searching one as in the loop
-LOOKUP_PRICES = {-1: 0.546, 0: 0.548, 1: 0.865, 2: 0.879, 3: 0.870, 4: 0.894}
-
-
-def lookup_rows(batch: int, seed: int, shadow: bool, enter: float, leave: float, steps: int = 600) -> float:
-    """Rows that copy in spans, as a prompt-lookup drafter sees them: a row starts copying with chance `enter` a
-    token and stops with `leave`; copying, it has 4 drafts, each right with chance 0.9; otherwise drafts with
-    chance 0.3, each right with 0.15. Each step read one step late (overlap). The controller's tokens a
-    millisecond, over AR's at the blind AR step's price."""
-    import random
-
-    rng, c = random.Random(seed), DraftLengthController(4, bucket=batch, shadow=shadow)
-    copying, unread, tokens, ms = [False] * batch, deque(), 0, 0.0
-    for _ in range(steps):
-        kind = c.choose(LOOKUP_PRICES)
-        found, accepted, hits = [], [], []
-        for b in range(batch):
-            f = 4 if copying[b] or rng.random() < 0.3 else 0
-            right = 0.9 if copying[b] else 0.15
-            n = 0
-            while n < min(max(kind, 0), f) and rng.random() < right:
-                n += 1
-            found.append(f), accepted.append(n), hits.append(int(kind == 0 and f > 0 and rng.random() < right))
-            for _ in range(n + 1):
-                copying[b] = rng.random() >= leave if copying[b] else rng.random() < enter
-            tokens += n + 1
-        ms += LOOKUP_PRICES[kind]
-        unread.append(([min(max(kind, 0), f) for f in found], accepted, found, None, hits if kind == 0 else None))
-        if len(unread) > 1:
-            c.observe(*unread.popleft())
-    return tokens / ms / (batch / LOOKUP_PRICES[-1])
-
-
-@pytest.mark.parametrize("batch", (1, 4))
-def test_shadow_probes_lose_less_where_drafts_rarely_pay_and_keep_up_where_they_do(batch):
-    """Rows that rarely copy (chat-like: spans entered at 1% a token, left at 30%): speculation cannot pay, and with
-    shadow verification the controller loses less to AR than with verifying probes (each 1.6 AR steps' price for
-    about one's tokens). Rows that copy long spans (code-like: 5%, 3%): it keeps within 2% of the verifying probes'
-    speedup. Averaged over seeds."""
-    def mean(shadow, enter, leave):
-        return sum(lookup_rows(batch, seed, shadow, enter, leave) for seed in range(8)) / 8
-
-    rare = {shadow: mean(shadow, 0.01, 0.3) for shadow in (True, False)}
-    assert rare[True] > rare[False] and rare[True] >= 0.994, rare
-    spans = {shadow: mean(shadow, 0.05, 0.03) for shadow in (True, False)}
-    assert spans[True] >= 0.98 * spans[False] and spans[True] > 1.25, spans
-
-
-def test_the_decoder_reports_each_searching_ar_step_s_shadow_hits(tiny):
-    """An n-gram batch priced so that every step is AR: each step's hits, as the controller is told them, are
-    whether the drafter's first draft on the row's tokens so far (searched again here, on the host) is the token
-    the step emitted; the tokens are AR's."""
-    eng = controlled(tiny.loaded, {3: {0: 1.0, 1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0}}, probe_every=1000)
-    seen = []
-    real = eng.decoder.controller.observe
-    eng.decoder.controller.observe = lambda v, a, f, kept=None, hits=None: (
-        seen.append((list(f), hits, list(range(len(f))))), real(v, a, f, kept, hits))
-    prompts = tiny_prompts()
-    out = eng.generate(prompts, TINY_NEW, ignore_eos=True)
-    assert eng.decoder.last_stats.draft_lengths == [0] * len(seen)
-    drafter, searched = eng.decoder.drafter, Counter()
-    for step, (found, hits, rows) in enumerate(seen):
-        for b, f, hit in zip(rows, found, hits):
-            tokens = prompts[b] + out[b].tokens
-            so_far = len(prompts[b]) + 1 + step  # the prompt, the prefill's token, the steps before
-            prop = drafter.propose(torch.tensor([tokens[:so_far]]), torch.tensor([so_far]), 4, None, None)
-            assert f == int(prop.valid[0])
-            assert hit == int(f > 0 and int(prop.tokens[0, 0]) == tokens[so_far]), (step, b)
-            searched[(f > 0, hit)] += 1
-    assert searched[(True, 0)] > 0 and searched[(False, 1)] == 0  # (hits: as the tiny model's tokens fall)
-
-
-def test_shadow_hits_are_first_drafts_equal_to_the_emitted_token():
-    from specpilot.engine.decode import shadow_hits
-
-    first, found, tokens = torch.tensor([7, 7, 3, 9]), torch.tensor([2, 0, 1, 4]), torch.tensor([[7], [7], [4], [9]])
-    assert shadow_hits(first, found, tokens).tolist() == [1, 0, 0, 1]  # (row 1 found nothing: its draft is junk)
-    assert shadow_hits(None, found, tokens).tolist() == [0, 0, 0, 0]
 
 
 def test_blind_ar_steps_decode_ar_tokens(tiny, tiny_reference):

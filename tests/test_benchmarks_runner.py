@@ -429,7 +429,7 @@ def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path
     assert os.environ["SPECPILOT_SYNTHETIC_TOKENIZER"] == str(staged.model)
 
 
-def test_batch_sweep_variants_add_each_controller_recipe_at_each_margin_and_without_shadow(runner):
+def test_batch_sweep_margins_add_each_controller_recipe_at_each_margin(runner):
     """`--margins 0.15,0.25`: every batch-controller recipe of the sweep (n-gram's and the head's) again at each
     margin, named by it; the other recipes once, and the shipped recipes themselves left as they were."""
     from specpilot.tools.bench.engine_bench import SYSTEMS
@@ -446,12 +446,6 @@ def test_batch_sweep_variants_add_each_controller_recipe_at_each_margin_and_with
             assert {**variant, "batch": SYSTEMS[name]["batch"]} == SYSTEMS[name]  # the margin alone differs
         assert recipes[name] is SYSTEMS[name]
     assert dict(batch_sweep.sweep_recipes(names, SYSTEMS, [])) == {n: SYSTEMS[n] for n in names}
-    # --no-shadow: the n-gram controller recipe again with batch.shadow off (a head's AR steps do not search)
-    recipes = dict(batch_sweep.sweep_recipes(names, SYSTEMS, [], no_shadow=True))
-    (off,) = [n for n in recipes if "-noshadow-" in n]
-    base = off.replace("-noshadow-", "-")
-    assert SYSTEMS[base]["drafter"]["kind"] == "ngram" and recipes[off]["batch"] == {**SYSTEMS[base]["batch"],
-                                                                                        "shadow": False}
 
 
 def test_loop_overhead_takes_the_timing_s_own_work_off_a_step_s_kernels(runner, tiny_model_dir):

@@ -56,9 +56,6 @@ def arguments(p) -> None:
     p.add_argument("--margins", default="",
                    help="also each controller recipe of --recipes at these batch.margin values, e.g. 0.15 "
                         "(ngram2-k4-cost-m15-fused-overlap)")
-    p.add_argument("--no-shadow", action="store_true",
-                   help="also each n-gram controller recipe of --recipes with batch.shadow off "
-                        "(ngram2-k4-cost-noshadow-fused-overlap): its AR steps measure nothing, its probes verify")
 
 
 def table(results: dict, reference: str) -> str:
@@ -125,20 +122,16 @@ def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:
     return out if ranged else None
 
 
-def sweep_recipes(names: list[str], systems: dict, margins: list[float],
-                  no_shadow: bool = False) -> list[tuple[str, dict]]:
+def sweep_recipes(names: list[str], systems: dict, margins: list[float]) -> list[tuple[str, dict]]:
     """The sweep's recipes by name: each of `names` (the bench's systems), then every batch-controller recipe among
     them (named -cost-) again at each of `margins` (its batch.margin), named -cost-mNN- (NN: the margin in
-    hundredths), and with `no_shadow` each n-gram one with batch.shadow off, named -cost-noshadow-."""
+    hundredths)."""
     out = [(name, systems[name]) for name in names]
-    variants = [(f"m{round(margin * 100)}", {"margin": margin}) for margin in margins]
-    variants += [("noshadow", {"shadow": False})] if no_shadow else []
-    for tag, change in variants:
+    for margin in margins:
         for name in (n for n in names if "-cost-" in n):
             cost = systems[name]
-            if "shadow" in change and cost["drafter"]["kind"] != "ngram":
-                continue
-            out.append((name.replace("-cost-", f"-cost-{tag}-"), {**cost, "batch": {**cost["batch"], **change}}))
+            out.append((name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
+                        {**cost, "batch": {**cost["batch"], "margin": margin}}))
     return out
 
 
@@ -180,8 +173,7 @@ def run(out_dir, args):
         if unknown or FASTEST_AR not in names:
             raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (any of the bench's systems: "
                              f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
-        margins = [float(m) for m in args.margins.split(",") if m]
-        for name, recipe in sweep_recipes(names, SYSTEMS, margins, args.no_shadow):
+        for name, recipe in sweep_recipes(names, SYSTEMS, [float(m) for m in args.margins.split(",") if m]):
             argv += ["--recipe", ctx.recipe(name, recipe)]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]

@@ -959,12 +959,8 @@ def batching_options(recipe: Recipe, view: CostView, skipped: Skips) -> list[Opt
             verdict = (f"speculation at k={dep.k} is predicted below AR here ({plain.tokens_per_s:.0f} against "
                        f"{plain.ar_tokens_per_s:.0f} tok/s)" if losing else
                        f"k={dep.k} is not the best draft length here")
-            shadow = recipe.drafter.kind == "ngram" and recipe.batch.shadow
-            probe = ("" if controlled.drafts != 0 else
-                     "; its AR steps still search, and whether each row's first draft was the token emitted measures "
-                     "the acceptance, so it verifies again when that comes back" if shadow else
-                     f"; after {recipe.batch.probe_every} AR steps in a row it probes k={dep.k}, to notice when "
-                     f"acceptance comes back (less often while probes do not pay)")
+            probe = (f"; after {recipe.batch.probe_every} AR steps in a row it probes k={dep.k}, to notice when "
+                     f"acceptance comes back (less often while probes do not pay)" if controlled.drafts == 0 else "")
             out.append(Option({"batch": {"controller": "cost"}}, (
                 f"batch.controller cost for {now}: {verdict}; with the measured per-position acceptance "
                 f"{positions(acc)} the calibrated cost model's rate per kind of step is {_rates(controlled)} tok/s, "
