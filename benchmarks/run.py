@@ -9,7 +9,8 @@
 A run stages once (harness.stage: the model, the carried wheels, the checkout as `specpilot`), records the
 environment, runs benchmarks/experiments/NAME.py and writes exactly NAME.json and NAME.md into the out dir ($OUT
 when set, else runs/benchmarks/NAME). Without CUDA only --smoke runs (1 prompt, 8 tokens, on the CPU), and the
-experiments that time GPU kernels refuse. benchmarks/README.md has the device tool's two-call protocol.
+experiments that time GPU kernels refuse; an experiment with CPU = True computes on the CPU anywhere (modeled
+figures, never a speed). benchmarks/README.md has the device tool's two-call protocol.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def experiments() -> dict[str, dict]:
                   and isinstance(n.value, ast.Constant) for t in n.targets if isinstance(t, ast.Name)}
         found[path.stem] = {"description": (ast.get_docstring(tree) or "").split("\n")[0],
                             "minutes": consts.get("MINUTES"), "cuda_only": bool(consts.get("CUDA_ONLY")),
+                            "cpu": bool(consts.get("CPU")),
                             "path": path}
     return found
 
@@ -59,7 +61,7 @@ def load(name: str):
 
 def print_list() -> None:
     for name, e in experiments().items():
-        tag = "CUDA only" if e["cuda_only"] else "--smoke on CPU"
+        tag = "CUDA only" if e["cuda_only"] else "CPU (modeled)" if e["cpu"] else "--smoke on CPU"
         print(f"{name:18s} ~{e['minutes']} device min, {tag:14s} {e['description']}")
 
 
@@ -96,7 +98,7 @@ def run_experiment(name: str, argv: list[str]) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    if not cuda and (known[name]["cuda_only"] or not args.smoke):
+    if not cuda and (known[name]["cuda_only"] or not (args.smoke or known[name]["cpu"])):
         hint = "" if known[name]["cuda_only"] else " (--smoke runs a tiny variant on the CPU)"
         print(f"{name}: needs CUDA{hint}", file=sys.stderr)
         return 3

@@ -507,3 +507,46 @@ def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_mo
     table = loop_overhead.side_by_side_table({"side_by_side": found})
     assert "| ar | 0 |" in table and table.count("\n| ngram |") == 2 and "| 1.000 |" in table
     assert loop_overhead.side_by_side_table({}) == ""
+
+
+RAW36 = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "raw" / "2026-12-06-thirty-sixth"
+
+
+def test_controller_replay_models_ar_and_the_controller_s_steps(runner):
+    """AR's steps for requests continuously batched (each request's first token from its prefill, then one a step,
+    a finished row taking the next request), and the modeled speedup: AR's steps at AR's price over the prices of
+    the steps the controller ran."""
+    replay = runner.load("controller_replay")
+    assert replay.ar_steps([5, 5], 2) == 4  # two rows side by side: 4 steps after their prefills
+    assert replay.ar_steps([3, 2, 4], 2) == 4  # row 1 ends at step 1; the third request's 3 tokens: steps 2-4
+    assert replay.ar_steps([1, 1], 1) == 0  # requests that end at the prefill's token
+    prices = {-1: 1.0, 0: 1.0, 4: 2.0}
+    assert replay.modeled_speedup([4, 4, 0], prices, 1.0, [5, 5], 2) == pytest.approx(4 / 5)
+    with pytest.raises(ValueError, match=r"\[3\]"):
+        replay.modeled_speedup([3, 0], prices, 1.0, [5, 5], 2)
+
+
+def test_controller_replay_reads_prices_given_or_from_a_loop_overhead_run(runner):
+    replay = runner.load("controller_replay")
+    kinds, ar = replay.read_prices(f"{RAW36 / 'a_loop_overhead_chat_b4.json.gz'}:ngram2-k4-cost-fused-overlap")
+    assert sorted(kinds) == [-1, 0, 1, 2, 3, 4] and ar == kinds[0] and kinds[4] > kinds[0] > kinds[-1] > 0
+    assert replay.read_prices('{"ar": 0.6, "0": 0.62, "4": 1.0}') == ({0: 0.62, 4: 1.0}, 0.6)
+    for bad, says in (('{"4": 1.0}', "no AR price"), ("prices.json", "neither"),
+                      (f"{RAW36 / 'a_loop_overhead_chat_b4.json.gz'}:nope", "no warm-up replays of 'nope'")):
+        with pytest.raises(SystemExit, match=says):
+            replay.read_prices(bad)
+
+
+def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monkeypatch):
+    """CPU = True: the runner runs it without CUDA, not only as --smoke (here --smoke, to be short: two requests of
+    8 tokens on the packaged SmolLM2), and its record holds each recipe's modeled speedup and steps by kind."""
+    import json
+
+    monkeypatch.setattr(runner.harness, "WORK", tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert runner.experiments()["controller_replay"]["cpu"]
+    prices = json.dumps({"-1": 0.6, "0": 0.62, "1": 0.97, "2": 0.98, "3": 0.97, "4": 1.0})
+    assert runner.main(["controller_replay", "--smoke", "--prices", prices, "--out", str(tmp_path / "out")]) == 0
+    found = json.loads((tmp_path / "out" / "controller_replay.json").read_text())["results"]["recipes"]
+    run = found["ngram2-k4-cost-fused-overlap"]
+    assert run["modeled_speedup"] > 0 and sum(run["kinds"].values()) == run["steps"] > 0
