@@ -539,14 +539,18 @@ def test_controller_replay_reads_prices_given_or_from_a_loop_overhead_run(runner
 
 def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monkeypatch):
     """CPU = True: the runner runs it without CUDA, not only as --smoke (here --smoke, to be short: two requests of
-    8 tokens on the packaged SmolLM2), and its record holds each recipe's modeled speedup and steps by kind."""
+    8 tokens on the packaged SmolLM2), and its record holds each recipe's modeled speedup and steps by kind, and the
+    batch keys that `--batch` set."""
     import json
 
     monkeypatch.setattr(runner.harness, "WORK", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert runner.experiments()["controller_replay"]["cpu"]
     prices = json.dumps({"-1": 0.6, "0": 0.62, "1": 0.97, "2": 0.98, "3": 0.97, "4": 1.0})
-    assert runner.main(["controller_replay", "--smoke", "--prices", prices, "--out", str(tmp_path / "out")]) == 0
-    found = json.loads((tmp_path / "out" / "controller_replay.json").read_text())["results"]["recipes"]
-    run = found["ngram2-k4-cost-fused-overlap"]
+    assert runner.main(["controller_replay", "--smoke", "--prices", prices, "--batch", '{"probe_every": 2}',
+                        "--out", str(tmp_path / "out")]) == 0
+    results = json.loads((tmp_path / "out" / "controller_replay.json").read_text())["results"]
+    run = results["recipes"]["ngram2-k4-cost-fused-overlap"]
+    assert results["batch"] == {"probe_every": 2} and '"probe_every": 2' in (tmp_path / "out" /
+                                                                           "controller_replay.md").read_text()
     assert run["modeled_speedup"] > 0 and sum(run["kinds"].values()) == run["steps"] > 0

@@ -39,6 +39,8 @@ def arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--recipes", default="ngram2-k4-cost-fused-overlap",
                    help="batch-controller recipes among the bench's systems (tools/bench/engine_bench.py)")
+    p.add_argument("--batch", default="{}", help="a JSON object of batch keys set in every recipe, e.g. "
+                                                  "'{\"probe_every\": 32}' (docs/RECIPE.md)")
     p.add_argument("--prices", required=True, help="the step prices in ms: a JSON object, or FILE.json[.gz]:SYSTEM "
                                                    "(a loop_overhead run's warm-up replays)")
 
@@ -95,6 +97,7 @@ def run(out_dir, args):
     from specpilot.tools.bench.engine_bench import SYSTEMS
 
     prices, ar_ms = read_prices(args.prices)
+    batch = json.loads(args.batch)
     names = [n for n in args.recipes.split(",") if n]
     unknown = [n for n in names if SYSTEMS.get(n, {}).get("batch", {}).get("controller") != "cost"]
     if unknown:
@@ -104,6 +107,7 @@ def run(out_dir, args):
     found, table = {}, []
     for name in names:
         spec = {k: v for k, v in SYSTEMS[name].items() if k != "name"}
+        spec["batch"] = {**spec["batch"], **batch}
         eng = Engine(loaded, parse({**spec, "layer": "modular", "cuda_graphs": False, "compile": False}))
         prompts = [eng.encode(q.turns[0]) for q in load_workload(args.workload, requests)]
         eng.decoder.prices = {b: dict(prices) for b in range(1, rows + 1)}  # (the rows' prices as the batch drains)
@@ -117,8 +121,9 @@ def run(out_dir, args):
         table.append([name, f"{speedup:.3f}", sum(lengths), len(kinds), found[name]["ar_steps"],
                       ", ".join(f"{k}: {n}" for k, n in sorted(found[name]["kinds"].items()))])
         print(f"controller_replay: {name}: {speedup:.3f}x AR (modeled)", flush=True)
-    head = (f"{args.workload}, B = {rows}, {requests} requests, {tokens} new tokens; prices (ms) "
+    head = (f"{args.workload}, B = {rows}, {requests} requests, {tokens} new tokens"
+            + (f"; batch {json.dumps(batch)}" if batch else "") + "; prices (ms) "
             + ", ".join(f"{k}: {v:.4g}" for k, v in sorted(prices.items())) + f", AR {ar_ms:.4g}\n\n")
-    return ({"prices_ms": {str(k): v for k, v in prices.items()}, "ar_ms": ar_ms, "recipes": found},
+    return ({"prices_ms": {str(k): v for k, v in prices.items()}, "ar_ms": ar_ms, "batch": batch, "recipes": found},
             head + harness.md_table(["recipe", "modeled x AR", "tokens", "steps", "AR's steps", "steps by kind"],
                                     table))
