@@ -4,10 +4,10 @@ What it computes. Each recipe of `--recipes` (a batch controller's, from the ben
 prompts of `--workload` on this machine's CPU (the staged target in fp32, the modular layer, no graphs), `--rows` at
 a time, continuously batched, its controller's prices fixed at `--prices` (the step times of each kind measured on
 a device; the CPU's own loop times never enter its choices), and every step's kind is recorded. Its modeled tok/s is
-its tokens over the sum of the prices of the steps it ran; AR's is the same tokens (greedy decoding: the same
-requests' tokens) decoded one a row a step, continuously batched, at the AR step's price. Their ratio is what the
-controller's choices make of AR on that device where the steps' prices are all that differs: the host's time,
-prefills and graph launches are priced out. For working on the controller's choices without a device; never a
+its tokens over the sum of the prices of the steps it ran; AR's is the same requests decoded by our fastest AR's
+recipe the same way (its steps counted, each at the AR step's price). Their ratio is what the controller's choices
+make of AR on that device where the steps' prices are all that differs: the host's time, prefills and graph
+launches are priced out. For working on the controller's choices without a device; never a
 speed, and every figure it gives is modeled.
 
 `--prices`: a JSON object {"ar": ms, "-1": ms, "0": ms, ..., "k": ms} (kind -1: a blind AR step; "ar": our fastest
@@ -29,6 +29,7 @@ from pathlib import Path
 import harness
 
 MINUTES = 0
+FASTEST_AR = "ar-fused-overlap"  # (on the CPU: its overlap; the modular layer, no graphs)
 CPU = True  # computes on the CPU whatever the machine has: its figures are modeled, not timed
 
 
@@ -66,27 +67,13 @@ def read_prices(spec: str) -> tuple[dict[int, float], float]:
     return kinds, float(given.get("ar", kinds.get(0)))
 
 
-def ar_steps(lengths: list[int], rows: int) -> int:
-    """Steps AR decoding takes for requests that emit `lengths` tokens each (the first from the prefill), `rows` at
-    a time, a finished row taking the next request in order (its prefill's token, then one a step)."""
-    waiting, live, steps = list(lengths), [], 0
-    while waiting or live:
-        while len(live) < rows and waiting:
-            left = waiting.pop(0) - 1
-            if left > 0:
-                live.append(left)
-        if live:
-            steps += 1
-            live = [n - 1 for n in live if n > 1]
-    return steps
-
-
-def modeled_speedup(kinds: list[int], prices: dict[int, float], ar_ms: float, lengths: list[int], rows: int) -> float:
-    """AR's modeled time for these requests over the recipe's: the prices of the steps it ran, summed."""
+def modeled_speedup(kinds: list[int], prices: dict[int, float], ar_ms: float, ar_steps: int) -> float:
+    """AR's modeled time for these requests (its steps at AR's price) over the recipe's: the prices of the steps it
+    ran, summed."""
     missing = sorted(set(kinds) - set(prices))
     if missing:
         raise ValueError(f"no price for the kinds of step {missing} that the controller ran")
-    return ar_steps(lengths, rows) * ar_ms / sum(prices[k] for k in kinds)
+    return ar_steps * ar_ms / sum(prices[k] for k in kinds)
 
 
 def run(out_dir, args):
@@ -104,26 +91,30 @@ def run(out_dir, args):
         raise SystemExit(f"--recipes: {', '.join(unknown)}: not a batch-controller recipe of the bench's systems")
     requests, tokens, rows = ((2, 8, 2) if args.smoke else (args.requests, args.max_new_tokens, args.rows))
     loaded = load(args.ctx.target, "fp32", "cpu")
+    on_cpu = {"layer": "modular", "cuda_graphs": False, "compile": False}
+    ar = Engine(loaded, parse({**{k: v for k, v in SYSTEMS[FASTEST_AR].items() if k != "name"}, **on_cpu}))
+    prompts = [ar.encode(q.turns[0]) for q in load_workload(args.workload, requests)]
+    reference = [r.tokens for r in ar.generate(prompts, tokens, max_batch=rows)]
+    steps_ar = ar.decoder.last_stats.steps
     found, table = {}, []
     for name in names:
         spec = {k: v for k, v in SYSTEMS[name].items() if k != "name"}
         spec["batch"] = {**spec["batch"], **batch}
-        eng = Engine(loaded, parse({**spec, "layer": "modular", "cuda_graphs": False, "compile": False}))
-        prompts = [eng.encode(q.turns[0]) for q in load_workload(args.workload, requests)]
+        eng = Engine(loaded, parse({**spec, **on_cpu}))
         eng.decoder.prices = {b: dict(prices) for b in range(1, rows + 1)}  # (the rows' prices as the batch drains)
         eng.decoder.controller.observe_time = lambda kind, seconds: None  # (the CPU's loop times price nothing)
         out = eng.generate(prompts, tokens, max_batch=rows)
         kinds = eng.decoder.last_stats.draft_lengths
-        lengths = [len(r.tokens) for r in out]
-        speedup = modeled_speedup(kinds, prices, ar_ms, lengths, rows)
-        found[name] = {"modeled_speedup": speedup, "kinds": dict(Counter(kinds)), "tokens": sum(lengths),
-                       "steps": len(kinds), "ar_steps": ar_steps(lengths, rows)}
-        table.append([name, f"{speedup:.3f}", sum(lengths), len(kinds), found[name]["ar_steps"],
+        speedup = modeled_speedup(kinds, prices, ar_ms, steps_ar)
+        same = sum(r.tokens == t for r, t in zip(out, reference)) / len(out)  # (fp32 ties may part them)
+        found[name] = {"modeled_speedup": speedup, "kinds": dict(Counter(kinds)), "steps": len(kinds),
+                       "tokens": sum(len(r.tokens) for r in out), "ar_steps": steps_ar, "identical_to_ar": same}
+        table.append([name, f"{speedup:.3f}", found[name]["tokens"], len(kinds), steps_ar, f"{same:.0%}",
                       ", ".join(f"{k}: {n}" for k, n in sorted(found[name]["kinds"].items()))])
         print(f"controller_replay: {name}: {speedup:.3f}x AR (modeled)", flush=True)
     head = (f"{args.workload}, B = {rows}, {requests} requests, {tokens} new tokens"
             + (f"; batch {json.dumps(batch)}" if batch else "") + "; prices (ms) "
             + ", ".join(f"{k}: {v:.4g}" for k, v in sorted(prices.items())) + f", AR {ar_ms:.4g}\n\n")
     return ({"prices_ms": {str(k): v for k, v in prices.items()}, "ar_ms": ar_ms, "batch": batch, "recipes": found},
-            head + harness.md_table(["recipe", "modeled x AR", "tokens", "steps", "AR's steps", "steps by kind"],
+            head + harness.md_table(["recipe", "modeled x AR", "tokens", "steps", "AR's steps", "=AR", "steps by kind"],
                                     table))
