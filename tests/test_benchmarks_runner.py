@@ -429,22 +429,25 @@ def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path
     assert os.environ["SPECPILOT_SYNTHETIC_TOKENIZER"] == str(staged.model)
 
 
-def test_batch_sweep_margins_add_each_controller_recipe_at_each_margin(runner):
-    """`--margins 0.15,0.25`: every batch-controller recipe of the sweep (n-gram's and the head's) again at each
-    margin, named by it; the other recipes once, and the shipped recipes themselves left as they were."""
+def test_batch_sweep_variants_add_each_controller_recipe_at_each_value(runner):
+    """`--margins 0.15,0.25 --probe-every 64`: every batch-controller recipe of the sweep (n-gram's and the head's)
+    again at each value, named by it; the other recipes once, and the shipped recipes themselves left as they were."""
     from specpilot.tools.bench.engine_bench import SYSTEMS
 
     batch_sweep = runner.load("batch_sweep")
     names = list(batch_sweep.RECIPES)
-    recipes = dict(batch_sweep.sweep_recipes(names, SYSTEMS, [0.15, 0.25]))
+    variants = batch_sweep.batch_variants("0.15,0.25", "64")
+    assert variants == [("m15", {"margin": 0.15}), ("m25", {"margin": 0.25}), ("p64", {"probe_every": 64})]
+    recipes = dict(batch_sweep.sweep_recipes(names, SYSTEMS, variants))
     controlled = [n for n in names if SYSTEMS[n].get("batch", {}).get("controller") == "cost"]
-    assert len(controlled) == 2 and len(recipes) == len(names) + 2 * len(controlled)
+    assert len(controlled) == 2 and len(recipes) == len(names) + 3 * len(controlled)
     for name in controlled:
-        for margin, tag in ((0.15, "m15"), (0.25, "m25")):
+        for key, value, tag in (("margin", 0.15, "m15"), ("margin", 0.25, "m25"), ("probe_every", 64, "p64")):
             variant = recipes[name.replace("-cost-", f"-cost-{tag}-")]
-            assert variant["batch"]["margin"] == margin
-            assert {**variant, "batch": SYSTEMS[name]["batch"]} == SYSTEMS[name]  # the margin alone differs
+            assert variant["batch"] == {**SYSTEMS[name]["batch"], key: value}
+            assert {**variant, "batch": SYSTEMS[name]["batch"]} == SYSTEMS[name]  # that key alone differs
         assert recipes[name] is SYSTEMS[name]
+    assert batch_sweep.batch_variants("", "") == []
     assert dict(batch_sweep.sweep_recipes(names, SYSTEMS, [])) == {n: SYSTEMS[n] for n in names}
 
 

@@ -56,6 +56,9 @@ def arguments(p) -> None:
     p.add_argument("--margins", default="",
                    help="also each controller recipe of --recipes at these batch.margin values, e.g. 0.15 "
                         "(ngram2-k4-cost-m15-fused-overlap)")
+    p.add_argument("--probe-every", default="",
+                   help="also each controller recipe of --recipes at these batch.probe_every values, e.g. 32 "
+                        "(ngram2-k4-cost-p32-fused-overlap)")
 
 
 def table(results: dict, reference: str) -> str:
@@ -122,17 +125,22 @@ def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:
     return out if ranged else None
 
 
-def sweep_recipes(names: list[str], systems: dict, margins: list[float]) -> list[tuple[str, dict]]:
+def sweep_recipes(names: list[str], systems: dict, variants: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """The sweep's recipes by name: each of `names` (the bench's systems), then every batch-controller recipe among
-    them (named -cost-) again at each of `margins` (its batch.margin), named -cost-mNN- (NN: the margin in
-    hundredths)."""
+    them (named -cost-) again with each of `variants` ((tag, batch keys) pairs: `batch_variants`) set in its batch,
+    named -cost-TAG-."""
     out = [(name, systems[name]) for name in names]
-    for margin in margins:
+    for tag, keys in variants:
         for name in (n for n in names if "-cost-" in n):
             cost = systems[name]
-            out.append((name.replace("-cost-", f"-cost-m{round(margin * 100)}-"),
-                        {**cost, "batch": {**cost["batch"], "margin": margin}}))
+            out.append((name.replace("-cost-", f"-cost-{tag}-"), {**cost, "batch": {**cost["batch"], **keys}}))
     return out
+
+
+def batch_variants(margins: str, probe_every: str) -> list[tuple[str, dict]]:
+    """`--margins` and `--probe-every` as (tag, batch keys): margin 0.15 is m15 (hundredths), probe_every 32 p32."""
+    return ([(f"m{round(float(m) * 100)}", {"margin": float(m)}) for m in margins.split(",") if m]
+            + [(f"p{int(n)}", {"probe_every": int(n)}) for n in probe_every.split(",") if n])
 
 
 def budget_row(r: dict) -> str:
@@ -173,7 +181,7 @@ def run(out_dir, args):
         if unknown or FASTEST_AR not in names:
             raise SystemExit(f"--recipes: {', '.join(unknown) or 'no ' + FASTEST_AR} (any of the bench's systems: "
                              f"{', '.join(SYSTEMS)}; {FASTEST_AR} is the table's reference)")
-        for name, recipe in sweep_recipes(names, SYSTEMS, [float(m) for m in args.margins.split(",") if m]):
+        for name, recipe in sweep_recipes(names, SYSTEMS, batch_variants(args.margins, args.probe_every)):
             argv += ["--recipe", ctx.recipe(name, recipe)]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
