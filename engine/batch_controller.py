@@ -4,7 +4,6 @@ batch's bucket (its graph replayed at warm-up, corrected by the decoding loop's 
 (engine/decode.py) asks it before each step and tells it each step's outcome and time; it holds no tensors."""
 from __future__ import annotations
 
-import bisect
 import os
 import statistics
 from collections import Counter, deque
@@ -90,18 +89,11 @@ def _plan(rows: Counter, k_step: int, ragged: bool, bucket: int) -> Counter:
     return plan
 
 
-def _capped(rows: dict, cap: int) -> Counter:
+def _capped(rows: Counter, cap: int) -> Counter:
     """Rows by drafts verified when each of `rows` (drafts found -> rows) verifies at most `cap` of its drafts."""
-    return Counter(_capped_counts(rows, cap))
-
-
-def _capped_counts(rows: dict, cap: int) -> dict[int, int]:
-    """`_capped` as a plain dict, in the same order (the host's hot path: a Counter costs more to build than this
-    whole sum)."""
-    plan: dict[int, int] = {}
+    plan = Counter()
     for v, c in rows.items():
-        n = v if v < cap else cap
-        plan[n] = plan.get(n, 0) + c
+        plan[min(v, cap)] += c
     return plan
 
 
@@ -213,13 +205,11 @@ class DraftLengthController:
         self.realized_gain: Counter = Counter()  # by kind: the drafts those steps' rows kept
         self.seconds = {} if seconds is None else seconds
         self.timed = {} if timed is None else timed
-        self._changed()
 
     def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, deque]) -> None:
         """The batch moved to a smaller bucket (its rows ran out): that bucket's loop times price the steps from
         now on; what was measured of the acceptance stays."""
         self.bucket, self.seconds, self.timed = bucket, seconds, timed
-        self._changed()  # (the calibration's prior is in the bucket's rows)
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
@@ -230,15 +220,12 @@ class DraftLengthController:
         accepted drafts those the row kept (default: all; fewer where the request ended inside the step). Steps are
         observed in the order they were chosen."""
         for v, n in zip(verified, accepted):
-            if v:
-                self._changed()
             for i in range(min(v, n + 1)):
                 self.reached[i] += 1
                 self.accepted[i] += n > i
         self.found = list(found)
         chosen = self.predictions.popleft() if self.predictions else None
         if chosen is not None:  # a verifying step: what it planned, and what it gained
-            self._changed()
             kind, allocation, before_probe = chosen
             gained = sum(accepted if kept is None else kept)
             if before_probe is not None:  # a probe: judged at the next choice (`choose`)
@@ -250,7 +237,8 @@ class DraftLengthController:
         """By kind, the model's gain (tokens beyond one a row) for this batch's steps of that kind at the acceptance
         measured so far: for each row of each step, the expected accepted drafts of the drafts it was planned to
         verify."""
-        gain = self._gains()
+        p = self.acceptance()
+        gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
         return {kind: sum(rows * gain[n] for n, rows in plans.items()) for kind, plans in self.planned.items()}
 
     def allocation(self, found: list[int], kind: int) -> Counter:
@@ -266,70 +254,34 @@ class DraftLengthController:
 
     def calibrations(self) -> dict[int | None, float]:
         """`calibration` of every kind run so far, and of all (None), computed together: the host asks before each
-        step, so this is kept until a verifying step is read or the bucket changes (`_changed`)."""
-        if self._calibrations is None:
-            prior = CALIBRATION_PRIOR_STEPS * max(1, self.bucket)
-            predicted = self.predicted_gains()
-            overall = (sum(self.realized_gain.values()) + prior) / (sum(predicted.values()) + prior)
-            self._calibrations = {None: overall, **{kind: (self.realized_gain[kind] + prior * overall) / (gain + prior)
-                                                    for kind, gain in predicted.items()}}
-        return self._calibrations
-
-    def _gains(self) -> list[float]:
-        """A row's expected gain (tokens beyond one) by drafts verified, 0..k, at the acceptance measured so far:
-        kept until a verifying step is read (`_changed`)."""
-        if self._gain is None:
-            p = self.acceptance()
-            self._gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
-        return self._gain
-
-    def _changed(self) -> None:
-        """What the model is computed from changed (a verifying step was read, a new batch or bucket): what the
-        host kept of it between steps goes (it asks before every step, and most steps change none of it)."""
-        self._calibrations = self._gain = self._priced = None
-        self._expected: dict[tuple, dict[int, float]] = {}  # `_tokens` by the rows' drafts found
+        step."""
+        prior = CALIBRATION_PRIOR_STEPS * max(1, self.bucket)
+        predicted = self.predicted_gains()
+        overall = (sum(self.realized_gain.values()) + prior) / (sum(predicted.values()) + prior)
+        return {None: overall, **{kind: (self.realized_gain[kind] + prior * overall) / (gain + prior)
+                                  for kind, gain in predicted.items()}}
 
     def observe_time(self, kind: int, seconds: float) -> None:
         """The loop's time of a step of this kind: its price becomes the median of the kind's latest TIME_WINDOW."""
         latest = self.timed.setdefault(kind, deque(maxlen=TIME_WINDOW))
         latest.append(seconds)
-        median = statistics.median(latest)
-        if len(latest) <= MIN_TIMED_STEPS or self.seconds.get(kind) != median:
-            self._priced = None  # (what `priced` kept no longer holds)
-        self.seconds[kind] = median
+        self.seconds[kind] = statistics.median(latest)
 
     def priced(self, prices_by_k: dict[int, float]) -> dict[int, float]:
         """Each kind's price: its loop time where timed (MIN_TIMED_STEPS times at least), else its replay times the
         loop/replay ratio interpolated between the nearest timed kinds below and above it (the nearest one's
-        beyond them). Kept until a loop time changes a median (`observe_time`), for the same replays."""
-        replays = tuple(prices_by_k.items())
-        if self._priced is not None and self._priced[0] == replays:
-            return self._priced[1]
-        out = self._price(prices_by_k)
-        self._priced = (replays, out)
-        return out
-
-    def _price(self, prices_by_k: dict[int, float]) -> dict[int, float]:
-        """`priced`, computed."""
-        ratio = {}
-        for kind, t in self.seconds.items():
-            replay = prices_by_k.get(kind)
-            if replay and len(self.timed.get(kind, ())) >= MIN_TIMED_STEPS:
-                ratio[kind] = t / replay
+        beyond them)."""
+        ratio = {kind: t / prices_by_k[kind] for kind, t in self.seconds.items()
+                 if prices_by_k.get(kind) and len(self.timed.get(kind, ())) >= MIN_TIMED_STEPS}
         if not ratio:
             return prices_by_k
-        timed = sorted(ratio)
         out = {}
         for kind, price in prices_by_k.items():
-            i = bisect.bisect_left(timed, kind)  # timed[i]: the nearest timed kind at or above this one
-            if i < len(timed) and timed[i] == kind:
-                r = ratio[kind]
-            elif i == 0:
-                r = ratio[timed[0]]
-            elif i == len(timed):
-                r = ratio[timed[-1]]
+            below = max((m for m in ratio if m <= kind), default=None)
+            above = min((m for m in ratio if m >= kind), default=None)
+            if below is None or above is None or below == above:
+                r = ratio[below if above is None else above if below is None else below]
             else:
-                below, above = timed[i - 1], timed[i]
                 r = ratio[below] + (ratio[above] - ratio[below]) * (kind - below) / (above - below)
             out[kind] = price * r
         return out
@@ -339,21 +291,12 @@ class DraftLengthController:
         calibrated (by `ratios`, `calibrations()` unless given): `step_tokens` for every kind, with each row's gain
         by drafts verified and the rows by drafts found computed once (the host runs this before every step)."""
         ratios = self.calibrations() if ratios is None else ratios
-        memo = ratios is self._calibrations  # (the model's own calibration: kept with it, by the rows' drafts)
-        if memo and (key := tuple(found)) in self._expected:
-            return self._expected[key]
-        gain, rows, overall = self._gains(), len(found), ratios[None]
-        by_found: dict[int, int] = {}
-        for v in found:
-            by_found[v] = by_found.get(v, 0) + 1
-        out = {0: float(rows)}
+        p, by_found = self.acceptance(), Counter(found)
+        gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
+        out = {0: float(len(found))}
         for kind in range(1, self.k + 1):
-            planned = _plan(by_found, kind, True, self.bucket) if self.ragged else _capped_counts(by_found, kind)
-            out[kind] = rows + ratios.get(kind, overall) * sum(c * gain[n] for n, c in planned.items())
-        if memo:
-            if len(self._expected) >= 64:  # (wide batches see many patterns of drafts found)
-                self._expected.clear()
-            self._expected[key] = out
+            planned = _plan(by_found, kind, self.ragged, self.bucket)
+            out[kind] = len(found) + ratios.get(kind, ratios[None]) * sum(c * gain[n] for n, c in planned.items())
         return out
 
     def expected(self) -> dict[int, float]:
