@@ -95,7 +95,9 @@ def run(out_dir, args):
     ar = Engine(loaded, parse({**{k: v for k, v in SYSTEMS[FASTEST_AR].items() if k != "name"}, **on_cpu}))
     prompts = [ar.encode(q.turns[0]) for q in load_workload(args.workload, requests)]
     reference = [r.tokens for r in ar.generate(prompts, tokens, max_batch=rows)]
-    steps_ar = ar.decoder.last_stats.steps
+    # (steps launched, as the recipes' kinds count theirs: under overlap a call launches a step past its last read,
+    # which the device runs like any other; counted as read, AR's came one step short)
+    steps_ar = len(ar.decoder.last_stats.draft_lengths)
     found, table = {}, []
     for name in names:
         spec = {k: v for k, v in SYSTEMS[name].items() if k != "name"}
