@@ -159,6 +159,10 @@ FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1")
 # 0.453 ms, while the five-token step (tensor-core path, weights loaded after the wait) went from 0.962 to 1.020 ms:
 # so multi-token steps launch without it. SPECPILOT_PDL=0 turns it off (for A/B timing).
 PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
+# PDL on the tensor-core path too (SPECPILOT_DOT_PDL=1): what the fourth lease measured loaded the weights after the
+# wait (a K loop); with all of K in one tile (a DOT_TILES block_k of K or more: SINGLE) they load before it, as the
+# FMA path's do. Off until a GPU has timed it.
+DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "0") == "1"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -473,7 +477,8 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     over all of K, and the last of a block's programs adds the partials and runs the epilogue. AUX (NORM on): r is
     also stored at aux_ptr, row stride aux_stride (`_store_resid`)."""
     TWO: tl.constexpr = MODE != PLAIN  # two row sets a program (q/k/v pairs, gate and up)
-    ONE_TILE: tl.constexpr = SINGLE and not W12  # all of K in one tile of bf16 weights and activations
+    PRE: tl.constexpr = SINGLE and not W12  # the program's K (its share with SPLIT) in one tile of bf16 weights
+    ONE_TILE: tl.constexpr = PRE and SPLIT == 1  # all of K in one tile of bf16 weights and activations
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     tokens, token_ok, pid = _program_start(M, BLOCK_M, PDL)
     if SKIP_DEAD and DEAD_CHECK_FIRST:  # FMA path, one token a program: a dead token's program ends at once
@@ -492,16 +497,21 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
     cols = tl.arange(0, BLOCK_K)
     out_ok = token_ok[:, None] & pair_ok[None, :]
 
+    k_lo, k_hi = 0, K
+    if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
+        k_lo = tl.program_id(2) * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+
     # Everything the program reads besides x is loaded first, so that all the round trips to memory overlap: with
-    # all of K in one tile (SINGLE) the weight tiles and the norm weight; the bias; RoPE's tables, the positions and
-    # the q/k norm weights for the epilogue.
-    if ONE_TILE:
-        w_ok = pair_ok[:, None] & (cols < K)[None, :]
-        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
+    # its K in one tile (SINGLE) the weight tiles (and with all of K the norm weight); the bias; RoPE's tables, the
+    # positions and the q/k norm weights for the epilogue.
+    if PRE:
+        w_ok = pair_ok[:, None] & (k_lo + cols < K)[None, :]
+        wa = tl.load(w_ptr + rows_a[:, None] * K + k_lo + cols[None, :], mask=w_ok, other=0.0)
         if TWO:
-            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=w_ok, other=0.0)
-        if NORM:
-            nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            wb = tl.load(w_ptr + rows_b[:, None] * K + k_lo + cols[None, :], mask=w_ok, other=0.0)
+    if ONE_TILE and NORM:
+        nw = tl.load(norm_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     a0, a1, a2, b0, b1, b2 = 0, 0, 0, 0, 0, 0
     K8 = (K + 7) // 8  # (12-bit words: groups of 8 weights a row)
     if W12:  # the first tile's words (all of them with SINGLE) and each row's first EXC escapes
@@ -586,18 +596,14 @@ def _norm_pair_gemv(x_ptr, delta_ptr, resid_ptr, norm_ptr, w_ptr, bias_ptr, out_
         else:
             ya = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
             yb = tl.zeros((BLOCK_M, BLOCK_P), tl.float32)
-        k_lo, k_hi = 0, K
-        if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
-            k_lo = tl.program_id(2) * k_split
-            k_hi = tl.minimum(k_lo + k_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             col_ok = k0 + cols < K
-            if not SINGLE:
+            if not PRE:
                 w_ok = pair_ok[:, None] & col_ok[None, :]
                 wa = tl.load(w_ptr + rows_a[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
                 if TWO:
                     wb = tl.load(w_ptr + rows_b[:, None] * K + k0 + cols[None, :], mask=w_ok, other=0.0)
-            if SINGLE:
+            if ONE_TILE:
                 h = h_single
             elif NORM:
                 nw = tl.load(norm_ptr + k0 + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -842,13 +848,18 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
     cols = tl.arange(0, BLOCK_K)
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     K8 = (K + 7) // 8
+    k_lo, k_hi = 0, K
+    if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
+        k_lo = tl.program_id(2) * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
     w0, w1, w2 = 0, 0, 0
     if W12:  # the first tile's words (all of them with SINGLE) and each row's first EXC escapes, before the wait
         jj = tl.arange(0, BLOCK_K8)
         w0, w1, w2 = _words12(q_ptr, rows, row_ok, jj, jj < K8, K8)
         esc = _escape_list12(rows, row_ok, 0, row_ptr_ptr, exc_col_ptr, exc_val_ptr, x_ptr, False, EXC)
-    elif SINGLE:  # all of K in one tile: the weights before the wait
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    elif SINGLE:  # all of the program's K (or of its share) in one tile: the weights before the wait
+        w = tl.load(w_ptr + rows[:, None] * K + k_lo + cols[None, :],
+                    mask=row_ok[:, None] & (k_lo + cols < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     if SKIP_DEAD and not DEAD_CHECK_FIRST:  # after its constant loads
@@ -870,10 +881,6 @@ def _gemv(x_ptr, w_ptr, bias_ptr, out_ptr, live_ptr, M, N, K,
             y_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         else:
             y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        k_lo, k_hi = 0, K
-        if SPLIT > 1:  # this program's share of K (k_split is a multiple of BLOCK_K: no tile crosses a share's end)
-            k_lo = tl.program_id(2) * k_split
-            k_hi = tl.minimum(k_lo + k_split, K)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             col_ok = k0 + cols < K
             if not SINGLE:
@@ -1077,9 +1084,13 @@ def _cfg12(cfg: dict, packed: Packed12Linear | None) -> dict:
     return cfg if packed is None else dict(cfg, BLOCK_K=max(cfg["BLOCK_K"], 16))
 
 
-def _single(cfg: dict, k: int, packed: Packed12Linear | None) -> bool:
-    """Whether all of K is one tile: of weights and activations (native), of 12-bit words (their K / 8 groups)."""
-    return cfg["BLOCK_K"] >= k if packed is None else cfg["BLOCK_K"] // 8 >= packed.k8
+def _single(cfg: dict, k: int, packed: Packed12Linear | None, split: dict | None = None) -> bool:
+    """Whether all of K is one tile: of weights and activations (native), of 12-bit words (their K / 8 groups).
+    `split` (the launch's `_split_k` arguments): whether each program's share of K is one tile, whose weights it
+    then loads before the PDL wait."""
+    if packed is None:
+        return cfg["BLOCK_K"] >= (split or {}).get("k_split", k)
+    return cfg["BLOCK_K"] // 8 >= packed.k8
 
 
 def supports(block, n_tokens: int, device: torch.device, w12: bool = False) -> str | None:
@@ -1149,7 +1160,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         raise ValueError("fused layer: rows must be contiguous (one cache row per token)")
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    on = M <= FMA_MAX_TOKENS and _pdl(dev)  # PDL with the FMA path, whose weights load before the wait
+    on = (M <= FMA_MAX_TOKENS or DOT_PDL) and _pdl(dev)  # PDL where the weights load before the wait
     pdl = dict(PDL=on, launch_pdl=on)
     # Dead tokens are skipped by every kernel of the layer or by none: only the FMA path (a program a token) can
     # skip them in its GEMVs, so only there. A token that one kernel skips and the next reads is read from
@@ -1186,9 +1197,9 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         block.bqkv if block.bqkv is not None else block.wqkv, raw,
         cos, sin, pos, token_rows, kv_cache, live, M, k1, n_pairs, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=ROPE_KV, HAS_BIAS=block.bqkv is not None, QK_NORM=cfg.qk_norm, HEAD_DIM=D, DOT=cfg1["DOT"],
-        DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv), BLOCK_M=cfg1["BLOCK_M"], BLOCK_P=cfg1["BLOCK_N"],
-        BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **_stages(cfg1), NORM=qkv_input is None, **pdl,
-        **_token_skip(skip, cfg1), **_w12(p_qkv), **split1, **aux)
+        DOT_PRECISION=precision, SINGLE=_single(cfg1, k1, p_qkv, split1), BLOCK_M=cfg1["BLOCK_M"],
+        BLOCK_P=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"], num_warps=cfg1["num_warps"], **_stages(cfg1),
+        NORM=qkv_input is None, **pdl, **_token_skip(skip, cfg1), **_w12(p_qkv), **split1, **aux)
     if cfg.qk_norm:
         _qk_norm_rope[(M * (H + Hkv),)](
             raw, q, kv_cache, _qk_norm_weights(block), cos, sin, pos, token_rows, live, H, Hkv, cfg.rms_eps,
@@ -1217,7 +1228,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     grid3, split3 = _split_k(cfg3, H * D, hidden, M, dev)
     _gemv[grid3](
         attn, block.wo, block.bo if block.bo is not None else block.wo, attn_delta, live, M, hidden, H * D,
-        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o), **_tile(cfg3),
+        HAS_BIAS=block.bo is not None, DOT_PRECISION=precision, SINGLE=_single(cfg3, H * D, p_o, split3), **_tile(cfg3),
         **split3, **pdl, **_token_skip(skip, cfg3), **_w12(p_o))
 
     # 4. residual + norm + gate/up + SwiGLU
@@ -1229,8 +1240,9 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         resid, attn_delta, x_out, block.mlp_norm, block.w13, block.w13, act,
         cos, sin, pos, token_rows, kv_cache, live, M, hidden, inter, cfg.rms_eps, H, Hkv, *kv_strides,
         MODE=SILU, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=D, DOT=cfg4["DOT"], DOT_PRECISION=precision,
-        SINGLE=_single(cfg4, hidden, p_mlp), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"], BLOCK_K=cfg4["BLOCK_K"],
-        num_warps=cfg4["num_warps"], **_stages(cfg4), **pdl, **_token_skip(skip, cfg4), **_w12(p_mlp), **split4)
+        SINGLE=_single(cfg4, hidden, p_mlp, split4), BLOCK_M=cfg4["BLOCK_M"], BLOCK_P=cfg4["BLOCK_N"],
+        BLOCK_K=cfg4["BLOCK_K"], num_warps=cfg4["num_warps"], **_stages(cfg4), **pdl, **_token_skip(skip, cfg4),
+        **_w12(p_mlp), **split4)
 
     # 5. down projection: the layer's delta
     delta_out = torch.empty_like(x)
@@ -1238,7 +1250,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     grid5, split5 = _split_k(cfg5, inter, hidden, M, dev)
     _gemv[grid5](
         act, block.w2, block.w2, delta_out, live, M, hidden, inter, HAS_BIAS=False, DOT_PRECISION=precision,
-        SINGLE=_single(cfg5, inter, p_down), **_tile(cfg5), **split5, **pdl, **_token_skip(skip, cfg5),
+        SINGLE=_single(cfg5, inter, p_down, split5), **_tile(cfg5), **split5, **pdl, **_token_skip(skip, cfg5),
         **_w12(p_down))
     return x_out.view(B, T, hidden), delta_out.view(B, T, hidden)
 

@@ -375,6 +375,11 @@ def test_fused_layer_tensor_core_path_with_tiles_given_by_role(tiny_model_dir, m
     assert len(grid) == 2 and args == {}  # one K tile: nothing to split
     grid, args = F._split_k(F.gemv_blocks(96, 64, 5, pairs=True, role="qkv"), 64, 96, 5, cpu, slots=2)
     assert args["partial_ptr"].numel() == grid[0] * grid[1] * 2 * 2 * F.DOT_TOKENS * F.DOT_ROWS  # two accumulators
+    down, o = F.gemv_blocks(64, 128, 5, role="down"), F.gemv_blocks(64, 64, 5, role="o")
+    assert F._single(down, 128, None, F._split_k(down, 128, 64, 5, cpu)[1])  # shares of one tile: loaded first
+    assert not F._single(o, 64, None, F._split_k(o, 64, 64, 5, cpu)[1])  # shares of two tiles of 16: in the loop
+    mlp = F.gemv_blocks(128, 64, 5, pairs=True, role="mlp")  # (a pair kernel's shares: one tile each, the norm's
+    assert F._single(mlp, 64, None, F._split_k(mlp, 64, 128, 5, cpu, slots=2)[1])  # statistics still over all K)
     assert F.check(loaded.model, Block.forward, batch_tokens=((1, 5), (2, 3))) < 2e-5
     counters = F._COUNTERS[(torch.device("cpu"), "gemv")][-1]
     assert int(counters.abs().sum()) == 0  # each block's last program reset its counter
