@@ -31,9 +31,9 @@ How the fusions work.
   DRAM round trip overlaps the norm. A row block's programs for the step's tokens are launched side by side: the
   first to ask brings the tile from DRAM, the others read it from L2, and each program's latency is a one-token
   program's. More tokens (larger batches): tensor cores, W_tile @ H^T with the tokens padded to 16.
-* Kernel boundaries (FMA-path steps, Hopper): programmatic dependent launch. Each kernel starts while its
-  predecessor finishes, loads its weights and other constant inputs, and only then waits for the predecessor's
-  outputs (`PDL` below).
+* Kernel boundaries (Hopper): programmatic dependent launch. Each kernel starts while its predecessor finishes, loads
+  its constant inputs (on the FMA path its weights too) and only then waits for the predecessor's outputs (`PDL` and
+  `DOT_PDL` below).
 * 12-bit weights (`weights.format: lossless12`, FMA path only): the GEMVs read each matrix's Packed12Linear words
   (1.5 bytes a weight) and decode them in registers, slot by slot, against activations made at the slot's columns;
   each row's escapes, loaded with its words, are added after the dense sum (`_gemv12`, below the modular helpers).
@@ -152,17 +152,21 @@ FMA_TILES_AS_ONE_TOKEN = os.environ.get("SPECPILOT_FMA_TILES_AS_ONE_TOKEN", "1")
 # 31.1 at four (docs/benchmarks/2026-12-02-fifteenth-lease.md, C). The extra programs' L2 reads cost less than the
 # longer programs.)
 
-# Programmatic dependent launch (Hopper and later), for one-token steps: each kernel lets the next one start as soon
-# as all its programs run, and the next one loads what no earlier kernel writes (its weights, norm weights, RoPE
-# tables, positions) before it waits for its predecessor (gdc_wait), so those loads and the launch overlap the
+# Programmatic dependent launch (Hopper and later): each kernel lets the next one start as soon as all its programs
+# run, and the next one loads what no earlier kernel writes (its weights where its K is one tile, norm weights, RoPE
+# tables, positions) before it waits for its predecessor (gdc_wait), so the launch and those loads overlap the
 # previous kernel's tail. On the H200 (docs/BENCHMARKS.md, fourth lease) it took SmolLM2's AR step from 0.568 to
-# 0.453 ms, while the five-token step (tensor-core path, weights loaded after the wait) went from 0.962 to 1.020 ms:
-# so multi-token steps launch without it. SPECPILOT_PDL=0 turns it off (for A/B timing).
+# 0.453 ms. SPECPILOT_PDL=0 turns it off (for A/B timing).
 PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
-# PDL on the tensor-core path too (SPECPILOT_DOT_PDL=1): what the fourth lease measured loaded the weights after the
-# wait (a K loop); with all of K in one tile (a DOT_TILES block_k of K or more: SINGLE) they load before it, as the
-# FMA path's do. Off until a GPU has timed it.
-DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "0") == "1"
+# PDL on the tensor-core path too (steps of more than FMA_MAX_TOKENS tokens), whose K loop loads the weights after
+# the wait: the fourth lease's five-token step went from 0.962 to 1.020 ms with it, so it was kept to the FMA path.
+# On the H100 (docs/benchmarks/2026-12-06-thirty-eighth-lease.md) with the tiles of the thirty-second lease it took a
+# layer of 8 / 12 / 16 tokens from 30.7 / 31.6 / 33.2 to 29.5 / 30.0 / 28.3 µs, our AR at B = 8 from 7,862 to 8,425
+# tok/s on chat, and five of the controllers' six cells at B = 4 up 4.7-15% (the head at chat B = 4 from 0.91x to
+# 1.04x our AR; the n-gram's on summarize -1.3%);
+# all of K in one tile (its weights then before the wait) was slower either way (32.6-34.7 µs with PDL, 43 without).
+# SPECPILOT_DOT_PDL=0 turns it off (for A/B timing).
+DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -1160,7 +1164,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         raise ValueError("fused layer: rows must be contiguous (one cache row per token)")
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    on = (M <= FMA_MAX_TOKENS or DOT_PDL) and _pdl(dev)  # PDL where the weights load before the wait
+    on = (M <= FMA_MAX_TOKENS or DOT_PDL) and _pdl(dev)  # (Hopper: the FMA path; the tensor cores' with DOT_PDL)
     pdl = dict(PDL=on, launch_pdl=on)
     # Dead tokens are skipped by every kernel of the layer or by none: only the FMA path (a program a token) can
     # skip them in its GEMVs, so only there. A token that one kernel skips and the next reads is read from
@@ -1472,7 +1476,7 @@ def attention_masks(cfg, positions, n_slots):
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
               fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
-              planes=None, dot_tiles=(None,)) -> list[dict]:
+              planes=None, dot_tiles=(None,), dot_pdl=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
@@ -1480,7 +1484,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
     `fma_tiles` and each DOT_TILES in `dot_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2)
     Packed12Linear, as `check` takes it): the fused layer reads 12-bit weights (the modular one its bf16 matrices), and
-    `fma_tiles` are FMA_TILES_12. `modular` None: the modular layer is not timed (a sweep's many rows). GPU only."""
+    `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl`. `modular` None: the modular layer is not timed (a
+    sweep's many rows). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
@@ -1509,16 +1514,17 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
         if modular is not None:
             run(modular)()  # compile before capture
             modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES, DOT_PDL
         current = attention_setting(batch * T)
-        fma_saved, tile_saved, dot_saved = FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES
+        fma_saved, tile_saved, dot_saved, dot_pdl_saved = FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL
         tiles_saved = FMA_TILES if planes is None else FMA_TILES_12  # (the table of the weights' format)
         saved = dict(current)
-        for fma, tile, tiles, setting, dot in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention,
-                                                                dot_tiles):
+        for fma, tile, tiles, setting, dot, pdl in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention,
+                                                                     dot_tiles, dot_pdl):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
             DOT_TILES = dot_saved if dot is None else dot
+            DOT_PDL = dot_pdl_saved if pdl is None else pdl
             if planes is None:
                 FMA_TILES = tiles_saved if tiles is None else tiles
             else:
@@ -1529,13 +1535,14 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
             finally:
                 current.clear()
                 current.update(saved)
-                FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES = fma_saved, tile_saved, dot_saved
+                FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL = fma_saved, tile_saved, dot_saved, dot_pdl_saved
                 if planes is None:
                     FMA_TILES = tiles_saved
                 else:
                     FMA_TILES_12 = tiles_saved
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
-                            dot_tiles=dot_saved if dot is None else dot, fused_us=fused_us, modular_us=modular_us,
+                            dot_tiles=dot_saved if dot is None else dot,
+                            dot_pdl=dot_pdl_saved if pdl is None else pdl, fused_us=fused_us, modular_us=modular_us,
                             speedup=modular_us / fused_us if modular_us else None))
     return out

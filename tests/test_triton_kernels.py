@@ -651,3 +651,12 @@ def test_fused_layer_benchmark_runs_steps_of_several_rows(tiny_model_dir, monkey
                                         tile_values=(None, 256))
     assert [r["tile_values"] for r in rows] == [triton_fused_layer.TILE_VALUES, 256]
     assert seen[-1] == 4 and triton_fused_layer.TILE_VALUES == 4096  # 256 values of K = 64: 4 rows a program
+
+    # each DOT_PDL setting its own timing, the layer called under it, the default put back
+    shipped = triton_fused_layer.DOT_PDL
+    monkeypatch.setattr(triton_fused_layer, "fused_layer", lambda *a, **k: (
+        seen.append(triton_fused_layer.DOT_PDL), a[1:3])[1])
+    seen.clear()
+    rows = triton_fused_layer.benchmark(model, None, tokens=(8,), n_slots=64, filled=20, dot_pdl=(False, True))
+    assert [r["dot_pdl"] for r in rows] == [False, True] and seen == [False, False, True, True]
+    assert triton_fused_layer.DOT_PDL is shipped

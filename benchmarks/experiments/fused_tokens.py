@@ -32,6 +32,12 @@ their size (24th lease: smaller gate/up and down tiles, more programs, took a 3-
 layer; K read as two power-of-two tiles instead of one padded tile, half the registers, took one token from 12.9 to
 19.2 and was removed).
 
+With `--dot-tiles '[{...}, ...]'` each row also at those DOT_TILES settings (the tensor-core path's tile by role;
+`{}` is the built-in rule), and with `--dot-pdl 0,1` each at both DOT_PDL settings: whether steps of 8-16 tokens pay
+for launching before their predecessor ends when their weights load after the wait (thirty-eighth lease, A: 8 / 12 /
+16 tokens 30.7 / 31.6 / 33.2 µs a layer without, 29.5 / 30.0 / 28.3 with, on the H100; all of K in one tile, its
+weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 tokens on the tensor cores too.
+
 Device minutes: about 2.
 """
 from __future__ import annotations
@@ -55,6 +61,12 @@ def arguments(p) -> None:
     p.add_argument("--fma-tiles", default=None,
                    help="a JSON list of FMA_TILES settings to time too, e.g. '[{\"mlp\": {\"rows\": 2, "
                         "\"block_k\": 1024, \"warps\": 4}}]'")
+    p.add_argument("--dot-tiles", default=None,
+                   help="a JSON list of DOT_TILES settings to time too, e.g. '[{\"down\": {\"rows\": 16, "
+                        "\"block_k\": 512, \"split\": 3}}]'")
+    p.add_argument("--dot-pdl", default=None, help="DOT_PDL settings to time each row at, e.g. 0,1")
+    p.add_argument("--fma-max-tokens", default="8,4",
+                   help="the FMA path's limits each row is timed at (the thresholds compare the first two)")
 
 
 def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
@@ -93,14 +105,19 @@ def run(out_dir, args):
     modular = compiled(Block.forward)
     tiles = tuple(int(t) for t in args.tile_values.split(",")) if args.tile_values else (None,)
     fma_tiles = (None, *json.loads(args.fma_tiles)) if args.fma_tiles else (None,)
-    rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=(8, 4),
-                                        batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles)
+    dot_tiles = (None, *json.loads(args.dot_tiles)) if args.dot_tiles else (None,)
+    dot_pdl = tuple(bool(int(v)) for v in args.dot_pdl.split(",")) if args.dot_pdl else (None,)
+    fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
+    rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=fma,
+                                        batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles,
+                                        dot_tiles=dot_tiles, dot_pdl=dot_pdl)
     for r in rows:
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
     default_tile = [r for r in rows if r["tile_values"] == triton_fused_layer.TILE_VALUES
-                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES]
-    chosen = thresholds(default_tile) if args.batch == 1 and default_tile else {}
+                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
+                    and r["dot_pdl"] == triton_fused_layer.DOT_PDL]
+    chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
     if chosen:
         (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
