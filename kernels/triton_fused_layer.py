@@ -165,7 +165,8 @@ PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 # tok/s on chat, and five of the controllers' six cells at B = 4 up 4.7-15% (the head at chat B = 4 from 0.91x to
 # 1.04x our AR; the n-gram's on summarize -1.3%);
 # all of K in one tile (its weights then before the wait) was slower either way (32.6-34.7 µs with PDL, 43 without).
-# SPECPILOT_DOT_PDL=0 turns it off (for A/B timing).
+# The same rule holds for a draft head's tail (draft_logits) and the final norm (_step_pdl); the thirty-ninth lease
+# put them under it. SPECPILOT_DOT_PDL=0 turns it off (for A/B timing).
 DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
@@ -1005,6 +1006,13 @@ def _pdl(device: torch.device) -> bool:
     return _PDL_DEVICES[device]
 
 
+def _step_pdl(n_tokens: int, device: torch.device) -> bool:
+    """Whether a step's kernels of `n_tokens` tokens launch with PDL: the FMA path always, the tensor cores' with
+    DOT_PDL. One rule for the layer, a draft head's tail and the final norm, so that each kernel's predecessor and
+    successor agree on it."""
+    return (n_tokens <= FMA_MAX_TOKENS or DOT_PDL) and _pdl(device)
+
+
 _COUNTERS: dict = {}
 
 
@@ -1164,7 +1172,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         raise ValueError("fused layer: rows must be contiguous (one cache row per token)")
     kv_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     width = MIN_PROGRAMS if dev.type == "cuda" else 1
-    on = (M <= FMA_MAX_TOKENS or DOT_PDL) and _pdl(dev)  # (Hopper: the FMA path; the tensor cores' with DOT_PDL)
+    on = _step_pdl(M, dev)
     pdl = dict(PDL=on, launch_pdl=on)
     # Dead tokens are skipped by every kernel of the layer or by none: only the FMA path (a program a token) can
     # skip them in its GEMVs, so only there. A token that one kernel skips and the next reads is read from
@@ -1286,7 +1294,7 @@ def draft_logits(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_he
     M, dev = x2.shape[0], x.device
     out, logits = torch.empty_like(x2), torch.empty(M, n, dtype=x.dtype, device=dev)
     cfg = gemv_blocks(n, hidden, M, MIN_PROGRAMS if dev.type == "cuda" else 1, pairs=True)
-    on = M <= FMA_MAX_TOKENS and _pdl(dev)
+    on = _step_pdl(M, dev)
     _norm_pair_gemv[grid(cfg, n, M)](
         x2, d2, out, norm, lm_head, lm_head, logits, x2, x2, x2, x2, x2, x2, M, hidden, n, eps, 1, 1, 0, 0, 0, 0,
         MODE=PLAIN, HAS_BIAS=False, QK_NORM=False, HEAD_DIM=2, DOT=cfg["DOT"],
@@ -1318,7 +1326,7 @@ def final_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: 
     hidden = x.shape[-1]
     x2, d2 = x.reshape(-1, hidden).contiguous(), delta.reshape(-1, hidden).contiguous()
     out = torch.empty_like(x2)
-    pdl = x2.shape[0] <= FMA_MAX_TOKENS and _pdl(x.device)
+    pdl = _step_pdl(x2.shape[0], x.device)
     skip = live is not None and skips_dead_tokens(x2.shape[0])
     _add_rmsnorm[(x2.shape[0],)](x2, d2, weight, out, live if skip else x2, hidden, eps,
                                   BLOCK_K=triton.next_power_of_2(hidden), num_warps=4, PDL=pdl, launch_pdl=pdl,
