@@ -946,9 +946,10 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     tokens a program (more tokens: more token blocks side by side), the role's DOT_TILES where it gives them."""
     if n_tokens > FMA_MAX_TOKENS:
         tile = DOT_TILES.get(role, {})
-        cfg = dict(DOT=True, BLOCK_M=DOT_TOKENS, BLOCK_N=tile.get("rows", DOT_ROWS),
-                   BLOCK_K=min(tile.get("block_k", DOT_K // (2 if pairs else 1)), max(16, triton.next_power_of_2(k))),
-                   num_warps=tile.get("warps", 4))
+        block_m = dot_token_block(n_tokens, tile)
+        block_k = min(tile.get("block_k", DOT_K // (2 if pairs else 1)), max(16, triton.next_power_of_2(k)))
+        cfg = dict(DOT=True, BLOCK_M=block_m, BLOCK_N=tile.get("rows", DOT_ROWS),
+                   BLOCK_K=max(16, block_k * DOT_TOKENS // block_m), num_warps=tile.get("warps", 4))
         if "stages" in tile:
             cfg["num_stages"] = tile["stages"]
         if tile.get("split", 1) > 1:  # (K over that many programs; `_split_k` sizes it)
@@ -969,6 +970,14 @@ def gemv_blocks(n_rows: int, k: int, n_tokens: int, min_programs: int = MIN_PROG
     while block_n > 1 and triton.cdiv(n_rows, block_n) * programs_per_row_block < min_programs:
         block_n //= 2
     return dict(DOT=False, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def dot_token_block(n_tokens: int, tile: dict) -> int:
+    """The tensor-core path's tokens a program for a step of `n_tokens`: DOT_TOKENS (tl.dot's least), or up to the
+    tile's "tokens" (a power of two) where the step has more, so that each weight tile is read by one program instead
+    of one per DOT_TOKENS tokens; its K tile then shrinks in proportion (`gemv_blocks`), so the activations' tile
+    keeps its size in shared memory and registers."""
+    return min(tile.get("tokens", DOT_TOKENS), max(DOT_TOKENS, triton.next_power_of_2(n_tokens)))
 
 
 def grid(cfg: dict, n_rows: int, n_tokens: int) -> tuple[int, int]:

@@ -396,6 +396,23 @@ def test_fused_layer_runs_steps_past_sixteen_tokens_in_token_blocks(tiny_model_d
     assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((1, 20), (2, 9))) < 2e-5
 
 
+def test_fused_layer_runs_steps_past_sixteen_tokens_in_one_token_block(tiny_model_dir, monkeypatch):
+    """With a tile's "tokens" (DOT_TILES), a step of more than 16 tokens runs in one block of up to that many tokens
+    a program (each weight tile read once), its K tile shrunk in proportion; the layer still agrees with the modular
+    one, for one row of 20 tokens and two rows of 9."""
+    monkeypatch.setattr(triton_fused_layer, "MAX_TOKENS", 64)
+    tiles = {role: {**tile, "tokens": 32} for role, tile in triton_fused_layer.DOT_TILES.items()}
+    monkeypatch.setattr(triton_fused_layer, "DOT_TILES", tiles)
+    F = triton_fused_layer
+    assert F.gemv_blocks(480, 576, 12, role="o")["BLOCK_M"] == 16  # (16 tokens or fewer: one block of 16)
+    wide = F.gemv_blocks(480, 576, 20, role="o")
+    assert wide["BLOCK_M"] == 32 and wide["BLOCK_K"] == tiles["o"]["block_k"] // 2
+    assert F.gemv_blocks(480, 576, 40, role="o")["BLOCK_M"] == 32  # (at most the tile's tokens: two blocks)
+    assert F.gemv_blocks(480, 576, 20, role="down")["BLOCK_M"] == 32
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    assert F.check(loaded.model, Block.forward, batch_tokens=((1, 20), (2, 9))) < 2e-5
+
+
 def _five_token_step(model, first: int, seed: int):
     """A verification step's inputs for one layer of `model`: one row of five tokens at positions first..first + 4
     (their RoPE tables), random x and delta, and a random 64-slot cache."""
