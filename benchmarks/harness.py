@@ -205,6 +205,26 @@ def env_line(env: dict) -> str:
             + "".join(f" · {k}={v}" for k, v in (env.get("settings") or {}).items()))
 
 
+# SmolLM2-135M's shapes, for experiments on random weights (`--target none`: no model staged, one call)
+SMOLLM2_SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+                  "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
+
+
+def random_smollm2(layers: int, device: str, scratch: Path):
+    """A seeded random model of SmolLM2-135M's shapes with `layers` layers, loaded by the engine's loader (bf16 on
+    CUDA): kernel and loop timings do not depend on what the weights are."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specpilot.engine import loader
+
+    torch.manual_seed(0)
+    path = scratch / "random-smollm2"
+    LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_SHAPES, "num_hidden_layers": layers})).save_pretrained(path)
+    return loader.load(str(path), "bf16" if device == "cuda" else "fp32", device)
+
+
 def grid_dir(space: str, workloads: list[str], batch_sizes: str) -> Path:
     """Where the grid experiment writes a (non-smoke) grid: a fixed folder, so that the same grid run again on a warm
     machine keeps the earlier call's gate verdicts, and the optimize experiment finds its best recipe."""

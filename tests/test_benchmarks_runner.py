@@ -147,6 +147,46 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     assert got == {"SPECPILOT_FMA_MAX_TOKENS": 8, "SPECPILOT_FUSED_MAX_TOKENS": 16}
 
 
+def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_path, monkeypatch):
+    """fused_tokens --target none --dot-tokens 32,64: a random model of SmolLM2's shapes (no staged model), and each
+    step past 16 tokens timed again at each token block it does not have yet (20 tokens: 16 and 32; 40: 16, 32 and
+    64; 8: 16 only), each row saying its block. Timings faked (GPU work)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+
+    fused_tokens = runner.load("fused_tokens")
+    made, seen = [], []
+
+    def fake_random(layers, device, scratch):
+        made.append((layers, device))
+        return types.SimpleNamespace(model="random")
+
+    def fake_benchmark(model, modular, tokens, dot_tiles, **kw):
+        assert model == "random"
+        seen.append((tokens[0], [F.dot_token_block(tokens[0], (d or F.DOT_TILES).get("o", {})) for d in dot_tiles]))
+        return [dict(batch=1, tokens=tokens[0], fma_max_tokens=6, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
+                     dot_tiles=F.DOT_TILES if d is None else d, dot_pdl=F.DOT_PDL, fused_us=10.0, modular_us=20.0)
+                for d in dot_tiles]
+
+    monkeypatch.setattr(fused_tokens.harness, "random_smollm2", fake_random)
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", fake_benchmark)
+    monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
+                                 tokens="8,20,40", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None,
+                                 dot_pdl=None, dot_tokens="32,64", fma_max_tokens="6", layers=30)
+    record, table = fused_tokens.run(tmp_path, args)
+    assert made == [(30, "cuda")]
+    assert seen == [(8, [16]), (20, [16, 32]), (40, [16, 32, 64])]
+    assert [r["token_block"] for r in record["rows"]] == [16, 16, 32, 16, 32, 64]
+    assert "token_block" in table
+
+
 def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):
     """fused_tiles.run on `target` with the GPU work faked: the layer timings (`benchmark`, as F.benchmark), the
     kernel profiles (`kernel_times`), the copy bandwidth (4 TB/s), torch.cuda's housekeeping; `flags` are its

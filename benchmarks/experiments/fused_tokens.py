@@ -38,6 +38,13 @@ for launching before their predecessor ends when their weights load after the wa
 16 tokens 30.7 / 31.6 / 33.2 µs a layer without, 29.5 / 30.0 / 28.3 with, on the H100; all of K in one tile, its
 weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 tokens on the tensor cores too.
 
+With `--dot-tokens 32,64,...` each row past 16 tokens also runs in one token block of up to that many tokens a
+program (DOT_TILES' "tokens" on every role, `dot_token_block`: each weight tile read once a block, not once per 16
+tokens); rows that would take the same block as another are timed once. With `--target none` the layer is a random
+model of SmolLM2-135M's shapes (harness.random_smollm2): no model is staged, one call on a fresh machine. Why: the
+H200's chat sweep at B = 16 (thirty-ninth lease) priced a k' = 1 step (32 tokens, the modular layer past the fused
+layer's 24-token limit) at 1.29 ms against 0.71 for its AR step (16 tokens, fused), and AR at B = 32 at 1.26 ms.
+
 Device minutes: about 2.
 """
 from __future__ import annotations
@@ -65,6 +72,11 @@ def arguments(p) -> None:
                    help="a JSON list of DOT_TILES settings to time too, e.g. '[{\"down\": {\"rows\": 16, "
                         "\"block_k\": 512, \"split\": 3}}]'")
     p.add_argument("--dot-pdl", default=None, help="DOT_PDL settings to time each row at, e.g. 0,1")
+    p.add_argument("--dot-tokens", default=None,
+                   help="token blocks past 16 to time each row past 16 tokens at too (DOT_TILES' \"tokens\"), "
+                        "e.g. 32,64,128")
+    p.add_argument("--layers", type=int, default=harness.SMOLLM2_SHAPES["num_hidden_layers"],
+                   help="with --target none: the random model's layers")
     p.add_argument("--fma-max-tokens", default="8,4",
                    help="the FMA path's limits each row is timed at (the thresholds compare the first two)")
 
@@ -93,6 +105,23 @@ def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: 
     return {"SPECPILOT_FMA_MAX_TOKENS": fma, "SPECPILOT_FUSED_MAX_TOKENS": fused}
 
 
+def with_token_blocks(dot_tiles: tuple, blocks: str | None, n_tokens: int) -> tuple:
+    """`dot_tiles` (None: the shipped DOT_TILES), and for a step of `n_tokens` each of them again with every role's
+    "tokens" at each of `blocks` (e.g. "32,64") that gives the step a token block it does not have yet."""
+    from specpilot.kernels import triton_fused_layer as F
+
+    out = list(dot_tiles)
+    for d in dot_tiles:
+        base = F.DOT_TILES if d is None else d
+        seen = {F.dot_token_block(n_tokens, base.get("o", {}))}
+        for t in (blocks.split(",") if blocks else ()):
+            wide = {role: {**tile, "tokens": int(t)} for role, tile in base.items()}
+            if F.dot_token_block(n_tokens, wide["o"]) not in seen:
+                seen.add(F.dot_token_block(n_tokens, wide["o"]))
+                out.append(wide)
+    return tuple(out)
+
+
 def run(out_dir, args):
     from specpilot.engine import loader
     from specpilot.engine.model import Block, compiled
@@ -101,17 +130,24 @@ def run(out_dir, args):
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.smoke:
         tokens = tokens[:2]
-    target = loader.load(args.ctx.target, "bf16", "cuda")
+    if args.ctx.target == "none":
+        target = harness.random_smollm2(2 if args.smoke else args.layers, "cuda", args.ctx.scratch)
+    else:
+        target = loader.load(args.ctx.target, "bf16", "cuda")
     modular = compiled(Block.forward)
     tiles = tuple(int(t) for t in args.tile_values.split(",")) if args.tile_values else (None,)
     fma_tiles = (None, *json.loads(args.fma_tiles)) if args.fma_tiles else (None,)
     dot_tiles = (None, *json.loads(args.dot_tiles)) if args.dot_tiles else (None,)
     dot_pdl = tuple(bool(int(v)) for v in args.dot_pdl.split(",")) if args.dot_pdl else (None,)
     fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
-    rows = triton_fused_layer.benchmark(target.model, modular, tokens=tuple(tokens), fma_max_tokens=fma,
-                                        batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles,
-                                        dot_tiles=dot_tiles, dot_pdl=dot_pdl)
+    rows = []
+    for T in tokens:
+        rows += triton_fused_layer.benchmark(target.model, modular, tokens=(T,), fma_max_tokens=fma,
+                                             batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles,
+                                             dot_tiles=with_token_blocks(dot_tiles, args.dot_tokens, args.batch * T),
+                                             dot_pdl=dot_pdl)
     for r in rows:
+        r["token_block"] = triton_fused_layer.dot_token_block(r["batch"] * r["tokens"], r["dot_tiles"].get("o", {}))
         print(r, flush=True)
     keys = sorted({k for r in rows for k in r})
     default_tile = [r for r in rows if r["tile_values"] == triton_fused_layer.TILE_VALUES

@@ -49,13 +49,13 @@ import time
 import traceback
 from dataclasses import asdict
 
+import harness
+
 MINUTES = 3
 CUDA_ONLY = True
 # The decoder's methods whose host time is measured, in the table's order
 PHASES = ("_read", "_launch", "_prefill_requests", "_move_in", "_shrink")
-SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-          "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
-          "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
+SHAPES = harness.SMOLLM2_SHAPES
 # A system's name with this suffix: the same system with its prefill's layers compiled (`Decoder.prefill_layer_fn`,
 # off by default until timed: a refill's eager prefill of 16 chat prompts took 11-13 ms on the H200)
 COMPILED_PREFILL = "+compiled-prefill"
@@ -87,18 +87,6 @@ def arguments(p) -> None:
     p.add_argument("--side-by-side", type=int, default=0, metavar="ROUNDS",
                    help="then every system's kinds of step replayed in turn, ROUNDS rounds of 10 replays each, all "
                         "systems kept: their step costs compared in one stretch of the device's time (medians)")
-
-
-def random_target(layers: int, device: str, scratch):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from specpilot.engine import loader
-
-    torch.manual_seed(0)
-    path = scratch / "random-smollm2"
-    LlamaForCausalLM(LlamaConfig(**{**SHAPES, "num_hidden_layers": layers})).save_pretrained(path)
-    return loader.load(str(path), "bf16" if device == "cuda" else "fp32", device)
 
 
 def timed(counter: dict, name: str, fn):
@@ -406,7 +394,7 @@ def run(out_dir, args):
         encode = Engine(target, parse({})).encode
         prompts = [encode(questions[i % len(questions)].turns[0]) for i in range(requests)]
     else:
-        target = random_target(2 if ctx.smoke else args.layers, device, ctx.scratch)
+        target = harness.random_smollm2(2 if ctx.smoke else args.layers, device, ctx.scratch)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, SHAPES["vocab_size"], (int(torch.randint(96, 193, (1,), generator=g)),),
                                  generator=g).tolist() for _ in range(requests)]
