@@ -150,7 +150,9 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
 def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_path, monkeypatch):
     """fused_tokens --target none --dot-tokens 32,64: a random model of SmolLM2's shapes (no staged model), and each
     step past 16 tokens timed again at each token block it does not have yet (20 tokens: 16 and 32; 40: 16, 32 and
-    64; 8: 16 only), each row saying its block. Timings faked (GPU work)."""
+    64; 8: 16 only), each row saying its block; the best cap and the limit at it go to the env file. Timings faked
+    (GPU work)."""
+    import json
     import types
 
     import torch
@@ -167,10 +169,13 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
 
     def fake_benchmark(model, modular, tokens, dot_tiles, **kw):
         assert model == "random"
-        seen.append((tokens[0], [F.dot_token_block(tokens[0], (d or F.DOT_TILES).get("o", {})) for d in dot_tiles]))
+        blocks = [F.dot_token_block(tokens[0], (d or F.DOT_TILES).get("o", {})) for d in dot_tiles]
+        seen.append((tokens[0], blocks))
+        # blocks of 32 fastest; the modular layer beats every fused block at 40 tokens
         return [dict(batch=1, tokens=tokens[0], fma_max_tokens=6, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
-                     dot_tiles=F.DOT_TILES if d is None else d, dot_pdl=F.DOT_PDL, fused_us=10.0, modular_us=20.0)
-                for d in dot_tiles]
+                     dot_tiles=F.DOT_TILES if d is None else d, dot_pdl=F.DOT_PDL,
+                     fused_us={16: 10.0, 32: 8.0, 64: 9.0}[b], modular_us=7.5 if tokens[0] == 40 else 20.0)
+                for d, b in zip(dot_tiles, blocks)]
 
     monkeypatch.setattr(fused_tokens.harness, "random_smollm2", fake_random)
     monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
@@ -185,6 +190,13 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
     assert seen == [(8, [16]), (20, [16, 32]), (40, [16, 32, 64])]
     assert [r["token_block"] for r in record["rows"]] == [16, 16, 32, 16, 32, 64]
     assert "token_block" in table
+    # the cap whose blocks ran the steps past 16 fastest (32: 0.8 of 16's time at both widths, 64: 0.8 and 0.9), and
+    # the limit where its steps still beat the modular layer (20, not 40); both written for a later call's sweep
+    tiles = json.loads(record["token_blocks"]["SPECPILOT_DOT_TILES"])
+    assert {tile["tokens"] for tile in tiles.values()} == {32} and tiles.keys() == F.DOT_TILES.keys()
+    assert record["token_blocks"]["SPECPILOT_FUSED_MAX_TOKENS"] == 20
+    env = (tmp_path / "fused_tokens.env").read_text()
+    assert "export SPECPILOT_FUSED_MAX_TOKENS=20\n" in env and "export SPECPILOT_DOT_TILES='{" in env
 
 
 def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):

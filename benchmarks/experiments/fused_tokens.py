@@ -40,7 +40,9 @@ weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 token
 
 With `--dot-tokens 32,64,...` each row past 16 tokens also runs in one token block of up to that many tokens a
 program (DOT_TILES' "tokens" on every role, `dot_token_block`: each weight tile read once a block, not once per 16
-tokens); rows that would take the same block as another are timed once. With `--target none` the layer is a random
+tokens); rows that would take the same block as another are timed once, and at B = 1 the cap whose blocks ran the
+steps past 16 tokens fastest, with the fused layer's limit at it (`token_blocks`), go to WORK/fused_tokens.env as
+SPECPILOT_DOT_TILES and SPECPILOT_FUSED_MAX_TOKENS for a later call's sweep. With `--target none` the layer is a random
 model of SmolLM2-135M's shapes (harness.random_smollm2): no model is staged, one call on a fresh machine. Why: the
 H200's chat sweep at B = 16 (thirty-ninth lease) priced a k' = 1 step (32 tokens, the modular layer past the fused
 layer's 24-token limit) at 1.29 ms against 0.71 for its AR step (16 tokens, fused), and AR at B = 32 at 1.26 ms.
@@ -50,6 +52,8 @@ Device minutes: about 2.
 from __future__ import annotations
 
 import json
+import math
+import shlex
 
 import harness
 
@@ -122,6 +126,48 @@ def with_token_blocks(dot_tiles: tuple, blocks: str | None, n_tokens: int) -> tu
     return tuple(out)
 
 
+def token_blocks(rows: list[dict], shipped: dict) -> dict:
+    """From rows at the `shipped` DOT_TILES, bare or with every role's "tokens" (`--dot-tokens`): the token-block cap
+    ("tokens") whose blocks ran the tested steps past 16 tokens fastest (the geometric mean of each width's time over
+    its 16-token blocks' time, so each width weighs the same), and the fused layer's limit at that cap: the widest
+    tested step up to which every tested step past 16 tokens beat the modular layer. Empty without such rows.
+    SPECPILOT_DOT_TILES is given only for a cap past 16 (the shipped rule's blocks)."""
+    from specpilot.kernels.triton_fused_layer import dot_token_block
+
+    def bare(d):
+        return {role: {k: v for k, v in tile.items() if k != "tokens"} for role, tile in d.items()}
+
+    timed: dict[int, dict[int, dict]] = {}  # width -> token block -> row
+    for r in rows:
+        width = r["batch"] * r["tokens"]
+        if width > 16 and "fused_us" in r and bare(r["dot_tiles"]) == bare(shipped):
+            timed.setdefault(width, {})[r["token_block"]] = r
+    widths = sorted(w for w, by in timed.items() if 16 in by)
+    caps = sorted({b for w in widths for b in timed[w]})
+    if not widths:
+        return {}
+
+    def at(width, cap):
+        return timed[width].get(dot_token_block(width, {"tokens": cap}))
+
+    def score(cap):
+        ratios = [at(w, cap)["fused_us"] / timed[w][16]["fused_us"] for w in widths if at(w, cap) is not None]
+        return math.prod(ratios) ** (1 / len(ratios)) if len(ratios) == len(widths) else math.inf
+
+    cap = min(caps, key=lambda c: (score(c), c))
+    limit = 16
+    for w in widths:
+        row = at(w, cap)
+        if row.get("modular_us") is None or row["fused_us"] >= row["modular_us"]:
+            break
+        limit = w
+    chosen = {"SPECPILOT_FUSED_MAX_TOKENS": limit}
+    if cap > 16:
+        chosen["SPECPILOT_DOT_TILES"] = json.dumps({role: {**tile, "tokens": cap} for role, tile in shipped.items()},
+                                                   separators=(",", ":"))
+    return chosen
+
+
 def run(out_dir, args):
     from specpilot.engine import loader
     from specpilot.engine.model import Block, compiled
@@ -154,11 +200,20 @@ def run(out_dir, args):
                     and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
                     and r["dot_pdl"] == triton_fused_layer.DOT_PDL]
     chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
+    blocks = {}
+    if args.dot_tokens:  # the token blocks' cap and the limit at it
+        blocks = token_blocks(rows, triton_fused_layer.DOT_TILES)
+        if args.batch == 1:
+            chosen = {**chosen, **blocks}
     if chosen:
-        (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={v}\n" for k, v in chosen.items()))
+        (harness.WORK / "fused_tokens.env").write_text("".join(f"export {k}={shlex.quote(str(v))}\n"
+                                                               for k, v in chosen.items()))
     table = harness.md_table(keys, [[harness.fmt(r.get(k), ".2f") if isinstance(r.get(k), float) else r.get(k)
                                      for k in keys] for r in rows])
     summary = f"\n\n{args.batch} rows a step: no thresholds (B = 1 only)"
     if chosen:
         summary = "\n\nThresholds these rows support: " + ", ".join(f"{k}={v}" for k, v in chosen.items())
-    return {"rows": rows, "thresholds": chosen}, table + summary
+    if blocks and args.batch != 1:
+        summary += ("\n\nToken blocks at these steps: " + ", ".join(f"{k}={v}" for k, v in blocks.items())
+                    + " (not written to the env file: B = 1 sets it)")
+    return {"rows": rows, "thresholds": chosen, "token_blocks": blocks}, table + summary
