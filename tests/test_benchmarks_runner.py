@@ -150,8 +150,8 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
 def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_path, monkeypatch):
     """fused_tokens --target none --dot-tokens 32,64: a random model of SmolLM2's shapes (no staged model), and each
     step past 16 tokens timed again at each token block it does not have yet (20 tokens: 16 and 32; 40: 16, 32 and
-    64; 8: 16 only), each row saying its block; the best cap and the limit at it go to the env file. Timings faked
-    (GPU work)."""
+    64; 8: 16 only), each row saying its block, a tiling that fails costing its own row; the best cap and the limit
+    at it go to the env file. Timings faked (GPU work)."""
     import json
     import types
 
@@ -171,6 +171,9 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
         assert model == "random"
         blocks = [F.dot_token_block(tokens[0], (d or F.DOT_TILES).get("o", {})) for d in dot_tiles]
         seen.append((tokens[0], blocks))
+        assert (modular is None) == (blocks != [16])  # the modular layer timed once a T, beside the shipped tiles
+        if blocks == [64]:
+            raise RuntimeError("out of resources: shared memory")  # costs its own row only
         # blocks of 32 fastest; the modular layer beats every fused block at 40 tokens
         return [dict(batch=1, tokens=tokens[0], fma_max_tokens=6, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
                      dot_tiles=F.DOT_TILES if d is None else d, dot_pdl=F.DOT_PDL,
@@ -187,10 +190,11 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
                                  dot_pdl=None, dot_tokens="32,64", fma_max_tokens="6", layers=30)
     record, table = fused_tokens.run(tmp_path, args)
     assert made == [(30, "cuda")]
-    assert seen == [(8, [16]), (20, [16, 32]), (40, [16, 32, 64])]
+    assert seen == [(8, [16]), (20, [16]), (20, [32]), (40, [16]), (40, [32]), (40, [64])]
     assert [r["token_block"] for r in record["rows"]] == [16, 16, 32, 16, 32, 64]
+    assert "out of resources" in record["rows"][-1]["error"] and record["rows"][-2]["modular_us"] == 7.5
     assert "token_block" in table
-    # the cap whose blocks ran the steps past 16 fastest (32: 0.8 of 16's time at both widths, 64: 0.8 and 0.9), and
+    # the cap whose blocks ran the steps past 16 fastest (32: 0.8 of 16's time at both widths; 64's failed), and
     # the limit where its steps still beat the modular layer (20, not 40); both written for a later call's sweep
     tiles = json.loads(record["token_blocks"]["SPECPILOT_DOT_TILES"])
     assert {tile["tokens"] for tile in tiles.values()} == {32} and tiles.keys() == F.DOT_TILES.keys()

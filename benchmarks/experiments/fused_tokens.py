@@ -188,15 +188,25 @@ def run(out_dir, args):
     fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
     rows = []
     for T in tokens:
-        rows += triton_fused_layer.benchmark(target.model, modular, tokens=(T,), fma_max_tokens=fma,
-                                             batch=args.batch, tile_values=tiles, fma_tiles=fma_tiles,
-                                             dot_tiles=with_token_blocks(dot_tiles, args.dot_tokens, args.batch * T),
-                                             dot_pdl=dot_pdl)
-    for r in rows:
-        r["token_block"] = triton_fused_layer.dot_token_block(r["batch"] * r["tokens"], r["dot_tiles"].get("o", {}))
-        print(r, flush=True)
+        modular_us = None
+        for i, dot in enumerate(with_token_blocks(dot_tiles, args.dot_tokens, args.batch * T)):
+            try:  # the modular layer once a T, with the first tiling
+                got = triton_fused_layer.benchmark(target.model, modular if i == 0 else None, tokens=(T,),
+                                                   fma_max_tokens=fma, batch=args.batch, tile_values=tiles,
+                                                   fma_tiles=fma_tiles, dot_tiles=(dot,), dot_pdl=dot_pdl)
+            except Exception as e:  # (a tiling that does not compile or run costs its own row)
+                got = [dict(batch=args.batch, tokens=T, dot_tiles=dot or triton_fused_layer.DOT_TILES,
+                            error=f"{type(e).__name__}: {e}"[:300])]
+            for r in got:
+                modular_us = r.get("modular_us") if i == 0 else modular_us
+                r["modular_us"] = modular_us
+                if "fused_us" in r:
+                    r["speedup"] = modular_us / r["fused_us"] if modular_us else None
+                r["token_block"] = triton_fused_layer.dot_token_block(args.batch * T, r["dot_tiles"].get("o", {}))
+                print(r, flush=True)
+            rows += got
     keys = sorted({k for r in rows for k in r})
-    default_tile = [r for r in rows if r["tile_values"] == triton_fused_layer.TILE_VALUES
+    default_tile = [r for r in rows if "fused_us" in r and r["tile_values"] == triton_fused_layer.TILE_VALUES
                     and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
                     and r["dot_pdl"] == triton_fused_layer.DOT_PDL]
     chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
