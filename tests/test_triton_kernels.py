@@ -399,7 +399,7 @@ def test_fused_layer_runs_steps_past_sixteen_tokens_in_token_blocks(tiny_model_d
 def test_fused_layer_runs_steps_past_sixteen_tokens_in_one_token_block(tiny_model_dir, monkeypatch):
     """With a tile's "tokens" (DOT_TILES), a step of more than 16 tokens runs in one block of up to that many tokens
     a program (each weight tile read once), its K tile shrunk in proportion; the layer still agrees with the modular
-    one, for one row of 20 tokens and two rows of 9."""
+    one, for one row of 20 tokens and two rows of 9 in blocks of 32, and one row of 40 in a block of 64."""
     monkeypatch.setattr(triton_fused_layer, "MAX_TOKENS", 64)
     tiles = {role: {**tile, "tokens": 32} for role, tile in triton_fused_layer.DOT_TILES.items()}
     monkeypatch.setattr(triton_fused_layer, "DOT_TILES", tiles)
@@ -411,6 +411,10 @@ def test_fused_layer_runs_steps_past_sixteen_tokens_in_one_token_block(tiny_mode
     assert F.gemv_blocks(480, 576, 20, role="down")["BLOCK_M"] == 32
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
     assert F.check(loaded.model, Block.forward, batch_tokens=((1, 20), (2, 9))) < 2e-5
+    # blocks of 64: 40 tokens in one (K tiles a quarter of the shipped ones)
+    monkeypatch.setattr(F, "DOT_TILES", {role: {**tile, "tokens": 64} for role, tile in tiles.items()})
+    assert F.gemv_blocks(480, 576, 40, role="down")["BLOCK_K"] == max(16, tiles["down"]["block_k"] // 4)
+    assert F.check(loaded.model, Block.forward, batch_tokens=((1, 40),)) < 2e-5
 
 
 def _five_token_step(model, first: int, seed: int):
