@@ -117,14 +117,16 @@ MIN_PROGRAMS = 256
 # round trips (its column, then the activation there) in every program; Llama-3.1-8B-shaped rows hold 0-9, and
 # loading them ahead took its 12-bit AR step from 8.68 to 8.37 ms (H200, twenty-seventh lease, D).
 ESCAPES_AHEAD = 16
-# The tensor-core path: tokens padded to 16 (tl.dot's least), 16 output rows a program, K in tiles of DOT_K (the
-# pair kernels hold two weight tiles and the normed activations, so half of that).
+# The tensor-core path: tokens padded to 16 (tl.dot's least) a block, 16 output rows a program, K in tiles of DOT_K
+# (the pair kernels hold two weight tiles and the normed activations, so half of that).
 DOT_TOKENS, DOT_ROWS, DOT_K = 16, 16, 512
 # The tensor-core path's tile by role, as FMA_TILES is the FMA path's: {"rows": output rows a program (16 or more:
 # tl.dot's least), "block_k": the K tile, "warps", "stages": how deep Triton pipelines the K loop's loads}; a key left
 # out keeps the rule above (4 warps, Triton's default stages); "split": K in that many shares, a program each, the
 # last to finish adding their partials (more programs for a matrix of few row blocks: SmolLM2's q/k/v has 30 of 16
-# pairs, its down 36 of 16 rows), off where not given. A step of 7-16 tokens cost a layer 2.2x a one-token
+# pairs, its down 36 of 16 rows), off where not given; "tokens": a step of more than DOT_TOKENS tokens in one block
+# of up to that many (a power of two) instead of blocks of DOT_TOKENS side by side (`dot_token_block`), off where not
+# given (not yet timed on a GPU). A step of 7-16 tokens cost a layer 2.2x a one-token
 # step on the H200 (32-35 against 14 µs: thirteenth and sixteenth leases), as much as cuBLAS. These are the best of
 # `fused_tiles --tokens 8` on the H100 with SmolLM2 (docs/benchmarks/2026-12-06-thirty-second-lease.md): 30.5
 # against 32.2 µs a layer at 8 tokens, 4-7% less at 8-32 tokens; o and down 0.9 and 0.8 µs faster, q/k/v and gate/up
