@@ -14,8 +14,9 @@ import os
 if not os.path.exists("/dev/nvidia0"):  # a GPU machine runs the kernels for real
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (the README's `-n 2`) each worker computes on one thread, set before torch is imported so its
-# children inherit it too: two workers of two threads each on CI's two cores took the suite from 24 to over 60
-# minutes (their thread pools spinning against each other); one thread each, 14.6 minutes (2026-12-06).
+# children inherit it too: two workers of two threads each on CI's two cores had run a quarter of the suite after 21
+# minutes (their thread pools spinning against each other); one thread each, the whole suite in 12-15 minutes, where
+# one process takes 24 (2026-12-06).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
