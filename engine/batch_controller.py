@@ -64,21 +64,38 @@ def water_fill(found: list[int], budget: int) -> list[int]:
     return alloc
 
 
-def planned_drafts(found: list[int], k_step: int, ragged: bool, bucket: int) -> Counter:
+def packed_budget(k_step: float, bucket: int) -> int:
+    """The drafts a packed step of kind k_step verifies across a batch bucket at most: k_step x bucket."""
+    return round(k_step * bucket)
+
+
+def fraction_kinds(fractions, bucket: int) -> tuple[float, ...]:
+    """The kinds below one draft a row (`batch.fractions`) a bucket can run: those whose packed budget is at least
+    one draft (and, being below one a row, fewer than the bucket's rows)."""
+    return tuple(sorted({f for f in fractions if 1 <= packed_budget(f, bucket) < bucket}))
+
+
+def is_packed(k_step: float, ragged: bool) -> bool:
+    """Whether a verifying step of kind k_step packs its drafts (ragged verification): always with `ragged`, and a
+    kind below one draft a row (a fraction) in any case, since a padded step cannot verify fewer than one a row."""
+    return k_step > 0 and (ragged or k_step != int(k_step))
+
+
+def planned_drafts(found: list[int], k_step: float, ragged: bool, bucket: int) -> Counter:
     """How many rows a step of kind k_step verifies n drafts (n -> rows), for live rows with `found` drafts each:
-    padded, at most k_step a row; ragged, at most k_step x bucket across the batch, water-filled over the rows that
-    have them (`water_fill`, here over the count of rows with each number of drafts: the host runs this for every
-    kind before every step); 0, none."""
+    padded, at most k_step a row; packed (`is_packed`), at most k_step x bucket across the batch, water-filled over
+    the rows that have them (`water_fill`, here over the count of rows with each number of drafts: the host runs
+    this for every kind before every step); 0, none."""
     return _plan(Counter(found), k_step, ragged, bucket)
 
 
-def _plan(rows: Counter, k_step: int, ragged: bool, bucket: int) -> Counter:
+def _plan(rows: Counter, k_step: float, ragged: bool, bucket: int) -> Counter:
     """`planned_drafts` for `rows` (drafts found -> rows)."""
-    if not ragged:
-        return _capped(rows, k_step)
+    if not is_packed(k_step, ragged):
+        return _capped(rows, int(k_step))
     # the largest common cap whose drafts fit the budget (raising it by one adds a draft to each row above it), then
     # one more draft for as many of the rows above it as the budget has left
-    budget, top, total, cap = k_step * bucket, max(rows, default=0), 0, 0
+    budget, top, total, cap = packed_budget(k_step, bucket), max(rows, default=0), 0, 0
     above = [sum(c for v, c in rows.items() if v > n) for n in range(top + 1)]
     while cap < top and total + above[cap] <= budget:
         total, cap = total + above[cap], cap + 1
@@ -241,9 +258,16 @@ class DraftLengthController:
         gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
         return {kind: sum(rows * gain[n] for n, rows in plans.items()) for kind, plans in self.planned.items()}
 
-    def allocation(self, found: list[int], kind: int) -> Counter:
+    def allocation(self, found: list[int], kind: float) -> Counter:
         """How many rows a step of `kind` plans to verify n drafts, for rows with `found` drafts (`planned_drafts`)."""
-        return planned_drafts(found, kind, self.ragged, self.bucket)
+        return self._plan(Counter(found), kind)
+
+    def _plan(self, by_found: Counter, kind: float) -> Counter:
+        """`_plan` for this batch; a drafter that always has k drafts proposes one a row for a fraction kind (the
+        decoder's step drafts no deeper: `Decoder._step`), so its rows have one each there."""
+        if self.fixed_drafts and 0 < kind < 1:
+            by_found = Counter({min(v, 1): c for v, c in by_found.items()})
+        return _plan(by_found, kind, self.ragged, self.bucket)
 
     def calibration(self, kind: int | None = None) -> float:
         """Gained over expected gain of this batch's verifying steps of `kind` (None: of every kind), with a prior
@@ -286,28 +310,31 @@ class DraftLengthController:
             out[kind] = price * r
         return out
 
-    def _tokens(self, found: list[int], ratios: dict[int | None, float] | None = None) -> dict[int, float]:
-        """Expected tokens of a step of each kind 0..k for live rows with `found` drafts, each kind's gain
-        calibrated (by `ratios`, `calibrations()` unless given): `step_tokens` for every kind, with each row's gain
-        by drafts verified and the rows by drafts found computed once (the host runs this before every step)."""
+    def _tokens(self, found: list[int], ratios: dict[int | None, float] | None = None,
+                kinds=None) -> dict[float, float]:
+        """Expected tokens of a step of each kind (0 and `kinds`, default 1..k) for live rows with `found` drafts,
+        each kind's gain calibrated (by `ratios`, `calibrations()` unless given): `step_tokens` for every kind, with
+        each row's gain by drafts verified and the rows by drafts found computed once (the host runs this before
+        every step)."""
         ratios = self.calibrations() if ratios is None else ratios
         p, by_found = self.acceptance(), Counter(found)
         gain = [expected_tokens(p, n) - 1 for n in range(self.k + 1)]
         out = {0: float(len(found))}
-        for kind in range(1, self.k + 1):
-            planned = _plan(by_found, kind, self.ragged, self.bucket)
+        for kind in range(1, self.k + 1) if kinds is None else kinds:
+            planned = self._plan(by_found, kind)
             out[kind] = len(found) + ratios.get(kind, ratios[None]) * sum(c * gain[n] for n, c in planned.items())
         return out
 
-    def expected(self) -> dict[int, float]:
+    def expected(self) -> dict[float, float]:
         """Expected tokens of a step of each kind 0..k for the rows seen last (before any step: all rows, k each)."""
         return self._tokens(self.found if self.found is not None else [self.k] * self.bucket)
 
-    def hopeless(self, priced: dict[int, float], ratios: dict[int | None, float] | None = None) -> bool:
+    def hopeless(self, priced: dict[float, float], ratios: dict[int | None, float] | None = None) -> bool:
         """Whether an AR step would beat every verifying step even if each live row had k drafts: then searching
         for drafts is wasted until the acceptance changes (a probe measures it again)."""
         rows = len(self.found) if self.found is not None else self.bucket
-        return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios), priced, self.margin) == 0
+        kinds = [kind for kind in priced if kind > 0]
+        return rows > 0 and choose_step(self._tokens([self.k] * rows, ratios, kinds), priced, self.margin) == 0
 
     def _probe_paid(self, priced: dict[int, float], choice: int) -> bool:
         """Whether the latest probe changed anything: its own step beat an AR step's tokens a second (at the prices)
@@ -319,14 +346,16 @@ class DraftLengthController:
             return True
         return max(choice, 0) > max(before, 0)
 
-    def choose(self, prices_by_k: dict[int, float]) -> int:
-        """The next step's kind: k' in 0..k, or BLIND_AR (priced among `prices_by_k`) when no draft could pay."""
+    def choose(self, prices_by_k: dict[float, float]) -> float:
+        """The next step's kind: k' in 0..k (or a fraction of one draft a row, where `prices_by_k` prices one), or
+        BLIND_AR (priced among them) when no draft could pay."""
         probe = self.short_run >= self.probe_gap
-        if probe:  # k after AR steps; after shorter verifying steps, one draft more (a step that costs little more)
-            choice = self.k if self.latest <= 0 else min(self.k, self.latest + 1)
+        kinds = sorted(kind for kind in prices_by_k if kind > 0) or list(range(1, self.k + 1))
+        if probe:  # k after AR steps; after shorter verifying steps, the next kind up (a step that costs little more)
+            choice = self.k if self.latest <= 0 else min((kind for kind in kinds if kind > self.latest), default=self.k)
         else:
             ratios = self.calibrations()
-            expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios)
+            expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios, kinds)
             priced = self.priced(prices_by_k)
             searching = {kind: price for kind, price in priced.items() if kind >= 0}
             if self.fixed_drafts and BLIND_AR in priced:  # its AR steps run blind, so AR costs what they cost

@@ -34,7 +34,8 @@ from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
 from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, compiled_dynamic, unpacked
-from .batch_controller import BLIND_AR, SPECULATION_MARGIN, DraftLengthController
+from .batch_controller import (BLIND_AR, SPECULATION_MARGIN, DraftLengthController, fraction_kinds, is_packed,
+                               packed_budget)
 from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
                    tree_positions)
 from .sampling import CounterRng, SamplingParams, accept_sampled, categorical, probabilities
@@ -362,7 +363,8 @@ class Decoder:
                  layer: str = "modular", adaptive_drafts: bool = False, ar_after_miss: bool = False,
                  controller: str = "none", probe_every: int = 16, prices: dict[int, dict[int, float]] | None = None,
                  ragged: bool = False, tree: TreeShape | DynamicTree | None = None,
-                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0, packed_weights: dict | None = None):
+                 margin: float = SPECULATION_MARGIN, refill_at: float = 0.0, packed_weights: dict | None = None,
+                 fractions: tuple[float, ...] = ()):
         if drafter is None:
             k = 0
         if drafter is not None and k < 1:
@@ -387,6 +389,13 @@ class Decoder:
                            if controller == "cost" and k > 0 else None)
         # Ragged verification (greedy steps; with the controller, whose k' is then the batch's draft budget per row)
         self.ragged = ragged and self.controller is not None
+        # The controller's kinds below one draft a row (`batch.fractions`): a greedy chain step verifying f x B
+        # drafts packed across the batch, so that a large batch can verify a few drafts in a step of little more
+        # than B tokens (at B = 16 on the H200 a step of 24 tokens cost 1.1 AR steps, one of 32, k' = 1, 1.6-1.8:
+        # thirty-ninth lease)
+        if any(not 0 < f < 1 for f in fractions):
+            raise ValueError(f"batch fractions must lie strictly between 0 and 1, got {list(fractions)}")
+        self.fractions = tuple(fractions) if self.controller is not None and tree is None else ()
         # Tree verification: every verifying step verifies the tree's N nodes a row (engine/tree.py), a static tree
         # (the same shape every step) or a dynamic one (each row's shape drafted anew at each step)
         self.tree = tree
@@ -494,13 +503,17 @@ class Decoder:
         drafts_k = max(drafts_k, 0)
         if self.tree is not None and drafts_k > 0:
             return self._tree_step(st, sampling, generator)
-        ragged = self.ragged and drafts_k > 0 and sampling.greedy
+        ragged = is_packed(drafts_k, self.ragged) and sampling.greedy
+        if drafts_k != int(drafts_k) and not ragged:
+            raise ValueError(f"a step of {drafts_k} drafts a row packs them: greedy steps only")
         drafts = proposed = prop = side = None
         found = torch.zeros_like(st.lengths)
         if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
-            # how many drafts each row has; a ragged step verifies up to k a row.
-            width = k if ragged or self.drafter.variable_drafts else max(drafts_k, 1)
+            # how many drafts each row has; a ragged step verifies up to k a row, but one below a draft a row of a
+            # drafter that always has k (a head) one: each draft costs it a pass (`DraftLengthController._plan`).
+            width = (k if self.drafter.variable_drafts or ragged and drafts_k >= 1
+                     else 1 if ragged else max(drafts_k, 1))
             side = self._side_stream() if drafts_k == 0 and self.drafter.stateless else None
             if side is not None:  # beside the forward (SIDE_SEARCH): it reads the history the forward leaves alone
                 side.wait_stream(torch.cuda.current_stream())
@@ -516,8 +529,9 @@ class Decoder:
         inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, st.active, drafts, proposed,
                                                       self.adaptive_drafts, sampling.greedy and not ragged)
         if ragged:
-            valid, tokens, at, rows, slots, live = self._pack(inputs, positions, valid, st.active, drafts_k * st.batch,
-                                                              st.batch * (drafts_k + 1), st.history.shape[1])
+            budget = packed_budget(drafts_k, st.batch)
+            valid, tokens, at, rows, slots, live = self._pack(inputs, positions, valid, st.active, budget,
+                                                              st.batch + budget, st.history.shape[1])
             logits, hidden = self._forward(tokens[None], at[None], live=live, packing=Packing(rows, slots, positions))
             if hidden is not None:  # each packed token's states back at its row's slot
                 hidden = unpacked(hidden[0], slots, st.batch, inputs.shape[1])
@@ -653,9 +667,10 @@ class Decoder:
         """Drop every captured step (the next use captures it again): the drafter's tensors that they read moved."""
         self._graphs = {}
 
-    def _step_kinds(self) -> tuple[int, ...]:
+    def _step_kinds(self, bucket: int | None = None, greedy: bool = True) -> tuple:
         """The draft lengths this decoder's steps may verify: k; with ar_after_miss also 0; with the controller all,
-        and BLIND_AR for a stateless drafter or one with a backlog. (A drafter with state of its own, an EAGLE-3
+        with greedy steps on `bucket` (default: the current batch's) its fractions whose packed budget is at least
+        one draft (`fraction_kinds`), and BLIND_AR for a stateless drafter or one with a backlog. (A drafter with state of its own, an EAGLE-3
         head's or a draft model's cache, must see every step's tokens: a step that skipped its search leaves its
         pair for `absorb`, which only a drafter with a `backlog` can take. Before that was kept, the packaged head's
         chain with the controller ran 362 AR steps without the search at summarize B = 4 on the H100, 2026-12-06, its
@@ -667,13 +682,15 @@ class Decoder:
             kinds = tuple(range(self.k, low - 1, -1))
             if low == BLIND_AR and self.controller.fixed_drafts:
                 kinds = tuple(kind for kind in kinds if kind != 0)
-            return kinds
+            bucket = bucket if bucket is not None else self._state.batch if self._state is not None else 1
+            fractions = fraction_kinds(self.fractions, bucket) if greedy else ()
+            return tuple(sorted(kinds + fractions, reverse=True))
         return (self.k, 0) if self.ar_after_miss else (self.k,)
 
-    def _graph_kinds(self) -> tuple:
+    def _graph_kinds(self, bucket: int | None = None, greedy: bool = True) -> tuple:
         """What `_capture_all` captures: the kinds of step, and ABSORB where a drafter with a backlog may skip
         its search."""
-        kinds = self._step_kinds()
+        kinds = self._step_kinds(bucket, greedy)
         absorbs = BLIND_AR in kinds and self.drafter is not None and self.drafter.backlog
         return kinds + (ABSORB,) if absorbs else kinds
 
@@ -683,7 +700,7 @@ class Decoder:
         ar_after_miss the AR step, with the controller a step for each draft length (and ABSORB)."""
         if self.phase_timer is not None:
             return
-        for drafts_k in self._graph_kinds():
+        for drafts_k in self._graph_kinds(st.batch, sampling.greedy):
             self._graph(st, sampling, drafts_k)
 
     def _main_graph(self):
@@ -751,7 +768,7 @@ class Decoder:
         rounds of PRICE_REPLAYS replays a kind, the kinds interleaved, and each kind's median round. Timed one kind
         after the other, the first kinds ran on a GPU still clocking up: on the H200 (thirteenth lease, chat B = 4)
         k' = 4, timed first, was priced 1.32 ms where the loop timed it at 1.13."""
-        kinds = self._step_kinds()
+        kinds = self._step_kinds(st.batch)
         for kind in kinds:
             self._time_step(st, kind, PRICE_WARM_REPLAYS)
         rounds = {kind: [] for kind in kinds}
@@ -1086,7 +1103,10 @@ class Decoder:
                 nonlocal launched
                 drafts_k = self.k if verify else 0
                 if controller is not None:  # (with ar_after_miss too: no drafts found, no verifying step pays)
-                    drafts_k = controller.choose(self._prices(st))
+                    prices = self._prices(st)
+                    if not sampling.greedy:  # (fractions pack their drafts: greedy steps only)
+                        prices = {kind: t for kind, t in prices.items() if kind == int(kind)}
+                    drafts_k = controller.choose(prices)
                 stats.ar_steps += drafts_k <= 0 and self.k > 0
                 stats.draft_lengths.append(drafts_k)
                 launched += 1
@@ -1195,7 +1215,8 @@ class Decoder:
             return None
         extra = () if sampling.greedy else (sampling,)  # (a sampled step's graph is one of its setting)
         for bucket in sorted(b for b in self._states if live <= b < rows):
-            if all((bucket, kind) + extra in self._graphs for kind in self._graph_kinds()) and (
+            kinds = self._graph_kinds(bucket, sampling.greedy)
+            if all((bucket, kind) + extra in self._graphs for kind in kinds) and (
                     self.controller is None or bucket in self.prices):
                 return bucket
         return None

@@ -77,7 +77,8 @@ class Engine:
                                recipe.compile_mode, recipe.layer, recipe.drafter.adaptive,
                                recipe.drafter.ar_after_miss, recipe.batch.controller, recipe.batch.probe_every,
                                ragged=recipe.batch.ragged, tree=draft_tree(recipe), margin=recipe.batch.margin,
-                               refill_at=recipe.batch.refill_at, packed_weights=packed)
+                               refill_at=recipe.batch.refill_at, packed_weights=packed,
+                               fractions=tuple(recipe.batch.fractions))
 
     def encode(self, text: str, chat: bool = True) -> list[int]:
         """Token ids of a user message, through the chat template when the tokenizer has one."""

@@ -70,6 +70,9 @@ class BatchSpec:
     # after probes that did not pay, up to 8 times as many
     margin: float = 0.05  # cost: how much more a verifying step must be expected to yield a second than an AR step
     ragged: bool = False  # cost: verification packs each row's live tokens; k' caps the batch's drafts at k' x B
+    # cost, greedy chains: kinds below one draft a row, each a step verifying f x B drafts packed across the batch
+    # (at B = 16, 0.5 verifies 8 drafts in a step of 24 tokens where k' = 1 has 32)
+    fractions: list = field(default_factory=list)
     refill_at: float = 0.0  # continuous batching: waiting requests start once this share of the rows is free (0: as
     # soon as one is), so that rows ending at different steps start their next requests in fewer, larger groups
 
@@ -209,6 +212,13 @@ def _check(r: Recipe) -> Recipe:
         bad("batch.margin", f"{r.batch.margin} must be between 0 and 1 (a share of an AR step's rate)")
     if not 0 <= r.batch.refill_at <= 0.5:
         bad("batch.refill_at", f"{r.batch.refill_at} must be between 0 and 0.5 (a share of the batch's rows)")
+    for f in r.batch.fractions:
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
+            bad("batch.fractions", f"each must be a number strictly between 0 and 1 (drafts a row), got {f!r}")
+    if r.batch.fractions and r.batch.controller != "cost":
+        bad("batch.fractions", "are kinds of step the controller chooses: they need batch.controller 'cost'")
+    if r.batch.fractions and r.verification != "chain":
+        bad("batch.fractions", "pack a chain's drafts: they need verification 'chain'")
     if r.batch.ragged and r.batch.controller != "cost":
         bad("batch.ragged", "packs up to k' x B drafts a step, k' chosen by the controller: it needs "
                             "batch.controller 'cost'")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specpilot.engine.batch_controller import (BLIND_AR, CALIBRATION_PRIOR_STEPS, PROBE_BACKOFF, TIME_WINDOW,
-                                               DraftLengthController, choose_step, expected_tokens, step_tokens)
+                                               DraftLengthController, choose_step, expected_tokens, fraction_kinds,
+                                               packed_budget, planned_drafts, step_tokens)
 from specpilot.engine.engine import Engine
 from specpilot.engine.recipe import RecipeError, parse
 from test_decoding import TINY_NEW, tiny_prompts, tiny_reference  # noqa: F401 (a fixture)
@@ -599,3 +600,89 @@ def test_the_controller_keeps_up_with_the_best_fixed_draft_length(batch, seeds):
     rate = sum(simulate(batch, s)[2] for s in range(seeds))
     best = max(sum(simulate(batch, s, fixed=k)[2] for s in range(seeds)) for k in (-1, 1, 2, 3, 4))
     assert rate >= 0.975 * best
+
+
+# Steps below one draft a row (`batch.fractions`): a kind f packs f x B drafts across the batch. The H200's step times
+# at B = 16 (ms, thirty-ninth lease): AR 16 tokens 0.71, 24 tokens on the fused layer 0.77-0.79, k' = 1 (32 tokens,
+# the modular layer) 1.15-1.29; longer kinds priced above k' = 1 here
+H200_B16 = {0: 0.71, 0.5: 0.78, 1: 1.15, 2: 1.35, 3: 1.55, 4: 1.75}
+
+
+def test_fraction_kinds_and_their_plans():
+    """A fraction's budget is f x B drafts, rounded, at least one and fewer than the rows; its plan water-fills that
+    budget over the rows that have drafts, padded or ragged alike (a padded step cannot verify under one a row)."""
+    assert fraction_kinds((0.25, 0.5), 1) == ()
+    assert fraction_kinds((0.25, 0.5), 2) == (0.5,)
+    assert fraction_kinds((0.5, 0.25), 16) == (0.25, 0.5)
+    assert [packed_budget(f, 16) for f in (0.25, 0.5)] == [4, 8]
+    found = [3, 0, 2, 0, 1, 0, 0, 0]
+    for ragged in (False, True):  # budget 4: one each, then the row with the most one more
+        assert planned_drafts(found, 0.5, ragged, 8) == Counter({0: 5, 1: 2, 2: 1})
+    assert planned_drafts(found, 1, False, 8) == Counter({0: 5, 1: 3})  # padded k' = 1: one a row that has one
+
+
+def test_a_fraction_verifies_where_k1_would_lose():
+    """At the H200's B = 16 prices, each draft accepted 40% of the time: k' = 1 yields 22.4 tokens in 1.15 ms,
+    fewer a second than AR's 16 in 0.71, so without fractions the controller runs AR; half a draft a row (8 drafts,
+    19.2 tokens in 0.78 ms, 24.6 a ms against AR's 22.5) beats AR by more than the margin and is chosen. A head,
+    whose fraction steps draft one token a row, plans at most one draft a row there."""
+    def controller(fixed=False):
+        c = uncalibrated(DraftLengthController(4, probe_every=1000, bucket=16, fixed_drafts=fixed))
+        c.observe([4] * 1000, [0] * 600 + [1] * 240 + [2] * 96 + [3] * 38 + [4] * 26, [4] * 16)
+        return c
+
+    without = {kind: ms for kind, ms in H200_B16.items() if kind == int(kind)}
+    assert controller().choose(without) == 0
+    assert controller().choose(H200_B16) == 0.5
+    head = controller(fixed=True)
+    assert head.allocation([4] * 4, 0.5) == Counter({1: 4})  # (bucket 16: a budget of 8 over 4 rows, one each)
+    assert controller().allocation([4] * 4, 0.5) == Counter({2: 4})
+
+
+def test_a_probe_after_fraction_steps_tries_the_next_kind_up():
+    """After `probe_every` fraction steps the probe verifies the next kind up (one draft a row), as after k' = 2 it
+    verifies 3."""
+    c = uncalibrated(DraftLengthController(4, probe_every=3, bucket=16))
+    c.observe([4] * 1000, [0] * 600 + [1] * 240 + [2] * 96 + [3] * 38 + [4] * 26, [4] * 16)
+    assert [c.choose(H200_B16) for _ in range(8)] == [0.5, 0.5, 0.5, 1, 0.5, 0.5, 0.5, 1]
+
+
+def test_fraction_steps_decode_ar_tokens(tiny, tiny_reference):
+    """A padded controller with fractions, forced through every kind in turn (half a draft a row, a quarter, AR,
+    one a row, four): a fraction step packs B + f x B tokens into one row of the target's forward (three rows: 2
+    and 1 drafts), the others are padded, and the tokens are AR's for every family."""
+    eng = controlled(tiny.loaded, {3: {**FLAT, 0.25: 1.0, 0.5: 1.0}}, fractions=[0.25, 0.5])
+    assert eng.decoder._step_kinds(3) == (4, 3, 2, 1, 0.5, 0.25, 0, BLIND_AR)
+    assert eng.decoder._step_kinds(3, greedy=False) == (4, 3, 2, 1, 0, BLIND_AR)
+    assert eng.decoder._step_kinds(1) == (4, 3, 2, 1, 0, BLIND_AR)  # (no fraction of one row's drafts)
+    cycle = iter([0.5, 0.25, 0, 1, 4] * 100)
+    eng.decoder.controller.choose = lambda prices: next(cycle)
+    rows, widths = step_widths(eng, tiny_prompts(), TINY_NEW)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    lengths = eng.decoder.last_stats.draft_lengths
+    assert lengths[:5] == [0.5, 0.25, 0, 1, 4]
+    assert widths == [3 + packed_budget(k, 3) if k != int(k) else k + 1 for k in lengths]
+
+
+def test_sampled_steps_never_choose_a_fraction(tiny):
+    """Fractions pack their drafts, which only greedy verification does: a sampled call under the controller is
+    offered the integral kinds only, and decodes."""
+    from specpilot.engine.sampling import SamplingParams
+
+    eng = controlled(tiny.loaded, {3: {**FLAT, 0.25: 0.1, 0.5: 0.1}}, fractions=[0.25, 0.5])
+    offered = []
+    real = eng.decoder.controller.choose
+    eng.decoder.controller.choose = lambda prices: offered.append(set(prices)) or real(prices)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, SamplingParams(temperature=0.8), seed=1, ignore_eos=True)
+    assert all(len(r.tokens) == TINY_NEW for r in rows)
+    assert offered and all(kinds == set(range(5)) for kinds in offered)
+    assert all(k == int(k) for k in eng.decoder.last_stats.draft_lengths)
+
+
+def test_fractions_recipe_key():
+    r = parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost", "fractions": [0.25, 0.5]}})
+    assert r.batch.fractions == [0.25, 0.5] and parse({}).batch.fractions == []
+    for batch, why in (({"controller": "cost", "fractions": [1.0]}, "strictly between 0 and 1"),
+                       ({"fractions": [0.5]}, "controller 'cost'")):
+        with pytest.raises(RecipeError, match=why):
+            parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": batch})

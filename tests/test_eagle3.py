@@ -641,3 +641,25 @@ def test_recipe_keys(tmp_path):
         parse({"drafter": {"kind": "eagle3"}, "k": 4})
     with pytest.raises(RecipeError, match="drafter.dtype"):
         parse({"drafter": {"kind": "eagle3", "model": "h", "dtype": "bf16"}, "k": 4})
+
+
+def test_fraction_steps_of_a_head_draft_one_token(tiny, tiny_reference, head_dir):
+    """The head under the controller with fractions (each kind in turn: half a draft a row, a quarter, three, a
+    blind AR step): a fraction step drafts one token a row (each draft is a pass of the head) and packs what its
+    budget takes, the tokens are AR's, and every proposal is the reference head's."""
+    from specpilot.engine.batch_controller import BLIND_AR
+
+    eng = Engine(tiny.loaded, eagle3_recipe(head_dir, 4, batch={"controller": "cost", "fractions": [0.25, 0.5]}))
+    kinds = iter([0.5, 0.25, 3, BLIND_AR] * 1000)
+    eng.decoder.controller.choose = lambda prices: next(kinds)  # prices still measured: first use of the bucket
+    eng.decoder.prices = {3: {kind: 1.0 for kind in eng.decoder._step_kinds(3)}}
+    calls = record_proposals(eng)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference, tiny.family
+    lengths = eng.decoder.last_stats.draft_lengths
+    assert {0.25, 0.5, 3} <= set(lengths)
+    widths = [c[3].shape[1] for c in calls]
+    assert sorted(set(widths)) == [1, 3]  # (fraction steps: one; k' = 3: three)
+    if tiny.family == "llama":  # the reference check once (it replays HF per row and step)
+        assert check_proposals(calls, tiny.hf, head_dir, tiny.loaded.model.embed.detach(),
+                               eng.decoder.drafter.needs_hidden_states) > 0

@@ -80,6 +80,12 @@ SYSTEMS = {
                                             "overlap": True, "batch": {"controller": "cost", "refill_at": 0.0625},
                                             "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4,
                                                         "adaptive": True, "ar_after_miss": True}},
+    # ... and with steps below one draft a row (a quarter and a half of the batch's rows' drafts, packed): at B = 16
+    # k' = 1 is 32 tokens, past the fused layer's 24 (batch.fractions)
+    "ngram2-k4-cost-frac-fused-overlap": {"name": "ngram2-k4-cost-frac-fused-overlap", "k": 4, "layer": "fused",
+                                          "overlap": True, "batch": {"controller": "cost", "fractions": [0.25, 0.5]},
+                                          "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4,
+                                                      "adaptive": True, "ar_after_miss": True}},
     "ngram2-k4-ragged-fused-overlap": {"name": "ngram2-k4-ragged-fused-overlap", "k": 4, "layer": "fused",
                                        "overlap": True, "batch": {"controller": "cost", "ragged": True},
                                        "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
@@ -101,6 +107,11 @@ SYSTEMS = {
     **{f"eagle3-k{k}-cost-fused-overlap": {"name": f"eagle3-k{k}-cost-fused-overlap", "k": k, "layer": "fused",
                                            "overlap": True, "batch": {"controller": "cost"},
                                            "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}}
+       for k in (3, 4)},
+    **{f"eagle3-k{k}-cost-frac-fused-overlap": {"name": f"eagle3-k{k}-cost-frac-fused-overlap", "k": k,
+                                                "layer": "fused", "overlap": True,
+                                                "batch": {"controller": "cost", "fractions": [0.25, 0.5]},
+                                                "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}}
        for k in (3, 4)},
     # ... and its EAGLE-2 dynamic trees small enough for the fused layer's tree steps (at most 16 tokens): depth d,
     # top-k children a node, t tokens verified (the twenty-third lease's 32-token tree took 4.7 AR steps a step)
