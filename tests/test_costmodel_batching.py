@@ -300,3 +300,25 @@ def test_an_eagle3_tree_is_drafted_at_each_levels_width():
                 dict(draft_widths=(4, 4, 4), drafter_kind="model")):
         with pytest.raises(ValueError, match="draft_widths"):
             replace(chain, **bad)
+
+
+def test_a_fraction_is_priced_as_a_packed_step_of_b_plus_fb_tokens():
+    """batch.fractions: a kind f < 1 is a packed step of B x (f + 1) tokens through the GEMMs, whose drafts go to
+    the rows that have them (f x B across the batch); the controller's rates include it, and a bucket too small for
+    one draft has none. At B = 4 with every row having drafts, 0.5 verifies 2 drafts in a step of 6 tokens (AR: 4),
+    its attention in the padded layout of k + 1 slots a row, as a ragged step's."""
+    dep = replace(PRICED_DEP, batch=4, controller="cost", fractions=(0.5,))
+    half, ar = (step_prediction(dep, PRICED, ACC, d, availability=1.0) for d in (0.5, 0))
+    packed = forward_cost(PRICED, dep, 1.5, attention_tokens=5)
+    assert half.verify.time_s == pytest.approx(packed.time_s + packing_cost(PRICED, dep).time_s)
+    assert packed.flops == pytest.approx(forward_cost(PRICED, dep, 1.5, attention_tokens=1.5).flops
+                                         + forward_cost(PRICED, dep, 1, attention_tokens=5).flops
+                                         - forward_cost(PRICED, dep, 1, attention_tokens=1.5).flops)
+    assert ar.verify.time_s < half.verify.time_s
+    # two of the four rows verify one draft each (rows emit 1 + a_1 or 1)
+    assert half.tokens_per_step == pytest.approx(1 + ACC[0] / 2)
+    rates = predict(dep, PRICED, ACC, availability=1.0).rates
+    assert set(rates) == {0, 0.5, 1, 2, 3, 4} and rates[0.5] == pytest.approx(half.tokens_per_s)
+    assert set(predict(replace(dep, batch=1), PRICED, ACC).rates) == {0, 1, 2, 3, 4}
+    with pytest.raises(ValueError, match="fractions"):
+        replace(dep, controller="none")

@@ -196,6 +196,7 @@ class Deployment:
     attention: str = "math"  # "math" (bmm, softmax, bmm) or "sdpa" (one fused kernel)
     controller: str = "none"  # batch.controller: "cost" picks each step's draft length k' in 0..k (predict's best)
     ragged: bool = False  # batch.ragged: a step of kind k' verifies up to k' x B drafts, packed to the rows with drafts
+    fractions: tuple[float, ...] = ()  # batch.fractions: the controller's kinds below one draft a row (always packed)
     kernels_packing: int | None = None  # a ragged step's packing kernels; None: counted from the code (above)
     tree_nodes: int | None = None  # verification "tree": the tree's nodes N (root included), k its depth
     # An EAGLE-3 head drafting a tree: the tokens a row of each head forward after the first (which runs the newly
@@ -214,6 +215,8 @@ class Deployment:
             raise ValueError("a controller chooses a draft length: it needs a drafter")
         if self.ragged and self.controller != "cost":
             raise ValueError("ragged verification needs controller 'cost' (it chooses k')")
+        if self.fractions and self.controller != "cost":
+            raise ValueError("fractions are kinds of step the cost controller chooses: they need controller 'cost'")
         if self.tree_nodes is not None and (self.controller != "none" or self.tree_nodes <= self.k):
             raise ValueError("a tree of tree_nodes > k nodes (k its depth), without a controller")
         if self.draft_widths is not None and (self.drafter_kind != "eagle3" or self.tree_nodes is None
@@ -503,19 +506,21 @@ class Prediction:
 
 def ar_deployment(dep: Deployment) -> Deployment:
     return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None,
-                   controller="none", ragged=False, tree_nodes=None, draft_widths=None)
+                   controller="none", ragged=False, fractions=(), tree_nodes=None, draft_widths=None)
 
 
-def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float], drafts: int,
+def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float], drafts: float,
                     availability: float | None = None) -> Prediction:
-    """One kind of step, verifying up to `drafts` (k') drafts a row, or with dep.ragged k' x B across the batch.
+    """One kind of step, verifying up to `drafts` (k') drafts a row, or with dep.ragged k' x B across the batch (a
+    fraction k' < 1, batch.fractions, is always packed so: B x (k' + 1) tokens, one draft a row from a head).
 
     Step: the drafter proposes k' drafts (k when ragged, a row may get up to k; k in an AR step, k' = 0, where the
     engine's drafter still searches), the target verifies B x (k'+1) tokens (ragged, k' >= 1: its attention over the
     padded B x (k+1) query slots, plus the packing), the bookkeeping reads B x (k'+1) logits. Tokens:
     expected_tokens(k', acceptance), or ragged_expected_tokens with the availability (None: 1, every row has drafts,
     and ragged verifies what padded does)."""
-    ragged = dep.ragged and drafts > 0
+    fraction = 0 < drafts < 1
+    ragged = (dep.ragged or fraction) and drafts > 0
     # A tree step verifies its N nodes a row (a chain of N - 1 drafts' width); its tokens follow the acceptance
     # measured on the tree, as a chain's do (per-position rates of the accepted path's length).
     width = dep.tree_nodes if dep.tree_nodes is not None and drafts > 0 else drafts + 1
@@ -523,7 +528,8 @@ def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Se
                           attention_tokens=dep.k + 1 if ragged else None)
     if ragged:
         verify += packing_cost(dev, dep)
-    draft = draft_cost(dev, dep, drafts if drafts and not ragged else dep.k)
+    draft = draft_cost(dev, dep, 1 if fraction and dep.drafter_kind != "ngram" else
+                       drafts if drafts and not ragged else dep.k)
     book = bookkeeping_cost(dev, dep, width - 1)
     ar = ar_deployment(dep)
     ar_step = (forward_cost(dev, ar, 1, kernels=dep.kernels_per_target_forward) + bookkeeping_cost(dev, ar)).time_s
@@ -546,7 +552,8 @@ def predict(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[f
     fraction of rows with at least one draft a step) matters only to ragged steps; see ragged_expected_tokens."""
     if dep.controller == "none":
         return step_prediction(dep, dev, acceptance, dep.k, availability)
-    kinds = [step_prediction(dep, dev, acceptance, d, availability) for d in range(dep.k + 1)]
+    fractions = [f for f in dep.fractions if 1 <= round(f * dep.batch) < dep.batch]  # (engine: fraction_kinds)
+    kinds = [step_prediction(dep, dev, acceptance, d, availability) for d in sorted([*range(dep.k + 1), *fractions])]
     best = kinds[0]
     for p in kinds[1:]:
         if p.tokens_per_s > best.tokens_per_s * (1 + 1e-9):

@@ -132,6 +132,7 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
                       kernels_bookkeeping=round(book) or None, cuda_graphs=dec.cuda_graphs, attention=attention,
                       controller=recipe.batch.controller, ragged=recipe.batch.ragged,
+                      fractions=tuple(recipe.batch.fractions),
                       tree_nodes=dec.verify_width if recipe.verification == "tree" else None,
                       draft_widths=tree_draft_widths(dec.tree) if dec.tree is not None
                       and kind == "eagle3" else None)
