@@ -109,3 +109,44 @@ def test_no_ragged_when_every_row_has_drafts_or_availability_is_unmeasured():
     assert RAGGED not in found and "does not measure draft availability" in why
     found, why = proposed(cpu_profile(HIGH, availability=0.6), 1)
     assert found == {}  # one row has no other row to hand its drafts to
+
+
+FRACTIONS = str({"batch": {"controller": "cost", "fractions": [0.25, 0.5]}})
+
+
+def fraction_options(batch: int, **recipe_keys) -> tuple[dict, list[str]]:
+    """The scheduler's batch.fractions options for the stock recipe with `recipe_keys` at `batch`, deployed on CUDA
+    (the Xeon's ceilings stand in: the option is unpriced): {patch: reason}, and the policy's skips."""
+    from specpilot.engine.recipe import parse
+    from specpilot.graph.providers.policy import Skips, _fraction_options
+
+    prof = cpu_profile(HIGH)
+    view = CostView.from_context({"device": "cuda:0", "batch_size": batch, "ceilings": prof["ceilings"]}, prof)
+    recipe = parse(asdict(load_recipe("stock")) | recipe_keys)
+    skipped = Skips()
+    found = {str(o.patch): o.reason for o in _fraction_options(recipe, view, batch, "now", skipped)}
+    return found, [str(s) for s in skipped]
+
+
+def test_fractions_where_one_draft_a_row_leaves_the_fused_layer():
+    """On the fused layer (24 tokens a step at most): at B = 16 one draft a row is 32 tokens (the modular layer) and
+    half a draft, 24, stays fused: proposed, unpriced, with the tokens of each fraction that fits, and among the
+    scheduler's candidates. At B = 8 one draft a row is 16 tokens, fused already; at B = 64 no fraction fits; on
+    the modular layer or the CPU the fractions keep nothing on the fused layer."""
+    from specpilot.kernels import FUSED_LAYER_MAX_TOKENS
+
+    assert FUSED_LAYER_MAX_TOKENS == 24  # (the premise)
+    found, _ = fraction_options(16, layer="fused")
+    reason = found[FRACTIONS]
+    assert "32 tokens, past the fused layer's 24" in reason
+    assert "0.25 (4 drafts, 20 tokens), 0.5 (8 drafts, 24 tokens)" in reason and "evaluation measures it" in reason
+    prof = cpu_profile(HIGH)
+    deployment = {"device": "cuda:0", "dtype": "bf16", "batch_size": 16, "ceilings": prof["ceilings"]}
+    recipe = asdict(load_recipe("stock")) | {"layer": "fused"}
+    cands = PolicyProvider().propose(AgentContext("scheduler", deployment, recipe, prof, [], [], [], 5))
+    assert FRACTIONS in {str(c.recipe_patch) for c in cands}
+    for batch, keys, why in ((8, {"layer": "fused"}, "(16 tokens) runs on the fused layer already"),
+                             (64, {"layer": "fused"}, "(80 tokens) is past the fused layer's 24"),
+                             (16, {"layer": "modular"}, "which this recipe does not run")):
+        found, skipped = fraction_options(batch, **keys)
+        assert not found and any(why in s for s in skipped), (batch, skipped)

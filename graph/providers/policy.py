@@ -919,6 +919,10 @@ def _rates(p: Prediction) -> str:
     return ", ".join(f"k'={d}{' (AR)' if d == 0 else ''} {r:.0f}" for d, r in sorted(p.rates.items()))
 
 
+# The batch controller's kinds below one draft a row that the scheduler proposes (batch.fractions)
+BATCH_FRACTIONS = (0.25, 0.5)
+
+
 def batching_options(recipe: Recipe, view: CostView, skipped: Skips) -> list[Option]:
     """The batch-level controller (batch.controller cost) and ragged verification (batch.ragged), priced by the cost
     model at the deployment's batch with the measured per-position acceptance (and, for ragged, the measured draft
@@ -993,7 +997,39 @@ def batching_options(recipe: Recipe, view: CostView, skipped: Skips) -> list[Opt
                 f"k'; the calibrated cost model predicts {ragged.tokens_per_s:.0f} tok/s "
                 f"({_rates(ragged)}) against {controlled.tokens_per_s:.0f} with the controller alone and "
                 f"{cur.tokens_per_s:.0f} now (+{gain:.0%})"), (-gain,)))
-    return out
+    return out + _fraction_options(recipe, view, b, now, skipped)
+
+
+def _fraction_options(recipe: Recipe, view: CostView, b: int, now: str, skipped: Skips) -> list[Option]:
+    """batch.fractions (the controller's kinds below one draft a row, packed), unpriced: where a step of one draft a
+    row leaves the fused layer (2B tokens past FUSED_LAYER_MAX_TOKENS) and a fraction's B(1 + f) tokens stay on it.
+    The cost model prices both layers on one roofline, so the evaluation measures it."""
+    limit = FUSED_LAYER_MAX_TOKENS
+    if recipe.batch.fractions:
+        skipped.add("batch.fractions already set")
+        return []
+    if recipe.verification != "chain":
+        skipped.add("batch.fractions: they pack a chain's drafts; this recipe verifies a tree")
+        return []
+    if recipe.layer != "fused" or not view.cuda:
+        skipped.add("batch.fractions: they keep a verifying step on the fused layer's kernels (CUDA), which this "
+                    "recipe does not run")
+        return []
+    if 2 * b <= limit:
+        skipped.add(f"batch.fractions: at B={b} a step of one draft a row ({2 * b} tokens) runs on the fused layer "
+                    f"already (up to {limit} tokens)")
+        return []
+    fit = [f for f in BATCH_FRACTIONS if 1 <= round(f * b) and b + round(f * b) <= limit]
+    if not fit:
+        skipped.add(f"batch.fractions: at B={b} even {min(BATCH_FRACTIONS)} of a draft a row "
+                    f"({b + max(1, round(min(BATCH_FRACTIONS) * b))} tokens) is past the fused layer's {limit}")
+        return []
+    steps = ", ".join(f"{f} ({round(f * b)} drafts, {b + round(f * b)} tokens)" for f in fit)
+    return [Option({"batch": {"controller": "cost", "fractions": list(BATCH_FRACTIONS)}}, (
+        f"batch.fractions {list(BATCH_FRACTIONS)} with the cost controller for {now}: a step verifying one draft a "
+        f"row has {2 * b} tokens, past the fused layer's {limit}, so it runs the modular layer (on the H200 at B = 16 "
+        f"1.15-1.29 ms against AR's 0.71; thirty-ninth lease), where {steps} stay on the fused layer's kernels; the "
+        f"cost model prices both layers alike, so the evaluation measures it"), (1, 0.0, 0, False))]
 
 
 # ---------------------------------------------------------------------------------------------------- kernel writer
