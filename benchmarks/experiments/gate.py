@@ -4,7 +4,8 @@ What it measures. `specpilot check` (docs/GATE.md; the candidate in its own proc
 subprocess), bf16, 4 questions x 128 new tokens a workload (`--limit 8` for the B = 8 recipes), for each recipe:
 `armiss` (B = 1: the adaptive min-2 n-gram with ar_after_miss on the fused layer, overlap on: verification with
 dead slots skipped and AR steps after a miss), `lossless12` (stock with 12-bit weights and the 12-bit linear
-kernels; `lossless12-fused` the same on the fused layer, whose steps read the 12-bit planes), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `ngram-tree` (the
+kernels; `lossless12-fused` the same on the fused layer, whose steps read the 12-bit planes), `cost-b8` and `ragged-b8` (armiss with the batch controller, padded and ragged, at B = 8), `cost-frac-b16` and
+`eagle3-cost-frac-b16` (the controllers with `batch.fractions` at B = 16, `--limit 16`), `ngram-tree` (the
 n-gram drafter's two latest matches as a two-branch tree on the fused layer, issue #21), `stock-head` (smollm2's
 stock: its packaged EAGLE-3 head's chain of 2, modular layer), `eagle3-k2` and `eagle3-tree` (that head's chain of 2
 and a dynamic tree of 8 tokens on the fused layer with overlap), `eagle3-k2-b4` (the chain at B = 4, continuously
@@ -43,6 +44,12 @@ RECIPES = {
                   "batch": {"max_batch_size": 8, "controller": "cost", "ragged": True},
                   "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                               "ar_after_miss": True}},
+    # ... and with the controller's kinds below one draft a row (batch.fractions) at B = 16 (`--limit 16`), where one
+    # draft a row is 32 tokens and half a draft 24: steps of 4 and 8 drafts packed across the batch
+    "cost-frac-b16": {"k": 4, "layer": "fused", "overlap": True,
+                      "batch": {"max_batch_size": 16, "controller": "cost", "fractions": [0.25, 0.5]},
+                      "drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
+                                  "ar_after_miss": True}},
     # issue #21: the n-gram drafter's two latest matches as a two-branch tree of depth 4, on the fused layer
     "ngram-tree": {"k": 4, "layer": "fused", "verification": "tree", "batch": {"max_batch_size": 1},
                    "tree": {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0],
@@ -63,6 +70,10 @@ RECIPES = {
     # with and without the head's search, rows of different lengths
     "eagle3-cost-b8": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 8, "controller": "cost"},
                        "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
+    # ... and with fractions at B = 16 (`--limit 16`): a fraction's step drafts one token a row
+    "eagle3-cost-frac-b16": {"k": 3, "layer": "fused", "overlap": True,
+                             "batch": {"max_batch_size": 16, "controller": "cost", "fractions": [0.25, 0.5]},
+                             "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
     "eagle3-tree": {"k": 3, "layer": "fused", "overlap": True, "batch": {"max_batch_size": 1},
                     "verification": "tree", "tree": {"kind": "dynamic", "depth": 3, "topk": 2, "tokens": 8},
                     "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}},
