@@ -1002,9 +1002,9 @@ def batching_options(recipe: Recipe, view: CostView, skipped: Skips) -> list[Opt
 
 def _fraction_options(recipe: Recipe, view: CostView, b: int, now: str, skipped: Skips) -> list[Option]:
     """batch.fractions (the controller's kinds below one draft a row, packed), unpriced: where a step of one draft a
-    row leaves the fused layer (2B tokens past FUSED_LAYER_MAX_TOKENS) and a fraction's B(1 + f) tokens stay on it.
-    The cost model prices both layers on one roofline, so the evaluation measures it."""
-    limit = FUSED_LAYER_MAX_TOKENS
+    row (2B tokens) crosses one of the fused layer's thresholds (its FMA path's FUSED_LAYER_FMA_MAX_TOKENS, its own
+    FUSED_LAYER_MAX_TOKENS) and a fraction's B(1 + f) tokens stay below it. The cost model prices every width on one
+    roofline, so the evaluation measures it."""
     if recipe.batch.fractions:
         skipped.add("batch.fractions already set")
         return []
@@ -1012,24 +1012,29 @@ def _fraction_options(recipe: Recipe, view: CostView, b: int, now: str, skipped:
         skipped.add("batch.fractions: they pack a chain's drafts; this recipe verifies a tree")
         return []
     if recipe.layer != "fused" or not view.cuda:
-        skipped.add("batch.fractions: they keep a verifying step on the fused layer's kernels (CUDA), which this "
-                    "recipe does not run")
+        skipped.add("batch.fractions: they keep a verifying step on the fused layer's cheaper path (CUDA), which "
+                    "this recipe does not run")
         return []
-    if 2 * b <= limit:
-        skipped.add(f"batch.fractions: at B={b} a step of one draft a row ({2 * b} tokens) runs on the fused layer "
-                    f"already (up to {limit} tokens)")
+    # (threshold, what a step past it runs, and what that cost, measured)
+    thresholds = ((FUSED_LAYER_FMA_MAX_TOKENS, "the FMA path", "the tensor-core path (at B = 4, 8 tokens cost 1.6 AR "
+                   "steps on the H200; thirty-fourth lease)"),
+                  (FUSED_LAYER_MAX_TOKENS, "the fused layer", "the modular layer (at B = 16, 1.15-1.29 ms against "
+                   "AR's 0.71 on the H200; thirty-ninth lease)"))
+    for limit, kept, past in thresholds:
+        fit = [f for f in BATCH_FRACTIONS if 1 <= round(f * b) and b < limit < 2 * b and b + round(f * b) <= limit]
+        if fit:
+            break
+    else:
+        skipped.add(f"batch.fractions: at B={b} a step of one draft a row ({2 * b} tokens) crosses none of the fused "
+                    f"layer's thresholds ({FUSED_LAYER_FMA_MAX_TOKENS}, {FUSED_LAYER_MAX_TOKENS} tokens) that a "
+                    f"fraction of a draft a row stays below")
         return []
-    fit = [f for f in BATCH_FRACTIONS if 1 <= round(f * b) and b + round(f * b) <= limit]
-    if not fit:
-        skipped.add(f"batch.fractions: at B={b} even {min(BATCH_FRACTIONS)} of a draft a row "
-                    f"({b + max(1, round(min(BATCH_FRACTIONS) * b))} tokens) is past the fused layer's {limit}")
-        return []
-    steps = ", ".join(f"{f} ({round(f * b)} drafts, {b + round(f * b)} tokens)" for f in fit)
+    steps = ", ".join(f"{f} ({round(f * b)} draft{'s' if round(f * b) > 1 else ''}, {b + round(f * b)} tokens)"
+                      for f in fit)
     return [Option({"batch": {"controller": "cost", "fractions": list(BATCH_FRACTIONS)}}, (
         f"batch.fractions {list(BATCH_FRACTIONS)} with the cost controller for {now}: a step verifying one draft a "
-        f"row has {2 * b} tokens, past the fused layer's {limit}, so it runs the modular layer (on the H200 at B = 16 "
-        f"1.15-1.29 ms against AR's 0.71; thirty-ninth lease), where {steps} stay on the fused layer's kernels; the "
-        f"cost model prices both layers alike, so the evaluation measures it"), (1, 0.0, 0, False))]
+        f"row has {2 * b} tokens, past {kept}'s {limit}, so it runs {past}, where {steps} stay on {kept}; the "
+        f"cost model prices every width on one roofline, so the evaluation measures it"), (1, 0.0, 0, False))]
 
 
 # ---------------------------------------------------------------------------------------------------- kernel writer
