@@ -213,15 +213,15 @@ def test_recipe_key():
         parse({"drafter": {"kind": "ngram"}, "k": 4, "batch": {"ragged": True}})
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_shipped_batch_recipe_is_ar(tiny, tiny_reference, ragged):
+@pytest.mark.parametrize("ragged,fractions", [(False, []), (True, []), (False, [0.25, 0.5])])
+def test_shipped_batch_recipe_is_ar(tiny, tiny_reference, ragged, fractions):
     """The batched recipe the benchmarks ship: the adaptive min-2 n-gram with ar_after_miss and overlap, under the
-    cost controller (padded or ragged) with prices where a draft slot costs a quarter of an AR step: its own choices
-    every step, and AR's tokens for every family."""
+    cost controller (padded, ragged, or padded with fractions of a draft a row) with prices where a draft slot costs
+    a quarter of an AR step: its own choices every step, and AR's tokens for every family."""
     eng = Engine(tiny.loaded, parse({"drafter": {"kind": "ngram", "min_ngram": 2, "max_ngram": 4, "adaptive": True,
                                                  "ar_after_miss": True}, "k": 4, "overlap": True, "cuda_graphs": False,
-                                     "batch": {"controller": "cost", "ragged": ragged}}))
-    eng.decoder.prices = {3: {k: 1 + 0.25 * k for k in range(5)}}
+                                     "batch": {"controller": "cost", "ragged": ragged, "fractions": fractions}}))
+    eng.decoder.prices = {3: {k: 1 + 0.25 * k for k in (0, *fractions, 1, 2, 3, 4)}}
     rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
     assert [r.tokens for r in rows] == tiny_reference, tiny.family
     assert all(len(r.found) == len(r.accepted) for r in rows)
