@@ -61,10 +61,16 @@ def read_prices(spec: str) -> tuple[dict[int, float], float]:
             raise SystemExit(f"--prices: {path} has no warm-up replays of {system!r} "
                              f"(systems: {', '.join(k for k in results if k != 'side_by_side')})")
         given = results[system]["replay_ms_at_warmup"]
-    kinds = {int(k): float(v) for k, v in given.items() if k != "ar"}
+    kinds = {_kind(k): float(v) for k, v in given.items() if k != "ar"}
     if 0 not in kinds and "ar" not in given:
         raise SystemExit("--prices: no AR price (an \"ar\" or a \"0\" entry)")
     return kinds, float(given.get("ar", kinds.get(0)))
+
+
+def _kind(key: str) -> int | float:
+    """A kind of step from its JSON key: k' (an int), or a fraction of a draft a row ("0.5": batch.fractions)."""
+    value = float(key)
+    return int(value) if value.is_integer() else value
 
 
 def modeled_speedup(kinds: list[int], prices: dict[int, float], ar_ms: float, ar_steps: int) -> float:
