@@ -65,6 +65,7 @@ import triton.language as tl
 
 from . import FUSED_LAYER_FMA_MAX_TOKENS
 from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
+from .fused_layer_common import _normed, _rounded, _store_resid
 from .lossless12_format import Packed12Linear
 from .lossless12_linear import HALF as W12_HALF
 from .lossless12_linear import _f32, _t67
@@ -179,22 +180,6 @@ DEAD_CHECK_FIRST = tl.constexpr(os.environ.get("SPECPILOT_DEAD_CHECK_FIRST", "1"
 
 # Modes (constexpr globals, which @triton.jit functions may read)
 ROPE_KV, SILU, PLAIN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _rounded(x, like_ptr):
-    """x (fp32) rounded to the element type of `like_ptr` and back: where the modular layer stores a tensor."""
-    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _normed(x_ptr, delta_ptr, nw, inv_rms, tokens, cols, col_ok, token_ok, K):
-    """h = norm_w * round(round(x + delta) * inv_rms), rounded: the modular layer's add and RMSNorm, [tokens, cols]."""
-    ok = token_ok[:, None] & col_ok[None, :]
-    offs = tokens[:, None] * K + cols[None, :]
-    r = _rounded(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                 + tl.load(delta_ptr + offs, mask=ok, other=0.0).to(tl.float32), x_ptr)
-    return _rounded(nw[None, :] * _rounded(r * inv_rms[:, None], x_ptr), x_ptr)
 
 
 @triton.jit
@@ -350,16 +335,6 @@ def _gemv12(acc_a, acc_b, a0, a1, a2, b0, b1, b2, q_ptr, rows_a, rows_b, row_ok,
         acc_a, acc_b = _tile12(acc_a, acc_b, c0, c1, c2, d0, d1, d2, j, j < K8, K8, x_ptr, delta_ptr, norm_ptr,
                                inv_rms, tokens, token_ok, K, x_scale, NORM, TWO)
     return acc_a, acc_b
-
-
-@triton.jit
-def _store_resid(resid_ptr, aux_ptr, aux_stride, r, tokens, cols, ok, K, AUX: tl.constexpr):
-    """The first row block's store of r = x + delta at `cols`: the residual stream kernel 4 reads, and with AUX the
-    same values at aux_ptr (row stride aux_stride), where the caller keeps this layer's input, the previous layer's
-    output (an EAGLE-3 head's capture: a slice of one [tokens, 3 x hidden] tensor, with no add of its own)."""
-    tl.store(resid_ptr + tokens[:, None] * K + cols[None, :], r.to(resid_ptr.dtype.element_ty), mask=ok)
-    if AUX:
-        tl.store(aux_ptr + tokens[:, None] * aux_stride + cols[None, :], r.to(aux_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
