@@ -52,6 +52,16 @@ order; the reference rounds normalized probabilities to the model dtype first). 
 modular layer's in the last bits (the token-forcing gate tells such ties from divergences); in fp32 they agree to
 ~1e-6 (`check`). Under Triton's interpreter (CPU, fp32) this file runs the same kernels, which is how CI
 tests it.
+
+Where each part lives. This file: the GEMV kernels (`_norm_pair_gemv`, `_gemv`) and the final norm's
+(`_add_rmsnorm`); the launch configuration, every setting included (tiles, FMA_MAX_TOKENS, PDL, the attention
+settings and which one a step takes); the wrappers (`fused_layer`, `draft_layer`, `draft_logits`, `final_norm`,
+`supports`, `layer_function`); `check` and `benchmark`. kernels/fused_layer_attention.py: kernel 2
+(`_decode_attention`), `_qk_norm_rope` and the modular layer's masks (`attention_masks`). kernels/fused_layer_w12.py:
+the 12-bit decode in registers (`_gemv12` and its helpers). kernels/fused_layer_common.py: the small helpers that all
+of them call (`_rounded`, `_normed`, `_store_resid`). Those modules read no setting of their own: a setting is
+defined here, where the code that reads it runs, so rebinding it on this module (tests, `benchmark`) takes effect.
+The kernels and `attention_masks` are imported here, so `triton_fused_layer.X` still names them.
 """
 from __future__ import annotations
 
