@@ -289,7 +289,8 @@ def cmd_train_drafter(args) -> int:
                         ttt_steps=args.ttt_steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                         device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
                         checkpoint_every=args.checkpoint_every, log_every=args.log_every, minutes=args.minutes,
-                        lm_head=args.lm_head, prompt_mix=args.prompt_mix, answer_batch=args.answer_batch)
+                        lm_head=args.lm_head, prompt_mix=args.prompt_mix, answer_batch=args.answer_batch,
+                        init=args.init)
     started = time.perf_counter()  # each line says when: where a long build's minutes go
     train_drafter(settings, args.out, resume=args.resume,
                   say=lambda line: print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True))
@@ -332,6 +333,10 @@ def add_train_parser(sub) -> None:
                              "checkpoints included; building the data is NOT counted); written to "
                              "DIR/schedule.json, which --resume keeps")
     t.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll length")
+    t.add_argument("--init", default=None, metavar="HEAD",
+                   help="continue a trained EAGLE-3 head of this target (a directory or an alias, e.g. "
+                        "smollm2-135m-eagle3) on this run's data: its weights and draft vocabulary instead of a "
+                        "fresh draw (the optimizer and its schedule start anew); run.json records its sha256")
     t.add_argument("--lm-head", default="trained", choices=["trained", "target"],
                    help="trained: the head's own LM head (starting from the target's rows of the draft vocabulary), "
                         "trained and exported; target: those rows frozen and not exported (EAGLE-1/2 style; about "

@@ -4,12 +4,13 @@ rule, the d2t / t2d maps, a tiny training run whose loss goes down, the head it 
 greedy tokens, a killed run resumed to the uninterrupted run's head, and bad arguments refused in one line."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import TINY_VOCAB
 from specpilot.cli import main
@@ -22,7 +23,7 @@ from specpilot.engine.workloads import load_workload
 from specpilot.tools.train import run as run_mod
 from specpilot.tools.train.data import Sample, answer_engine, capture, capture_group, capture_groups, load_samples
 from specpilot.tools.train.filters import deduplicated, normalized
-from specpilot.tools.train.head import TrainableHead, head_config
+from specpilot.tools.train.head import TrainableHead, head_config, starting_head
 from specpilot.tools.train import prompts as prompts_mod
 from specpilot.tools.train.prompts import FAMILIES, read_prompt_file, self_instruct
 from specpilot.tools.train.prompts import write_prompts as family_prompts
@@ -484,6 +485,51 @@ def test_the_data_report_counts_the_families_and_resume_refuses_another_mix(trai
         train_drafter(settings(chat_target_dir, prompt_mix="tasks"), out, resume=True, say=lambda line: None)
     assert Settings(**{k: v for k, v in vars(settings(chat_target_dir)).items() if k != "prompt_mix"}).prompt_mix \
         == "tasks"  # the default
+
+
+# -- --init: continuing a trained head ------------------------------------------------------------------------------
+def test_init_continues_a_trained_head_from_its_weights_and_vocabulary(trained, chat_target_dir, tmp_path):
+    """--init HEAD: the trainable head starts as HEAD's weights exactly (its export before a step is HEAD's file) with
+    HEAD's draft vocabulary; on the same data and batches it starts where HEAD's run ended, not where a fresh draw
+    starts; run.json records HEAD's sha256, and --resume refuses another head under the same name."""
+    source = trained[0]
+    target = load(str(chat_target_dir))
+    start = starting_head(str(source), target.model, target.hf_config)
+    written = load_file(str(source / "model.safetensors"))
+    assert start.sha256 == hashlib.sha256((source / "model.safetensors").read_bytes()).hexdigest()
+    assert start.draft_ids.tolist() == target_ids(written["d2t"]).tolist()
+    head = TrainableHead(json.loads((source / "config.json").read_text()), start.draft_ids, target.model, seed=7)
+    head.start_from(start)
+    exported = head.exported(torch.float32)
+    assert exported.keys() == written.keys() and all(torch.equal(exported[k], written[k]) for k in written)
+
+    copy = tmp_path / "start"  # a copy, changed below
+    shutil.copytree(source, copy)
+    out, entries = tmp_path / "continued", []
+    train_drafter(settings(chat_target_dir, steps=5, init=str(copy)), out, say=lambda line: None,
+                  progress=entries.append)
+    fresh_first, source_last = trained[1][0], trained[1][-1]  # the same seed: the same data and first batch
+    assert entries[0]["loss"] < 0.8 * fresh_first["loss"]
+    assert entries[0]["heldout_acceptance"] >= source_last["heldout_acceptance"] - 0.05
+    assert json.loads((out / "run.json").read_text())["init_sha256"] == start.sha256
+    assert torch.equal(load_file(str(out / "model.safetensors"))["d2t"], written["d2t"])
+    changed = dict(written, **{"fc.weight": written["fc.weight"] + 1.0})
+    save_file(changed, str(copy / "model.safetensors"))
+    with pytest.raises(SpecPilotError, match="is not the head this run started from"):
+        train_drafter(settings(chat_target_dir, steps=5, init=str(copy)), out, resume=True, say=lambda line: None)
+
+
+def test_init_refusals_are_one_line_before_anything_is_written(trained, chat_target_dir, tmp_path, capsys):
+    source = str(trained[0])
+    for extra, message in ((["--init", str(tmp_path / "missing")], "missing"),
+                           (["--init", source, "--draft-vocab", "32"], "drafts over 64 ids"),
+                           (["--init", source, "--lm-head", "target"], "LM head of its own"),
+                           (["--init", str(chat_target_dir)], "EAGLE-3")):
+        code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(tmp_path / "h"), "--device",
+                     "cpu", "--samples", "8", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and message in err, (extra, err)
+        assert not (tmp_path / "h").exists()
 
 
 # -- --lm-head target, --minutes, batched capture ------------------------------------------------------------------

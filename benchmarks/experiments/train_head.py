@@ -18,6 +18,10 @@ machine) and stops the training step after 8 minutes; the same command in the ne
 steps are lost, --checkpoint-every), and the call in which it finishes benchmarks the head. A call that stops it
 reports the steps reached and the latest held-out acceptance.
 
+Longer than a lease (30 device minutes, and only files of at most 16 MiB come back): `--init HEAD --seed S`
+continues HEAD (the head an earlier lease brought back, or `smollm2-135m-eagle3`) on new data (another seed, other
+prompts) and benches HEAD's chain of 2 beside the new head's.
+
 Device minutes: about 4 to build the data, `--minutes` to train, 1-2 for the bench.
 """
 from __future__ import annotations
@@ -66,6 +70,9 @@ def arguments(p) -> None:
                         "its rates (at most --samples), and --batch-size / --lr its fastest batch (lr scaled by the "
                         "square root of the batch's ratio to --batch-size); a resumed run keeps its run.json's")
     p.add_argument("--data-seconds", type=float, default=240.0)
+    p.add_argument("--init", default=None, help="continue this head (train-drafter --init: a directory or an alias, "
+                                                "e.g. smollm2-135m-eagle3); the bench then runs its chain of 2 too")
+    p.add_argument("--seed", type=int, default=0, help="train-drafter's seed (another one: other prompts)")
 
 
 def sized(args, speed: dict) -> dict:
@@ -124,9 +131,13 @@ def run(out_dir, args):
                   "--batch-size", args.batch_size, "--lr", args.lr, "--draft-vocab", args.draft_vocab,
                   "--log-every", args.log_every, "--checkpoint-every", args.checkpoint_every,
                   "--answer-batch", args.answer_batch]
+    if args.init:  # a continued head keeps its own draft vocabulary
+        i = sizing.index("--draft-vocab")
+        del sizing[i: i + 2]
     limit = 60 * (args.call_minutes if args.call_minutes is not None else args.minutes + 6)
     train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
                                                   "--out", head, "--device", ctx.device, "--lm-head", "target",
+                                                  "--seed", args.seed, *(["--init", args.init] if args.init else []),
                                                   *sizing, *resume], timeout=limit)
     if args.call_minutes is not None and not (head / "model.safetensors").is_file():
         return stopped(head, train, bool(resume))
@@ -152,6 +163,8 @@ def run(out_dir, args):
         workloads, limit, tokens = harness.smoke_sized(args, args.bench_workloads, args.bench_limit, 128)
         recipes = [ctx.recipe(name, SYSTEMS[name]) for name in (FASTEST_AR, "ngram2-k4-adaptive-armiss-fused-overlap")]
         recipes += [ctx.recipe(name, fields) for name, fields in head_recipes(str(head)).items()]
+        if args.init:  # the head it continued, beside it
+            recipes.append(ctx.recipe("init-k2-fused-overlap", head_recipes(args.init)["eagle3-k2-fused-overlap"]))
         bench = harness.bench_b1(ctx, recipes, workloads, limit, tokens, timeout=240)
         found["bench"] = bench
         text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))

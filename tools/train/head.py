@@ -17,14 +17,17 @@ the trained function is the one the engine drafts with.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ...engine.eagle3 import ARCHITECTURE, Eagle3Config
+from ...engine.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, failing, read_config, read_weights
+from ...engine.errors import SpecPilotError
 from ...engine.model import Transformer, rope_inv_freq, rope_tables
 from .vocab import d2t_t2d
 
@@ -60,6 +63,47 @@ def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype:
     if "rope_scaling" not in cfg and rope.get("rope_type", "default") != "default":
         cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return cfg
+
+
+@dataclass(frozen=True)
+class StartingHead:
+    """A trained head a run starts from (`--init`): its weights by SGLang's names, as the file holds them; each draft
+    id's target id (the run keeps the head's draft vocabulary: its LM-head rows are those ids'); the target layers
+    it reads; the sha256 of its weights file (run.json records it)."""
+    weights: dict[str, torch.Tensor]
+    draft_ids: torch.Tensor
+    aux_layers: tuple[int, ...]
+    sha256: str
+
+
+def starting_head(spec: str, target: Transformer, hf_config) -> StartingHead:
+    """The head `spec` names (a directory or an alias: engine.loader.source_dir), checked by the engine's own loader
+    against the target, and refused in one line where a head trained here could not continue it: another shape
+    than the target's layer (this trainer's head is one), biases, or embeddings of its own."""
+    from ...engine import loader
+
+    directory = loader.source_dir(spec)
+    fail = failing(f"--init {spec}")
+    raw, weights = read_config(directory, fail), read_weights(directory, fail)
+    loaded = Eagle3Head.from_weights(raw, weights, target, f"--init {spec}")
+    t = hf_config.to_dict()
+    shaped = head_config(hf_config, loaded.cfg.draft_vocab_size, loaded.cfg.aux_layers, target.dtype)
+    for key, have in (("hidden_size", loaded.cfg.hidden_size), ("intermediate_size", loaded.cfg.intermediate_size),
+                      ("num_attention_heads", loaded.cfg.n_heads), ("num_key_value_heads", loaded.cfg.n_kv_heads),
+                      ("head_dim", loaded.cfg.head_dim)):
+        if have != shaped[key]:
+            fail(f"has {key} {have}; a head trained here is shaped as the target's layer ({shaped[key]})")
+    own = sorted(n for n in weights if n.endswith(".bias") or n == "embed_tokens.weight")
+    if own or loaded.cfg.norm_before_residual:
+        fail(f"has {', '.join(own) or 'norm_before_residual'}, which a head trained here does not")
+    if t.get("rms_norm_eps", 1e-6) != loaded.cfg.rms_eps:
+        fail(f"has rms_norm_eps {loaded.cfg.rms_eps}, the target {t.get('rms_norm_eps', 1e-6)}")
+    files = sorted(directory.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.read_bytes())
+    return StartingHead({k: w for k, w in weights.items() if k not in ("d2t", "t2d")},
+                        loaded.draft_to_target.cpu(), tuple(loaded.cfg.aux_layers), digest.hexdigest())
 
 
 class TrainableHead(nn.Module):
@@ -107,6 +151,28 @@ class TrainableHead(nn.Module):
         inv_freq, self.attention_scaling = rope_inv_freq(LlamaConfig.from_dict(config))
         self.inv_freq = inv_freq.float()
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def start_from(self, start: StartingHead) -> None:
+        """Every trained weight from a head (`--init`), in fp32: the run continues it instead of a fresh draw. Its
+        LM head where it has one of its own (refused with the target's rows frozen, which would drop it); a head
+        without one drafts with the target's rows, which this head starts from already."""
+        w = start.weights
+        if not torch.equal(start.draft_ids.to(self.draft_to_target.device), self.draft_to_target):
+            raise SpecPilotError("--init: the run's draft vocabulary must be the starting head's")
+        if "lm_head.weight" in w and self.frozen_lm_head:
+            raise SpecPilotError("--init: a head with an LM head of its own cannot continue with the target's rows")
+        a, m = "midlayer.self_attn.", "midlayer.mlp."
+        pairs = {self.fc: w["fc.weight"], self.input_norm: w["midlayer.input_layernorm.weight"],
+                 self.hidden_norm: w["midlayer.hidden_norm.weight"],
+                 self.wqkv: torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), self.wo: w[a + "o_proj.weight"],
+                 self.post_norm: w["midlayer.post_attention_layernorm.weight"],
+                 self.w13: torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
+                 self.w2: w[m + "down_proj.weight"], self.norm: w["norm.weight"]}
+        if "lm_head.weight" in w:
+            pairs[self.lm_head] = w["lm_head.weight"]
+        for param, value in pairs.items():
+            param.copy_(value.float())
 
     @property
     def dtype(self) -> torch.dtype:

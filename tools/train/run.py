@@ -20,7 +20,7 @@ from ...engine.eagle3 import load_head
 from ...engine.errors import SpecPilotError
 from . import data as data_mod
 from .filters import benchmark_prompts, deduplicated, excluding_benchmarks
-from .head import LM_HEADS, TrainableHead, default_aux_layers, head_config
+from .head import LM_HEADS, TrainableHead, default_aux_layers, head_config, starting_head
 from .prompts import PROMPT_MIXES, read_prompt_file, user_turn_prefix, write_prompts
 from .trainer import Schedule, load_checkpoint, resident, time_training, train
 from .vocab import draft_vocabulary
@@ -50,6 +50,7 @@ class Settings:
     lm_head: str = "trained"  # "trained": the head's own, exported; "target": the target's rows, frozen, not exported
     prompt_mix: str = "tasks"  # self-instruct: "chat" (the bare user turn) or "tasks" (prompts.FAMILIES, even shares)
     answer_batch: int = data_mod.ANSWER_ROWS  # rows the engine decodes prompts and answers in at once
+    init: str | None = None  # a trained head to continue (its weights and draft vocabulary), or None: a fresh draw
 
 
 def check(s: Settings) -> None:
@@ -195,16 +196,31 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
     torch.manual_seed(settings.seed)
     target = loader.load(settings.target, settings.dtype, settings.device)
     model = target.model
-    aux_layers = default_aux_layers(model.cfg.n_layers)
-    draft_vocab = settings.draft_vocab or min(DEFAULT_DRAFT_VOCAB, model.cfg.vocab_size)
+    # A head to continue (--init) brings its draft vocabulary and aux layers; the new data is read with its layers
+    start = starting_head(settings.init, model, target.hf_config) if settings.init is not None else None
+    aux_layers = start.aux_layers if start else default_aux_layers(model.cfg.n_layers)
+    draft_vocab = settings.draft_vocab or (start.draft_ids.numel() if start else
+                                           min(DEFAULT_DRAFT_VOCAB, model.cfg.vocab_size))
     if draft_vocab > model.cfg.vocab_size:
         raise SpecPilotError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary "
                              f"({model.cfg.vocab_size} ids)")
+    if start and settings.lm_head == "target" and "lm_head.weight" in start.weights:
+        raise SpecPilotError(f"--init {settings.init} has an LM head of its own, which --lm-head target would drop "
+                             f"(pass --lm-head trained)")
+    if start and draft_vocab != start.draft_ids.numel():
+        raise SpecPilotError(f"--draft-vocab {draft_vocab}: --init {settings.init} drafts over "
+                             f"{start.draft_ids.numel()} ids, which a continued head keeps")
     if settings.prompts is None:
         user_turn_prefix(target.tokenizer, settings.target)  # refused here, before DIR is written, without one
-    if not continuing:
+    started_from = {"init_sha256": start.sha256} if start else {}
+    if continuing:
+        held = json.loads((out / "run.json").read_text()).get("init_sha256")
+        if start and held != start.sha256:
+            raise SpecPilotError(f"--resume: --init {settings.init} is not the head this run started from "
+                                 f"(sha256 {held}, now {start.sha256})")
+    else:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run.json").write_text(json.dumps(recorded(settings), indent=2))
+        (out / "run.json").write_text(json.dumps(recorded(settings) | started_from, indent=2))
     if not (continuing and (out / "heldout.pt").is_file()):
         started = time.perf_counter()
         report = build_data(settings, target, out, aux_layers, say)
@@ -212,9 +228,13 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
             f"({report['answer_tokens']} answer tokens), {report['heldout_samples']} held out")
     samples, heldout = data_mod.load_samples(out / "samples.pt"), data_mod.load_samples(out / "heldout.pt")
     samples, heldout = resident(samples, model.device), resident(heldout, model.device)  # on a GPU once, if they fit
-    draft_ids = draft_vocabulary([s.answer for s in samples], draft_vocab, model.cfg.vocab_size)
+    draft_ids = start.draft_ids if start else draft_vocabulary([s.answer for s in samples], draft_vocab,
+                                                               model.cfg.vocab_size)
     config = head_config(target.hf_config, draft_vocab, aux_layers, model.dtype)
     head = TrainableHead(config, draft_ids, model, settings.seed, settings.lm_head)
+    if start:
+        head.start_from(start)
+        say(f"starting from --init {settings.init} (sha256 {start.sha256[:12]}...)")
     steps = resolved_steps(settings, head, target, samples, heldout, out, say)
     checkpoint = out / "checkpoint.pt"
     state = load_checkpoint(checkpoint, model.device) if continuing and checkpoint.is_file() else None
