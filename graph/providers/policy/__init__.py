@@ -14,17 +14,17 @@ import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ...engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
-from ...engine.loader import ALIASES
-from ...engine.recipe import BUILTIN, Recipe, RecipeError, parse
-from ...engine.replay import best_static_tree, expected_accepted
-from ...engine.tree import DynamicTree, chains, tree_from_paths
-from ...kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
-from ...tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
-                                ModelShape, Prediction, expected_tokens, predict, tree_draft_widths)
-from ..candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
-from ..proposals import changes
-from .base import Provider
+from ....engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
+from ....engine.loader import ALIASES
+from ....engine.recipe import BUILTIN, Recipe, RecipeError, parse
+from ....engine.replay import best_static_tree, expected_accepted
+from ....engine.tree import DynamicTree, chains, tree_from_paths
+from ....kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
+from ....tools.profile.costmodel import (KERNELS_NGRAM_FIXED, KERNELS_PER_NGRAM_ORDER, Deployment, DeviceCeilings,
+                                 ModelShape, Prediction, expected_tokens, predict, tree_draft_widths)
+from ...candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
+from ...proposals import changes
+from ..base import Provider
 
 # The issue's stopping rule: a gap (or a predicted change) worth less than 2% end to end is not worth a round.
 MIN_GAIN = 0.02
@@ -521,7 +521,7 @@ def fused_fma_tokens(recipe: Recipe, view: CostView) -> int | None:
     """The most tokens a step of the fused layer runs on its FMA path (a program per token), on CUDA; else None."""
     if recipe.layer != "fused" or not view.cuda:
         return None
-    from ...kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
+    from ....kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
 
     return FMA_MAX_TOKENS
 
@@ -541,7 +541,7 @@ def _tree_options(recipe: Recipe, view: CostView, cur: Prediction, now: str, mea
     shape = chains(TREE_BRANCHES, recipe.k)
     name = f"n-gram tree of {TREE_BRANCHES} branches of {recipe.k} drafts ({shape.nodes} tokens a row a step)"
     if recipe.layer == "fused":
-        from ...kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
+        from ....kernels.triton_fused_layer import FMA_MAX_TOKENS  # (lazily: it imports Triton)
 
         chain_tokens, tree_tokens = (recipe.k + 1) * view.dep.batch, shape.nodes * view.dep.batch
         if chain_tokens <= FMA_MAX_TOKENS < tree_tokens:
