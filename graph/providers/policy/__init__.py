@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ....engine.eagle3 import RANDOM_HEAD, RANDOM_HEAD_VOCAB
@@ -24,13 +24,12 @@ from ....tools.profile.costmodel import Deployment, ModelShape, Prediction, expe
 from ...candidates import AGENTS, AgentContext, Candidate, KernelSource, RouteDecision, merge_patch
 from ...proposals import changes
 from ..base import Provider
+from .catalog import MIN_GAIN, Option, Skips, _gap_text, _gaps_of
 from .costview import CostView, _ceilings, _ngram_kernels, _phases, _scaled_kernels, break_even_rate, ms, positions
 from .memory import MemoryVerdict, describe_deployment, memory_agents, memory_speedup, read_memory
 from .recipes import (AGENT_FIELDS, DRAFTER_FIELDS, _describe_current, agent_name, apply_patch, checkable_patch,
                       patch_error, recipe_effect)
 
-# The issue's stopping rule: a gap (or a predicted change) worth less than 2% end to end is not worth a round.
-MIN_GAIN = 0.02
 NGRAM_K_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 NGRAM_MAX_CHOICES = (2, 3, 4)
 # Layer-skip drafts with a quarter or a half of the target's layers, or just its first one.
@@ -67,26 +66,7 @@ RAGGED_MAX_AVAILABILITY = 0.8
 REPLAY_TREE_DRAFTS = (15, 31)
 
 
-# ------------------------------------------------------------------------------------------------------- cost model
-
-class Skips(list):
-    """Why catalog entries were not proposed, in the catalog's order, each said once: what an agent that proposes
-    nothing gives as its reason (the trail shows it next to "proposed 0 candidate(s)")."""
-
-    def add(self, text: str) -> None:
-        if text not in self:
-            self.append(text)
-
-
 # -------------------------------------------------------------------------------------------------------- algorithm
-
-@dataclass(frozen=True)
-class Option:
-    """A catalog entry before it becomes a candidate: its patch, why, and the number it is ranked by."""
-    patch: dict
-    reason: str
-    rank: tuple           # smaller first
-
 
 def _ngram_dep(view: CostView, k: int, max_ngram: int, min_ngram: int) -> Deployment:
     base = view.dep
@@ -549,14 +529,6 @@ def _layerskip_options(recipe: Recipe, view: CostView, cur: Prediction, now: str
 
 
 # -------------------------------------------------------------------------------------------------------- scheduler
-
-def _gaps_of(gaps: list[dict], *components: str) -> list[dict]:
-    return [g for g in gaps or [] if g.get("component") in components]
-
-
-def _gap_text(g: dict) -> str:
-    return f"{g['component']} {ms(g.get('measured_s', 0.0))} (gain {g.get('gain', 0.0):.1%}: {g.get('reason', '')})"
-
 
 def scheduler_options(recipe: Recipe, view: CostView, gaps: list[dict], skipped: Skips | None = None) -> list[Option]:
     """CUDA graphs, compile (and its autotuning mode), overlap: CUDA-only switches, proposed only on CUDA; the batch
