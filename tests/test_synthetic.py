@@ -140,16 +140,24 @@ def test_optimize_on_a_synthetic_target_measures_replayed_chains(tiny_synthetic,
     drafters are replayed chains (no other drafter can predict random weights' text), each passes the token-forcing
     gate (verification is real) and is measured beside ar and stock (the bench names their systems NAME-replay; the
     graph still finds them)."""
+    import importlib
     import io
     import json
+    import pkgutil
 
     from specpilot.graph.providers import policy
     from specpilot.graph.run import load_state, optimize
 
     # Whether a chain is proposed is the cost model's price on this CPU, calibrated by the run's own timings (CI
     # twice priced every chain below the least gain, in the full suite only): this test is about what the graph does
-    # with the chains, so every one is proposed (the prices are tested with given step times in test_providers.py)
-    monkeypatch.setattr(policy, "MIN_GAIN", -1.0)
+    # with the chains, so every one is proposed (the prices are tested with given step times in test_providers.py).
+    # The policy's modules read MIN_GAIN by name (the router, each agent's catalog), so it is patched in every module
+    # of the package that has one: the package's re-export alone reaches none of them.
+    modules = [policy, *(importlib.import_module(m.name)
+                         for m in pkgutil.iter_modules(policy.__path__, policy.__name__ + "."))]
+    for module in modules:
+        if hasattr(module, "MIN_GAIN"):
+            monkeypatch.setattr(module, "MIN_GAIN", -1.0)
     target = str(loader.source_dir("synthetic:tiny-llama"))  # a directory: the gate's sandboxed child loads it too
     out = tmp_path / "run"
     code = optimize(dict(target=target, acceptance=[0.95, 0.9, 0.85, 0.8], workload="code", limit=2,
