@@ -15,7 +15,7 @@ from ....engine.replay import best_static_tree, expected_accepted
 from ....engine.tree import DynamicTree, chains, tree_from_paths
 from ....kernels import FUSED_LAYER_MAX_TOKENS
 from ....tools.profile.costmodel import Deployment, ModelShape, Prediction, tree_draft_widths
-from .catalog import MIN_GAIN, Option, Skips
+from .catalog import MIN_GAIN, Option, Skips, short_of_min_gain
 from .costview import CostView, _ngram_kernels, _phases, _scaled_kernels, break_even_rate, ms, positions
 from .recipes import _describe_current
 
@@ -427,8 +427,7 @@ def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: s
             out.append(_fma_length_option(patch, name, k, recipe.k, p, cur.tokens_per_s, measured_note))
             continue
         gain = p.tokens_per_s / cur.tokens_per_s - 1.0
-        if gain < MIN_GAIN:
-            skipped.add(f"{name}: the cost model predicts {gain:+.0%} tok/s against {now} (below {MIN_GAIN:.0%})")
+        if short_of_min_gain(skipped, gain, f"{name}: the cost model predicts {gain:+.0%} tok/s against {now}"):
             continue
         out.append(Option(patch, (
             f"{name}: the calibrated cost model predicts {p.tokens_per_s:.0f} tok/s against {cur.tokens_per_s:.0f} "

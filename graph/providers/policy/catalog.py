@@ -27,6 +27,15 @@ class Skips(list):
             self.append(text)
 
 
+def short_of_min_gain(skipped: Skips, gain: float, said: str) -> bool:
+    """The stopping rule at a catalog entry: True where `gain` (predicted tok/s over today's, less 1) is under
+    MIN_GAIN, with `said` and the rule noted in `skipped`; the caller then leaves the entry out."""
+    if gain < MIN_GAIN:
+        skipped.add(f"{said} (below {MIN_GAIN:.0%})")
+        return True
+    return False
+
+
 def _gaps_of(gaps: list[dict], *components: str) -> list[dict]:
     return [g for g in gaps or [] if g.get("component") in components]
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ....engine.recipe import Recipe
 from ....kernels import DEFAULTS as KERNEL_DEFAULTS, FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS, IMPLEMENTATIONS
-from .catalog import MIN_GAIN, Option, Skips, _gap_text, _gaps_of
+from .catalog import MIN_GAIN, Option, Skips, _gap_text, _gaps_of, short_of_min_gain
 from .costview import CostView, _phases, ms
 
 # 12-bit weights: the lossless12 format reads 1.5 bytes a weight instead of bf16's 2 (docs/LOSSLESS12.md).
@@ -84,9 +84,8 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                 fused = impl != "builtin:math"
                 p = view.predict(replace(dep, attention="sdpa" if fused else "math"), acc)
                 gain = p.tokens_per_s / cur.tokens_per_s - 1.0
-                if gain < MIN_GAIN:
-                    skipped.add(f"attention {impl}: the cost model predicts {gain:+.1%} tok/s against {now} "
-                                f"(below {MIN_GAIN:.0%})")
+                if short_of_min_gain(skipped, gain, f"attention {impl}: the cost model predicts {gain:+.1%} tok/s "
+                                                    f"against {now}"):
                     continue
                 how = "one fused kernel per layer" if fused else "scores, softmax, weighted sum (3 kernels)"
                 model = " (modelled like sdpa)" if impl == "builtin:triton" else ""
@@ -101,8 +100,7 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                     patch = {"kernels": {slot: impl}, "weights": {"format": "lossless12"}}
                     p = view.predict(replace(dep, bytes_per_param=LOSSLESS12_BYTES_PER_PARAM), acc)
                     gain = p.tokens_per_s / cur.tokens_per_s - 1.0
-                    if gain < MIN_GAIN:
-                        skipped.add(f"linear {impl}: the cost model predicts {gain:+.1%} tok/s (below {MIN_GAIN:.0%})")
+                    if short_of_min_gain(skipped, gain, f"linear {impl}: the cost model predicts {gain:+.1%} tok/s"):
                         continue
                     out.append(Option(patch, (
                         f"12-bit lossless weights (linear {impl}, weights.format lossless12): "
@@ -115,9 +113,8 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                     patch = {"kernels": {slot: impl}, "weights": {"format": "native"}}
                     p = view.predict(replace(dep, bytes_per_param=2.0), acc)
                     gain = p.tokens_per_s / cur.tokens_per_s - 1.0
-                    if gain < MIN_GAIN:
-                        skipped.add(f"native weights (linear {impl}): the cost model predicts {gain:+.1%} tok/s "
-                                    f"(below {MIN_GAIN:.0%})")
+                    if short_of_min_gain(skipped, gain, f"native weights (linear {impl}): the cost model predicts "
+                                                        f"{gain:+.1%} tok/s"):
                         continue
                     out.append(Option(patch, (
                         f"native bf16 weights (linear {impl}): the calibrated cost model's {_phases(p)} against "
@@ -137,8 +134,7 @@ def kernel_writer_options(recipe: Recipe, view: CostView, gaps: list[dict], skip
                 if not dep.k:
                     skipped.add(f"accept {impl}: no drafts to accept (k = 0)")
                     continue
-                if gain < MIN_GAIN:
-                    skipped.add(f"accept {impl}: the bookkeeping gap is {gain:.1%} (below {MIN_GAIN:.0%})")
+                if short_of_min_gain(skipped, gain, f"accept {impl}: the bookkeeping gap is {gain:.1%}"):
                     continue
                 out.append(Option(patch, (
                     f"accept {impl}: argmax over the {dep.k + 1}x{shape.vocab} verify logits, prefix match and "
