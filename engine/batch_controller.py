@@ -33,6 +33,16 @@ SPECULATION_MARGIN = BatchSpec.margin
 # after AR steps costs 1.6 AR steps at B = 4 on the H100 (20 tokens: the modular layer), and chat at B = 4, where the
 # n-gram drafter's drafts were hopeless, ran one every 17 steps (thirtieth lease: 403 of 481 steps AR, 0.95x AR).
 PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
+# After `probe_every` steps in a row of the same verifying kind, the kind just below it is run until the loop has
+# timed it MIN_TIMED_STEPS times, if it has not been: an untimed kind is priced by its replay scaled like the timed
+# kinds around it, and where those run on another layer the scale is wrong. On the H100 (forty-second lease), chat
+# B = 8 with the fused layer up to 32 tokens: k' = 3 replayed at 0.96 ms and ran at 1.25 in the loop, k' = 1 at 0.82
+# and 0.95; k' = 2, never run, was priced at 1.15 (0.93 replayed, scaled between them) where the loop times it at
+# 1.08-1.13, so the controller ran k' = 3 on 277 of 312 steps: 1.21x AR where k' = 2 made 1.25x. With B = 16 and
+# fractions, k' = 2 (48 tokens, modular) was priced from the fused k' = 1/2's ratio 1.35 and never run: 1.00x where
+# 1.07x was there. Upward probes (above) already time the kind above a choice below k. (SPECPILOT_PROBE_DOWN=0 turns
+# these probes off, for A/B timing.)
+PROBE_DOWN = os.environ.get("SPECPILOT_PROBE_DOWN", "1") == "1"
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -160,7 +170,9 @@ class DraftLengthController:
     priced as that blind step). A probe that did not pay (its step did not beat an AR step's tokens a second by the
     margin) and after which the model chooses no longer steps than before doubles the steps to the next one (up to
     PROBE_BACKOFF times `probe_every`: where speculation stays hopeless, probes cost a fraction of a percent); any
-    other probe brings them back to `probe_every`.
+    other probe brings them back to `probe_every`. After `probe_every` choices in a row of one verifying kind, the
+    kind just below it runs until the loop has timed it, where its price was a guess from other kinds' loop times
+    (PROBE_DOWN): the probes above only ever time the kind above a choice.
 
     The model's expected gain (tokens beyond one a row) is calibrated by what the verifying steps actually gained:
     each choice's plan (how many drafts it expected each row to verify: `allocation`) is kept until its step is read,
@@ -213,6 +225,8 @@ class DraftLengthController:
         self.short_run = 0  # steps in a row chosen below k (AR steps included), since the latest probe
         self.latest = BLIND_AR  # the latest kind chosen by the model (not a probe)
         self.probe_gap = self.probe_every  # steps below k in a row before the next probe (`choose`)
+        self.settled_run = 0  # steps in a row the model chose `latest`, a verifying kind (a probe below, `choose`)
+        self.below: tuple[float, int] | None = None  # the kind below being timed, and its steps still to run
         # the latest probe, once its step is read: (the model's choice before it, its kind, drafts kept, rows)
         self.probed: tuple[int, int, int, int] | None = None
         # each step chosen and not yet read: (its kind, its allocation, for a probe the model's choice before it),
@@ -346,11 +360,31 @@ class DraftLengthController:
             return True
         return max(choice, 0) > max(before, 0)
 
+    def _untimed_below(self, kind: float, kinds: list[float]) -> float | None:
+        """The verifying kind just below `kind` among `kinds` when the loop has timed it fewer than MIN_TIMED_STEPS
+        times while it timed others (its price is then its replay scaled like those: `priced`), else None."""
+        below = max((other for other in kinds if other < kind), default=None)
+        timed = [other for other, times in self.timed.items() if len(times) >= MIN_TIMED_STEPS]
+        if below is None or below in timed or not timed:
+            return None
+        return below
+
     def choose(self, prices_by_k: dict[float, float]) -> float:
         """The next step's kind: k' in 0..k (or a fraction of one draft a row, where `prices_by_k` prices one), or
         BLIND_AR (priced among them) when no draft could pay."""
         probe = self.short_run >= self.probe_gap
         kinds = sorted(kind for kind in prices_by_k if kind > 0) or list(range(1, self.k + 1))
+        if not probe and PROBE_DOWN and self.below is None and self.settled_run >= self.probe_every:
+            below = self._untimed_below(self.latest, kinds)
+            self.settled_run = 0
+            if below is not None:
+                self.below = (below, MIN_TIMED_STEPS - len(self.timed.get(below, ())))
+        if not probe and self.below is not None:  # the kind below, until it is timed (`PROBE_DOWN`)
+            choice, left = self.below
+            self.below = (choice, left - 1) if left > 1 else None
+            self.predictions.append((choice, self.allocation(self.found if self.found is not None
+                                                             else [self.k] * self.bucket, choice), None))
+            return choice
         if probe:  # k after AR steps; after shorter verifying steps, the next kind up (a step that costs little more)
             choice = self.k if self.latest <= 0 else min((kind for kind in kinds if kind > self.latest), default=self.k)
         else:
@@ -369,7 +403,10 @@ class DraftLengthController:
                 self.probed = None
         self.short_run = 0 if probe or choice >= self.k else self.short_run + 1
         if not probe:
+            self.settled_run = self.settled_run + 1 if choice == self.latest and choice > 0 else 0
             self.latest = choice
+        else:
+            self.settled_run = 0
         # what this step plans to verify, for the calibration once it is read (`observe`)
         had = self.found if self.found is not None else [self.k] * self.bucket
         self.predictions.append((choice, self.allocation(had, choice), self.latest if probe else None)

@@ -505,6 +505,52 @@ def test_a_kind_timed_a_few_times_is_priced_like_its_neighbours():
     assert c.priced(replay)[2] == pytest.approx(6.0)  # now its own
 
 
+# The H100's replayed step prices at chat B = 8 with the fused layer up to 32 tokens (forty-second lease, ms), and
+# what the loop timed: k' = 1 and 3 run, k' = 2 timed in the same cell at the limit of 24 (ratio 1.18)
+H100_B8_REPLAY = {-1: 0.734, 1: 0.817, 2: 0.936, 3: 0.964}
+H100_B8_LOOP = {1: 1.10, 2: 1.10, 3: 1.249}
+
+
+def test_a_settled_kind_has_the_kind_below_it_timed_when_that_ones_price_is_a_guess():
+    """Rows accepting the first draft 55% of the time, the second 50%, the third 42% (1.83 tokens a row at k' = 2,
+    1.94 at 3). The loop has timed k' = 1 and 3; k' = 2's price is its replay scaled between theirs (x1.32: 1.24 ms),
+    where k' = 3 wins; at what the loop times it (1.10 ms) k' = 2 wins. After `probe_every` steps of k' = 3 the
+    controller runs k' = 2 until it is timed MIN_TIMED_STEPS times, and then chooses it. Before any kind is timed, or
+    once the kind below is, nothing is probed: the replays price every kind alike, or the kind below is its own."""
+    from specpilot.engine import batch_controller as bc
+
+    def controller():
+        c = uncalibrated(DraftLengthController(3, probe_every=4, bucket=8, fixed_drafts=True))
+        # 1000 rows: 450 rejected the first draft, 275 the second, 160 the third, 115 accepted all three
+        c.observe([3] * 1000, [0] * 450 + [1] * 275 + [2] * 160 + [3] * 115, [3] * 8)
+        return c
+
+    c = controller()
+    assert [c.choose(H100_B8_REPLAY) for _ in range(6)] == [3] * 6  # nothing timed: no probe below
+    c = controller()
+    for kind in (1, 3):
+        for _ in range(bc.MIN_TIMED_STEPS):
+            c.observe_time(kind, H100_B8_LOOP[kind])
+    assert c.priced(H100_B8_REPLAY)[2] == pytest.approx(0.936 * (1.10 / 0.817 + 1.249 / 0.964) / 2)
+    chosen = []
+    for _ in range(5 + bc.MIN_TIMED_STEPS + 3):
+        kind = c.choose(H100_B8_REPLAY)
+        chosen.append(kind)
+        c.observe_time(kind, H100_B8_LOOP[kind])
+    # four steps of k' = 3 settle it (the first sets `latest`), then k' = 2 until timed, then k' = 2 by its own price
+    assert chosen == [3] * 5 + [2] * bc.MIN_TIMED_STEPS + [2] * 3
+    # off (SPECPILOT_PROBE_DOWN=0): k' = 3 for good
+    c = controller()
+    for kind in (1, 3):
+        for _ in range(bc.MIN_TIMED_STEPS):
+            c.observe_time(kind, H100_B8_LOOP[kind])
+    old, bc.PROBE_DOWN = bc.PROBE_DOWN, False
+    try:
+        assert [c.choose(H100_B8_REPLAY) for _ in range(12)] == [3] * 12
+    finally:
+        bc.PROBE_DOWN = old
+
+
 def test_the_decoder_feeds_loop_times_to_the_controller(tiny_model_dir):
     from specpilot.engine.loader import load
 
