@@ -187,7 +187,7 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
                                  tokens="8,20,40", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None,
-                                 dot_pdl=None, dot_tokens="32,64", fma_max_tokens="6", layers=30)
+                                 dot_pdl=None, dot_tokens="32,64", fma_max_tokens="6", layers=30, filled="300")
     record, table = fused_tokens.run(tmp_path, args)
     assert made == [(30, "cuda")]
     assert seen == [(8, [16]), (20, [16]), (20, [32]), (40, [16]), (40, [32]), (40, [64])]
@@ -201,6 +201,42 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
     assert record["token_blocks"]["SPECPILOT_FUSED_MAX_TOKENS"] == 20
     env = (tmp_path / "fused_tokens.env").read_text()
     assert "export SPECPILOT_FUSED_MAX_TOKENS=20\n" in env and "export SPECPILOT_DOT_TILES='{" in env
+
+
+def test_fused_tokens_times_each_row_at_each_context(runner, tmp_path, monkeypatch):
+    """`--filled 64,1000`: each width timed at cache position 64 and at 1000 (in a cache with room for the step),
+    each row recording its position; the thresholds come from the first position's rows alone (at 1000 the fused
+    layer loses at 5 tokens here, at 64 it wins everywhere)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+
+    fused_tokens = runner.load("fused_tokens")
+    calls = []
+
+    def fake_benchmark(model, modular, tokens, fma_max_tokens, n_slots, filled, **kw):
+        calls.append((tokens[0], filled, n_slots))
+        return [dict(batch=1, tokens=tokens[0], fma_max_tokens=fma, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
+                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, modular_us=10.0,
+                     fused_us=(12.0 if filled == 1000 else 8.0) + (fma == 4) * tokens[0] * 0.1)
+                for fma in fma_max_tokens]
+
+    monkeypatch.setattr(fused_tokens.harness, "random_smollm2", lambda *a: types.SimpleNamespace(model="random"))
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", fake_benchmark)
+    monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
+                                 tokens="5,32", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None,
+                                 dot_pdl=None, dot_tokens=None, fma_max_tokens="8,4", layers=30, filled="64,1000")
+    record, table = fused_tokens.run(tmp_path, args)
+    assert calls == [(5, 64, 512), (32, 64, 512), (5, 1000, 1005), (32, 1000, 1032)]
+    assert [r["filled"] for r in record["rows"]] == [64, 64, 64, 64, 1000, 1000, 1000, 1000]
+    assert record["thresholds"] == {"SPECPILOT_FMA_MAX_TOKENS": 5, "SPECPILOT_FUSED_MAX_TOKENS": 32}
+    assert "filled" in table
 
 
 def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):

@@ -47,6 +47,12 @@ model of SmolLM2-135M's shapes (harness.random_smollm2): no model is staged, one
 H200's chat sweep at B = 16 (thirty-ninth lease) priced a k' = 1 step (32 tokens, the modular layer past the fused
 layer's 24-token limit) at 1.29 ms against 0.71 for its AR step (16 tokens, fused), and AR at B = 32 at 1.26 ms.
 
+With `--filled 64,300,1000` each row at those cache positions (the context a step attends over; 300 by default, in
+a cache of at least 512 slots): where a step's time grows with the context. Why (forty-second lease, H100): the loop
+timed the fused layer's steps 20-43% above their warm-up replays (AR at chat B = 16 0.72 -> 0.87 ms, k' = 1 there
+0.76 -> 1.08) and the modular layer's at them (k' = 3, 1.57 -> 1.56); the replays run at the prompts' lengths, the
+loop's steps at contexts grown by up to 128 tokens, and the attention is the part of a layer that grows with them.
+
 Device minutes: about 2.
 """
 from __future__ import annotations
@@ -83,6 +89,9 @@ def arguments(p) -> None:
                    help="with --target none: the random model's layers")
     p.add_argument("--fma-max-tokens", default="8,4",
                    help="the FMA path's limits each row is timed at (the thresholds compare the first two)")
+    p.add_argument("--filled", default="300",
+                   help="the cache positions (context lengths) each row is timed at, e.g. 64,300,1000; the "
+                        "thresholds use the first")
 
 
 def thresholds(rows: list[dict], shipped_fma: int = 8, fma_alt: int = 4, block: int = 16, cap: int = 64) -> dict:
@@ -186,18 +195,23 @@ def run(out_dir, args):
     dot_tiles = (None, *json.loads(args.dot_tiles)) if args.dot_tiles else (None,)
     dot_pdl = tuple(bool(int(v)) for v in args.dot_pdl.split(",")) if args.dot_pdl else (None,)
     fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
+    filled = [int(v) for v in args.filled.split(",")]
     rows = []
-    for T in tokens:
+    for position, T in ((f, T) for f in filled for T in tokens):
         modular_us = None
+        # the cache: at least the shipped 512 slots, and room for the step (the attention's splits cover all of it)
+        n_slots = max(512, position + T)
         for i, dot in enumerate(with_token_blocks(dot_tiles, args.dot_tokens, args.batch * T)):
             try:  # the modular layer once a T, with the first tiling
                 got = triton_fused_layer.benchmark(target.model, modular if i == 0 else None, tokens=(T,),
+                                                   n_slots=n_slots, filled=position,
                                                    fma_max_tokens=fma, batch=args.batch, tile_values=tiles,
                                                    fma_tiles=fma_tiles, dot_tiles=(dot,), dot_pdl=dot_pdl)
             except Exception as e:  # (a tiling that does not compile or run costs its own row)
                 got = [dict(batch=args.batch, tokens=T, dot_tiles=dot or triton_fused_layer.DOT_TILES,
                             error=f"{type(e).__name__}: {e}"[:300])]
             for r in got:
+                r["filled"] = position
                 modular_us = r.get("modular_us") if i == 0 else modular_us
                 r["modular_us"] = modular_us
                 if "fused_us" in r:
@@ -206,13 +220,14 @@ def run(out_dir, args):
                 print(r, flush=True)
             rows += got
     keys = sorted({k for r in rows for k in r})
-    default_tile = [r for r in rows if "fused_us" in r and r["tile_values"] == triton_fused_layer.TILE_VALUES
+    default_tile = [r for r in rows if "fused_us" in r and r["filled"] == filled[0]
+                    and r["tile_values"] == triton_fused_layer.TILE_VALUES
                     and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
                     and r["dot_pdl"] == triton_fused_layer.DOT_PDL]
     chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
     blocks = {}
     if args.dot_tokens:  # the token blocks' cap and the limit at it
-        blocks = token_blocks(rows, triton_fused_layer.DOT_TILES)
+        blocks = token_blocks([r for r in rows if r["filled"] == filled[0]], triton_fused_layer.DOT_TILES)
         if args.batch == 1:
             chosen = {**chosen, **blocks}
     if chosen:
