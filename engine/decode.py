@@ -129,6 +129,9 @@ SIDE_SEARCH = os.environ.get("SPECPILOT_SIDE_SEARCH", "0") == "1"
 # Replayed step prices (`Decoder._measure_prices`): untimed replays of each kind first, then rounds of replays over
 # the kinds in turn, a kind's price its median round
 PRICE_WARM_REPLAYS, PRICE_ROUNDS, PRICE_REPLAYS = 5, 5, 3
+# Whether those replays run each row past its length, at the middle of what the loop will decode (`_measure_prices`);
+# SPECPILOT_PRICE_AHEAD=0 prices at the rows' lengths as they are, for A/B timing
+PRICE_AHEAD = os.environ.get("SPECPILOT_PRICE_AHEAD", "1") == "1"
 
 
 def batch_bucket(batch: int) -> int:
@@ -418,6 +421,7 @@ class Decoder:
         # Tokens a verifying step puts through the target for a row: k + 1, or the tree's nodes
         self.verify_width = self.tree.nodes if self.tree is not None else k + 1
         self.prices: dict[int, dict[int, float]] = {b: dict(p) for b, p in (prices or {}).items()}
+        self._price_ahead: int | None = None  # set by `warmup` for the prices its short batches measure
         # The batch controller's loop times of each kind of step, per bucket (DraftLengthController.observe_time)
         self.step_seconds: dict[int, dict[int, float]] = {}
         self.step_timed: dict[int, dict[int, deque]] = {}  # the latest loop times each of those is the median of
@@ -714,18 +718,25 @@ class Decoder:
             return None
         return self._time_step(self._state, self.k, replays)
 
-    def _time_step(self, st: DecodeState, drafts_k: int, replays: int) -> float:
+    def _time_step(self, st: DecodeState, drafts_k: int, replays: int, ahead: int = 0) -> float:
         """Seconds of one step verifying `drafts_k` drafts on this bucket: its graph replayed `replays` times, every
         row active, each replay timed alone (between CUDA events; eagerly, by the host's clock) from the state the
         step would start from: the rows' lengths and the drafter's state are put back before each. (Replayed one
         after the other, a step appends up to drafts_k + 1 tokens each time, and 20 replays of k = 16 from a row near
         the end of its cache wrote past it: H200, seventeenth lease, a device-side assert in the KV write that killed
-        the process.) Lengths, budgets, activity and the drafter's state are as before afterwards, but for a backlog
-        of pending pairs, absorbed before a searching step is timed (`absorb_backlog`: what the loop does next)."""
+        the process.) With `ahead`, each row's step runs `ahead` positions past its length (as far as its cache has
+        room for two steps more): the context it attends over then, whose slots in between hold whatever they held
+        (a timed step's outputs are discarded, and the slots it writes are written again before any step reads
+        them). Lengths, budgets, activity and the drafter's state are as before afterwards, but for a backlog of
+        pending pairs, absorbed before a searching step is timed (`absorb_backlog`: what the loop does next)."""
         graph = self._graph(st, SamplingParams(), drafts_k)
         if drafts_k != BLIND_AR:
             self.absorb_backlog(st)
         saved = (st.lengths.clone(), st.budget.clone(), st.active.clone())
+        timed_lengths = saved[0]
+        if ahead > 0:
+            room = st.history.shape[1] - 2 * self.verify_width - 1
+            timed_lengths = torch.maximum(torch.clamp(saved[0] + ahead, max=room), saved[0])
         drafter_state = self.drafter.snapshot() if self.drafter is not None else None
         st.active.fill_(True)
         cuda = st.out.device.type == "cuda"
@@ -736,7 +747,7 @@ class Decoder:
             torch.cuda.synchronize()
         with torch.inference_mode():
             for i in range(replays):
-                st.lengths.copy_(saved[0])
+                st.lengths.copy_(timed_lengths)
                 if self.drafter is not None:
                     self.drafter.restore(drafter_state)
                 if cuda:
@@ -756,25 +767,32 @@ class Decoder:
             self.drafter.restore(drafter_state)
         return seconds / replays
 
-    def _prices(self, st: DecodeState) -> dict[int, float]:
-        """The controller's price of each kind of step on this bucket: given, measured at warm-up, or now."""
+    def _prices(self, st: DecodeState, ahead: int = 0) -> dict[int, float]:
+        """The controller's price of each kind of step on this bucket: given, measured at warm-up, or now (each
+        row `ahead` positions past its length: `_measure_prices`)."""
         prices = self.prices.get(st.batch)
         if prices is None:
-            prices = self.prices[st.batch] = self._measure_prices(st)
+            prices = self.prices[st.batch] = self._measure_prices(st, ahead)
         return prices
 
-    def _measure_prices(self, st: DecodeState) -> dict[int, float]:
+    def _measure_prices(self, st: DecodeState, ahead: int = 0) -> dict[int, float]:
         """Each kind's replayed step time: after PRICE_WARM_REPLAYS untimed replays of every kind, PRICE_ROUNDS
         rounds of PRICE_REPLAYS replays a kind, the kinds interleaved, and each kind's median round. Timed one kind
         after the other, the first kinds ran on a GPU still clocking up: on the H200 (thirteenth lease, chat B = 4)
-        k' = 4, timed first, was priced 1.32 ms where the loop timed it at 1.13."""
+        k' = 4, timed first, was priced 1.32 ms where the loop timed it at 1.13. Each row's step runs `ahead`
+        positions past its length (`_time_step`): the callers pass the middle of what the loop will decode, since a
+        step's attention grows with its context on the fused layer and not on the modular one (whose masked
+        attention spans the whole cache). Priced at the warm-up's one-token prompts, the loop's fused steps took
+        1.2-1.43x their price and the modular ones theirs (H100, forty-second lease, chat B = 8-16), and a kind
+        priced from the others' loop ratios across the two layers was mispriced by up to 15%."""
         kinds = self._step_kinds(st.batch)
+        ahead = ahead if PRICE_AHEAD else 0
         for kind in kinds:
-            self._time_step(st, kind, PRICE_WARM_REPLAYS)
+            self._time_step(st, kind, PRICE_WARM_REPLAYS, ahead)
         rounds = {kind: [] for kind in kinds}
         for _ in range(PRICE_ROUNDS):
             for kind in kinds:
-                rounds[kind].append(self._time_step(st, kind, PRICE_REPLAYS))
+                rounds[kind].append(self._time_step(st, kind, PRICE_REPLAYS, ahead))
         return {kind: sorted(times)[len(times) // 2] for kind, times in rounds.items()}
 
     def replay_once(self) -> None:
@@ -949,14 +967,20 @@ class Decoder:
         # A batch drains into smaller buckets as its requests run out (`_shrink`): their steps are ready too.
         drains = [b for b in BATCH_BUCKETS if b < max(buckets) and b not in buckets] \
             if self.continuous and self.bucketed else []
-        for batch in sorted(buckets + drains):
-            self.generate([[0]] * batch, StopCondition(2, ()))
-            st = self._use(batch, 0)
-            with torch.inference_mode():
-                for width in widths if batch in buckets else ():
-                    self._prefill_graph(batch, width)
-                if self.controller is not None:
-                    self._prices(st)
+        # Each bucket priced (in its short batch) at the middle of what a request of this call will decode
+        # (`_measure_prices`), not at its two tokens
+        self._price_ahead = (max_prompt_tokens + max_new_tokens) // 2
+        try:
+            for batch in sorted(buckets + drains):
+                self.generate([[0]] * batch, StopCondition(2, ()))
+                st = self._use(batch, 0)
+                with torch.inference_mode():
+                    for width in widths if batch in buckets else ():
+                        self._prefill_graph(batch, width)
+                    if self.controller is not None:
+                        self._prices(st, self._price_ahead)
+        finally:
+            self._price_ahead = None
         with torch.inference_mode():
             for group in groups if self.continuous else ():
                 for width in widths:
@@ -1103,7 +1127,8 @@ class Decoder:
                 nonlocal launched
                 drafts_k = self.k if verify else 0
                 if controller is not None:  # (with ar_after_miss too: no drafts found, no verifying step pays)
-                    prices = self._prices(st)
+                    prices = self._prices(st, stop.max_new_tokens // 2 if self._price_ahead is None
+                                          else self._price_ahead)  # (`_measure_prices`)
                     if not sampling.greedy:  # (fractions pack their drafts: greedy steps only)
                         prices = {kind: t for kind, t in prices.items() if kind == int(kind)}
                     drafts_k = controller.choose(prices)

@@ -441,7 +441,7 @@ def test_prices_are_timed_warm_and_in_turns(tiny_model_dir):
     eng = controlled(load(str(tiny_model_dir("llama")), "fp32", "cpu"), k=2)
     calls, clock = [], iter(range(1000, 0, -1))  # every replay a little faster than the one before
 
-    def timed(st, kind, replays):
+    def timed(st, kind, replays, ahead=0):
         calls.append((kind, replays))
         return 10.0 if len(calls) == 20 else next(clock) / 1000  # one slow round
 
@@ -454,6 +454,54 @@ def test_prices_are_timed_warm_and_in_turns(tiny_model_dir):
     assert prices[2] < 1.0 and all(p < 1.0 for p in prices.values())  # the slow round left out
     # the kinds' prices differ by one replay's speed-up a turn at most: time order did not rank them
     assert max(prices.values()) - min(prices.values()) <= 0.004
+
+
+def test_prices_are_timed_at_the_middle_of_what_the_loop_decodes(tiny, tiny_reference, monkeypatch):
+    """Warm-up prices each kind with every row past its length by half the longest prompt and half the new tokens
+    (a step's attention on the fused layer grows with its context: priced at the warm-up's one-token prompts, the
+    loop's fused steps took up to 1.43x their price on the H100), as far as the cache has room; a call that prices
+    a bucket itself, half its new tokens past the prompts. Afterwards the state is as before: the next call decodes
+    AR's tokens."""
+    eng = controlled(tiny.loaded, k=2)
+    dec, timing, seen = eng.decoder, [], []
+    time_step, step = dec._time_step, dec._step
+
+    def timed(st, kind, replays, ahead=0):
+        timing.append((st.lengths.clone(), ahead))
+        try:
+            return time_step(st, kind, replays, ahead)
+        finally:
+            timing[-1] = None
+
+    def spied(st, sampling, drafts_k=None):
+        if timing and timing[-1] is not None:
+            seen.append((timing[-1][0].tolist(), timing[-1][1], st.lengths.tolist()))
+        return step(st, sampling, drafts_k)
+
+    dec._time_step, dec._step = timed, spied
+    dec.warmup([3], max_prompt_tokens=10, max_new_tokens=30)
+    assert seen and all(ahead == (10 + 30) // 2 for _, ahead, _ in seen)
+    assert all(during == [n + ahead for n in before] for before, ahead, during in seen)
+    seen.clear()
+    dec.prices.clear()
+    out = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in out] == tiny_reference
+    assert seen and all(ahead == TINY_NEW // 2 and during == [n + ahead for n in before]
+                        for before, ahead, during in seen)
+    # near the cache's end a row is timed as far as two steps more fit
+    st = dec._state
+    room = st.history.shape[1] - 2 * dec.verify_width - 1
+    seen.clear()
+    dec._time_step(st, 2, 1, ahead=10 * st.history.shape[1])
+    assert seen[0][2] == [max(room, n) for n in seen[0][0]]
+    # SPECPILOT_PRICE_AHEAD=0: at the rows' lengths as they are
+    from specpilot.engine import decode
+
+    monkeypatch.setattr(decode, "PRICE_AHEAD", False)
+    seen.clear()
+    dec.prices.clear()
+    eng.generate(tiny_prompts(), 4, ignore_eos=True)
+    assert seen and all(during == before for before, _, during in seen)
 
 
 def test_loop_times_correct_the_replayed_prices():
