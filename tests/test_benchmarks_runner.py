@@ -147,6 +147,29 @@ def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     assert got == {"SPECPILOT_FMA_MAX_TOKENS": 8, "SPECPILOT_FUSED_MAX_TOKENS": 16}
 
 
+def run_fused_tokens(fused_tokens, tmp_path, monkeypatch, benchmark, random_model, **flags):
+    """fused_tokens.run with `--target none` and the GPU faked: the layer timings (`benchmark`, as F.benchmark), the
+    random model (`random_model`, as harness.random_smollm2), torch's compile and CUDA check; `flags` override its
+    arguments' defaults. Returns (record, table)."""
+    import types
+
+    import torch
+
+    from specpilot.engine import model as model_module
+    from specpilot.kernels import triton_fused_layer as F
+
+    monkeypatch.setattr(fused_tokens.harness, "random_smollm2", random_model)
+    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
+    monkeypatch.setattr(F, "benchmark", benchmark)
+    monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = dict(tokens="8", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None, dot_pdl=None, dot_tokens=None,
+                fma_max_tokens="8,4", layers=30, filled="300")
+    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
+                                 **{**args, **flags})
+    return fused_tokens.run(tmp_path, args)
+
+
 def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_path, monkeypatch):
     """fused_tokens --target none --dot-tokens 32,64: a random model of SmolLM2's shapes (no staged model), and each
     step past 16 tokens timed again at each token block it does not have yet (20 tokens: 16 and 32; 40: 16, 32 and
@@ -155,9 +178,6 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
     import json
     import types
 
-    import torch
-
-    from specpilot.engine import model as model_module
     from specpilot.kernels import triton_fused_layer as F
 
     fused_tokens = runner.load("fused_tokens")
@@ -180,15 +200,8 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
                      fused_us={16: 10.0, 32: 8.0, 64: 9.0}[b], modular_us=7.5 if tokens[0] == 40 else 20.0)
                 for d, b in zip(dot_tiles, blocks)]
 
-    monkeypatch.setattr(fused_tokens.harness, "random_smollm2", fake_random)
-    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
-    monkeypatch.setattr(F, "benchmark", fake_benchmark)
-    monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
-                                 tokens="8,20,40", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None,
-                                 dot_pdl=None, dot_tokens="32,64", fma_max_tokens="6", layers=30, filled="300")
-    record, table = fused_tokens.run(tmp_path, args)
+    record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark, fake_random,
+                                     tokens="8,20,40", dot_tokens="32,64", fma_max_tokens="6")
     assert made == [(30, "cuda")]
     assert seen == [(8, [16]), (20, [16]), (20, [32]), (40, [16]), (40, [32]), (40, [64])]
     assert [r["token_block"] for r in record["rows"]] == [16, 16, 32, 16, 32, 64]
@@ -209,9 +222,6 @@ def test_fused_tokens_times_each_row_at_each_context(runner, tmp_path, monkeypat
     layer loses at 5 tokens here, at 64 it wins everywhere)."""
     import types
 
-    import torch
-
-    from specpilot.engine import model as model_module
     from specpilot.kernels import triton_fused_layer as F
 
     fused_tokens = runner.load("fused_tokens")
@@ -224,15 +234,9 @@ def test_fused_tokens_times_each_row_at_each_context(runner, tmp_path, monkeypat
                      fused_us=(12.0 if filled == 1000 else 8.0) + (fma == 4) * tokens[0] * 0.1)
                 for fma in fma_max_tokens]
 
-    monkeypatch.setattr(fused_tokens.harness, "random_smollm2", lambda *a: types.SimpleNamespace(model="random"))
-    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
-    monkeypatch.setattr(F, "benchmark", fake_benchmark)
-    monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
-                                 tokens="5,32", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None,
-                                 dot_pdl=None, dot_tokens=None, fma_max_tokens="8,4", layers=30, filled="64,1000")
-    record, table = fused_tokens.run(tmp_path, args)
+    record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark,
+                                     lambda *a: types.SimpleNamespace(model="random"),
+                                     tokens="5,32", fma_max_tokens="8,4", filled="64,1000")
     assert calls == [(5, 64, 512), (32, 64, 512), (5, 1000, 1005), (32, 1000, 1032)]
     assert [r["filled"] for r in record["rows"]] == [64, 64, 64, 64, 1000, 1000, 1000, 1000]
     assert record["thresholds"] == {"SPECPILOT_FMA_MAX_TOKENS": 5, "SPECPILOT_FUSED_MAX_TOKENS": 32}
