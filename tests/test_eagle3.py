@@ -125,15 +125,25 @@ def eagle3_recipe(path, k=4, **extra):
 
 
 def record_proposals(eng):
-    """Every propose call's (history, lengths, active rows, drafts), from now on."""
+    """Every propose call's (history, lengths, active rows, drafts), from now on, but those of the steps the batch
+    controller times for its prices: they run each row past its length (`Decoder._time_step`'s `ahead`), where the
+    history is not the row's, and are undone."""
     drafter, calls, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
+    decoder, time_step = eng.decoder, eng.decoder._time_step
 
     def propose(history, lengths, k, sampling, generator):
         out = real(history, lengths, k, sampling, generator)
         calls.append((history.clone(), lengths.clone(), eng.decoder._state.active.clone(), out.tokens.clone()))
         return out
 
-    drafter.propose = propose
+    def untimed(*args, **kwargs):
+        before = len(calls)
+        try:
+            return time_step(*args, **kwargs)
+        finally:
+            del calls[before:]
+
+    drafter.propose, decoder._time_step = propose, untimed
     return calls
 
 
@@ -362,7 +372,7 @@ def test_a_head_misses_no_pair_under_the_batch_controller(tiny, tiny_reference, 
 
     eng, searching = run([0, 0, 0, 4])
     assert BLIND_AR in eng.decoder._step_kinds() and 0 not in eng.decoder._step_kinds()  # (never chosen)
-    widths = [c[3].shape[1] for c in searching]  # (besides the steps that time each kind for its price)
+    widths = [c[3].shape[1] for c in searching]
     assert widths.count(1) > widths.count(4)  # AR steps (forced: the controller's are blind) drafted one token
     absorbed = []
     _, blind = run([BLIND_AR, BLIND_AR, 4])
