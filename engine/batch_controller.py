@@ -239,8 +239,9 @@ class DraftLengthController:
 
     def rebucket(self, bucket: int, seconds: dict[int, float], timed: dict[int, deque]) -> None:
         """The batch moved to a smaller bucket (its rows ran out): that bucket's loop times price the steps from
-        now on; what was measured of the acceptance stays."""
+        now on; what was measured of the acceptance stays (a probe below, timing a kind of the old bucket, stops)."""
         self.bucket, self.seconds, self.timed = bucket, seconds, timed
+        self.below, self.settled_run = None, 0
 
     def acceptance(self) -> list[float]:
         return [a / r for a, r in zip(self.accepted, self.reached)]
@@ -360,12 +361,12 @@ class DraftLengthController:
             return True
         return max(choice, 0) > max(before, 0)
 
-    def _untimed_below(self, kind: float, kinds: list[float]) -> float | None:
+    def _untimed_below(self, kind: float, kinds: list[float], prices: dict) -> float | None:
         """The verifying kind just below `kind` among `kinds` when the loop has timed it fewer than MIN_TIMED_STEPS
         times while it timed others (its price is then its replay scaled like those: `priced`), else None."""
         below = max((other for other in kinds if other < kind), default=None)
         timed = [other for other, times in self.timed.items() if len(times) >= MIN_TIMED_STEPS]
-        if below is None or below in timed or not timed:
+        if below is None or below not in prices or below in timed or not timed:
             return None
         return below
 
@@ -374,8 +375,10 @@ class DraftLengthController:
         BLIND_AR (priced among them) when no draft could pay."""
         probe = self.short_run >= self.probe_gap
         kinds = sorted(kind for kind in prices_by_k if kind > 0) or list(range(1, self.k + 1))
+        if self.below is not None and self.below[0] not in prices_by_k:  # (a bucket moved to that lacks the kind)
+            self.below = None
         if not probe and PROBE_DOWN and self.below is None and self.settled_run >= self.probe_every:
-            below = self._untimed_below(self.latest, kinds)
+            below = self._untimed_below(self.latest, kinds, prices_by_k)
             self.settled_run = 0
             if below is not None:
                 self.below = (below, MIN_TIMED_STEPS - len(self.timed.get(below, ())))

@@ -587,6 +587,14 @@ def test_a_settled_kind_has_the_kind_below_it_timed_when_that_ones_price_is_a_gu
         c.observe_time(kind, H100_B8_LOOP[kind])
     # four steps of k' = 3 settle it (the first sets `latest`), then k' = 2 until timed, then k' = 2 by its own price
     assert chosen == [3] * 5 + [2] * bc.MIN_TIMED_STEPS + [2] * 3
+    # a kind below that the prices no longer list (a bucket without it) is not run
+    c = controller()
+    for kind in (1, 3):
+        for _ in range(bc.MIN_TIMED_STEPS):
+            c.observe_time(kind, H100_B8_LOOP[kind])
+    assert [c.choose(H100_B8_REPLAY) for _ in range(6)] == [3] * 5 + [2]
+    without = {kind: ms for kind, ms in H100_B8_REPLAY.items() if kind != 2}
+    assert [c.choose(without) for _ in range(3)] == [3] * 3
     # off (SPECPILOT_PROBE_DOWN=0): k' = 3 for good
     c = controller()
     for kind in (1, 3):
