@@ -381,7 +381,10 @@ def bench_b1(ctx, recipes: list, workloads: list[str], limit: int, tokens: int, 
 def bench_table(results: dict, reference: str) -> str:
     """A `specpilot bench` results.json as one markdown table, a row a cell and a column a system: tok/s and, in
     parentheses, the ratio to `reference` in the same cell, with --repeats its range over the repeats (`ratio_range`);
-    then the bench's error entries."""
+    then the bench's error entries; with no run at all (a bench stopped at its time limit), a line that says so."""
+    errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
+    if not results.get("runs"):
+        return "No cell finished (the bench stopped before its first: its step's log says why)." + errors
     systems = list(dict.fromkeys(r["system"] for r in results["runs"]))
     rows, ranged = [], False
     for (wl, b), cell in bench_cells(results).items():
@@ -400,7 +403,6 @@ def bench_table(results: dict, reference: str) -> str:
                 ")" if spread is None else f", {spread[0]:.2f}-{spread[1]:.2f})")
             row.append(f"{tps:,.0f}{ratio}")
         rows.append(row)
-    errors = "".join(f"\n\nbench error: {e['message']}" for e in results.get("errors", []))
     note = f"In parentheses: over {reference} in the same cell" + (
         ", then the lowest and highest of that ratio in one repeat (the replica noise)." if ranged else ".")
     return md_table(["workload", "B"] + systems, rows) + "\n\n" + note + errors

@@ -266,6 +266,10 @@ def test_repeats_give_each_ratio_its_range_over_the_repeats(tiny_smol_dir, tmp_p
     once = bench(tmp_path / "one", *args)
     assert all(r["tokens_per_s_repeats"] is None for r in once["runs"])
     assert "replica noise" not in harness.bench_table(once, "ar")
+    # a bench stopped before its first cell (its results.json: the header alone) says so, with its errors
+    stopped = {"header": once["header"], "runs": [], "errors": [{"message": "boom"}]}
+    assert harness.bench_table(stopped, "ar") == ("No cell finished (the bench stopped before its first: its step's "
+                                                  "log says why).\n\nbench error: boom")
 
 
 def test_engine_bench_side_by_side(tiny_smol_dir, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -175,7 +176,6 @@ def test_fused_tokens_times_each_token_block_once_on_random_weights(runner, tmp_
     step past 16 tokens timed again at each token block it does not have yet (20 tokens: 16 and 32; 40: 16, 32 and
     64; 8: 16 only), each row saying its block, a tiling that fails costing its own row; the best cap and the limit
     at it go to the env file. Timings faked (GPU work)."""
-    import json
     import types
 
     from specpilot.kernels import triton_fused_layer as F
@@ -272,7 +272,6 @@ def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(run
     """fused_tiles: candidate tiles stay within 16,384 weight values a program and K's power of two; the sweep keeps
     each role's fastest tile where it beats the shipped layer by more than half a percent, a tile that fails costs
     its own row, and the best tiles go to the env file a later call reads. Timings faked (the sweep is GPU work)."""
-    import json
 
     from specpilot.engine import loader
 
@@ -449,7 +448,6 @@ def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path)
     folder; the same command again resumes it (train-drafter --resume) to the head an unbroken run gives (smoke
     sizes, CPU). The stops come at 0.3 s, before the interpreter is up, so that no machine is fast enough to finish
     first; the stop mid-training is the finished run's folder less its head."""
-    import json
     import subprocess
 
     run_dir = tmp_path / "run"
@@ -482,7 +480,6 @@ def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, mo
     """`run.py chain`: experiments one after another into OUT/NAME, each with its log; one whose listed device minutes
     no longer fit is skipped, one that runs past what is left is killed; OUT/chain.json says what became of each, and
     a name it does not know is refused before anything runs."""
-    import json
 
     monkeypatch.setenv("OUT", str(tmp_path))
     assert runner.main(["chain", "--budget-s", "6", "ngram_trees", "--smoke", "--", "fused_tokens"]) == 1
@@ -637,7 +634,6 @@ def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monk
     """CPU = True: the runner runs it without CUDA, not only as --smoke (here --smoke, to be short: two requests of
     8 tokens on the packaged SmolLM2), and its record holds each recipe's modeled speedup and steps by kind, and the
     batch keys that `--batch` set."""
-    import json
 
     monkeypatch.setattr(runner.harness, "WORK", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -651,3 +647,37 @@ def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monk
                                                                            "controller_replay.md").read_text()
     assert run["modeled_speedup"] > 0 and sum(run["kinds"].values()) == run["steps"] > 0 and run["ar_steps"] > 0
     assert run["identical_to_ar"] == 1.0  # (two requests of 8 tokens: no fp32 tie parts them)
+
+
+def test_train_head_benches_a_continued_head_beside_its_start_at_a_batch_size(runner, tmp_path, monkeypatch):
+    """train_head --bench-batch 8 --init HEAD: one bench at B = 8, continuously batched as batch_sweep's cells (8
+    requests, 4 waves), our fastest AR and the chain of 3 under the batch controller of the new head and of HEAD, each
+    recipe naming its head."""
+    import types
+
+    train_head = runner.load("train_head")
+    seen = {}
+
+    def fake_bench(ctx, label, argv, timeout):
+        seen.update(label=label, argv=[str(a) for a in argv])
+        return {"runs": []}
+
+    class Ctx:
+        def recipe(self, name, fields):
+            path = tmp_path / f"{name}.json"
+            path.write_text(json.dumps({**fields, "name": name}))
+            return path
+
+    monkeypatch.setattr(train_head.harness, "specpilot_bench", fake_bench)
+    args = types.SimpleNamespace(bench_batch=8, init="smollm2-135m-eagle3", smoke=False)
+    train_head.bench_batched(Ctx(), args, "/run/head", ["code", "chat"], 2, 128)
+    argv = seen["argv"]
+    at = {flag: argv[argv.index(flag) + 1] for flag in ("--batch-sizes", "--limit", "--cell-requests", "--waves",
+                                                          "--workload", "--baselines")}
+    assert at == {"--batch-sizes": "8", "--limit": "8", "--cell-requests": "8", "--waves": "4",
+                  "--workload": "code,chat", "--baselines": "none"}
+    recipes = [json.loads(Path(argv[i + 1]).read_text()) for i, a in enumerate(argv) if a == "--recipe"]
+    assert [r["name"] for r in recipes] == ["ar-fused-overlap", "eagle3-k3-cost-fused-overlap",
+                                            "init-k3-cost-fused-overlap"]
+    assert [r.get("drafter", {}).get("model") for r in recipes[1:]] == ["/run/head", "smollm2-135m-eagle3"]
+    assert all(r["batch"]["controller"] == "cost" and r["k"] == 3 for r in recipes[1:])

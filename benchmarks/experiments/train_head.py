@@ -22,7 +22,11 @@ Longer than a lease (30 device minutes, and only files of at most 16 MiB come ba
 continues HEAD (the head an earlier lease brought back, or `smollm2-135m-eagle3`) on new data (another seed, other
 prompts) and benches HEAD's chain of 2 beside the new head's.
 
-Device minutes: about 4 to build the data, `--minutes` to train, 1-2 for the bench.
+With `--bench-batch B` also one `specpilot bench` at B, continuously batched: the head's chain of 3 under the
+batch controller (and HEAD's, with `--init`) against our fastest AR, to ship a continued head on batched
+evidence too.
+
+Device minutes: about 4 to build the data, `--minutes` to train, 1-2 for the bench (2 more with --bench-batch).
 """
 from __future__ import annotations
 
@@ -57,6 +61,10 @@ def arguments(p) -> None:
     p.add_argument("--bench-workloads", default="code,chat,math,summarize,rag")
     p.add_argument("--bench-limit", type=int, default=2)
     p.add_argument("--no-bench", action="store_true")
+    p.add_argument("--bench-batch", type=int, default=None,
+                   help="also bench at this batch size, continuously batched (8 requests a cell, 4 waves: "
+                        "batch_sweep's cells): the head's chain of 3 under the batch controller against our fastest "
+                        "AR, and with --init HEAD's beside it")
     p.add_argument("--run-dir", default=None, help="train-drafter's --out, kept across calls of a warm machine "
                                                    "(default: a fresh one in the scratch folder); a run there is "
                                                    "resumed")
@@ -168,4 +176,25 @@ def run(out_dir, args):
         bench = harness.bench_b1(ctx, recipes, workloads, limit, tokens, timeout=240)
         found["bench"] = bench
         text.append("## B = 1, 128 new tokens\n\n" + harness.bench_table(bench, FASTEST_AR))
+        if args.bench_batch:
+            batched = bench_batched(ctx, args, str(head), workloads, limit, tokens)
+            found["bench_batched"] = batched
+            text.append(f"## B = {args.bench_batch}, 128 new tokens, continuously batched\n\n"
+                        + harness.bench_table(batched, FASTEST_AR))
     return found, "\n\n".join(text)
+
+
+def bench_batched(ctx, args, head: str, workloads: list[str], limit: int, tokens: int) -> dict:
+    """`specpilot bench` at B = --bench-batch: our fastest AR, the head's chain of 3 under the batch controller, and
+    with --init HEAD's (batch_sweep's cells: 8 requests, at least 4 waves of B)."""
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    controlled = SYSTEMS["eagle3-k3-cost-fused-overlap"]
+    heads = {"eagle3-k3-cost-fused-overlap": head, **({"init-k3-cost-fused-overlap": args.init} if args.init else {})}
+    argv = ["--workload", ",".join(workloads), "--batch-sizes", args.bench_batch, "--max-new-tokens", tokens,
+            "--limit", max(limit, args.bench_batch), "--cell-requests", 1 if args.smoke else 8,
+            "--waves", 1 if args.smoke else 4, "--baselines", "none",
+            "--recipe", ctx.recipe(FASTEST_AR, SYSTEMS[FASTEST_AR])]
+    for name, path in heads.items():
+        argv += ["--recipe", ctx.recipe(name, {**controlled, "drafter": {**controlled["drafter"], "model": path}})]
+    return harness.specpilot_bench(ctx, "bench_batched", argv, timeout=420)
