@@ -3,7 +3,7 @@
 What it measures (issue #24 item 3: a tree recipe at the trained head's profile on an 8B replay). A replayed tree
 (engine/replay.py) accepts past its first-child chain only where the target's token is the drafter's 2nd, 3rd, ...
 candidate, with the chances `drafter.ranks` gives. They are measured here: one `specpilot bench` at B = 1 on the
-staged target (bf16, 256 new tokens, the five built-in workloads) with the head's chain of depth `--depth` and its
+staged target (`--head`, the packaged one by default; bf16, 256 new tokens, the five built-in workloads) with the head's chain of depth `--depth` and its
 "fishbone" trees of the same depth (the first-child chain with w = 2 .. `--width` candidates at each depth, only the
 chain expanded: static trees, so each candidate's rank is its child index), all on the modular layer (what is
 measured is acceptance, not speed). A fishbone of width w accepts depth d when the path to it was the chain and the
@@ -18,6 +18,8 @@ Device minutes: about 3 (five workloads, the chain and three fishbones).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import harness
 
 MINUTES = 3
@@ -30,6 +32,8 @@ def arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--depth", type=int, default=4, help="the chain's and the fishbones' depth (replay_8b's k: 4)")
     p.add_argument("--width", type=int, default=4, help="the widest fishbone: candidates at each depth")
+    p.add_argument("--head", default=HEAD, help="the head to profile: an alias or a directory (e.g. a train_head "
+                                                "run's --run-dir on the warm machine, before it ships)")
 
 
 def fishbone(depth: int, width: int) -> list[list[int]]:
@@ -43,7 +47,8 @@ def run(out_dir, args):
 
     ctx = args.ctx
     workloads, limit, tokens = harness.smoke_sized(args, args.workloads, args.limit, args.max_new_tokens)
-    drafter = {"kind": "eagle3", "model": HEAD}
+    head = str(Path(args.head).resolve()) if Path(args.head).exists() else args.head  # the bench runs elsewhere
+    drafter = {"kind": "eagle3", "model": head}
     names = {1: f"eagle3-chain-{args.depth}"}
     recipes = [ctx.recipe(names[1], {"drafter": drafter, "k": args.depth, "batch": {"max_batch_size": 1}})]
     for w in range(2, args.width + 1):
@@ -71,4 +76,4 @@ def run(out_dir, args):
                     for d in range(args.depth)] for wl, p in {**per_workload, "pooled": pooled or {}}.items() if p]
     table = harness.md_table(["workload"] + [f"depth {d + 1}: a_d / ranks 2..{args.width}" for d in range(args.depth)],
                              rows)
-    return {"bench": results, "profiles": per_workload, "pooled": pooled}, table
+    return {"head": head, "bench": results, "profiles": per_workload, "pooled": pooled}, table
