@@ -31,11 +31,15 @@ DEFAULTS = dict(builtin.DEFAULTS)
 # The fused layer (recipe `layer: fused`, triton_fused_layer.py) runs steps of at most this many tokens (B * T);
 # larger steps are tensor-core GEMM work and run the modular layer. Here so that it is known without importing Triton.
 # Past 16 its tensor-core path runs tiles of 16 tokens side by side (each reading the weight tile, from L2 after the
-# first). 24: with the tiles of DOT_TILES (triton_fused_layer.py), on the H100 (docs/benchmarks/2026-12-06-thirty-
-# second-lease.md) a layer of 4 rows x 5-6 tokens took 34.7-35.5 µs against the modular layer's 36.1-36.2 (4 x 8:
-# 38.1 against 36.7), and the decoding loop's replayed steps of 20 tokens at B = 4 and 24 at B = 8 went from 1.13 and
-# 1.14 ms to 0.86 and 0.88 (SmolLM2, n-gram verification). SPECPILOT_FUSED_MAX_TOKENS sets the limit for a run.
-FUSED_LAYER_MAX_TOKENS = int(os.environ.get("SPECPILOT_FUSED_MAX_TOKENS", "24"))
+# first). 32, on the H100 with PDL on that path: at the layer every 32-token shape beats the modular layer (4 x 8
+# 1.04x-1.05x, 8 x 4 1.07x, 16 x 2 1.14x; 48-64 tokens lose), and end to end, with the batch controller pricing
+# its kinds at mid-decode and timing the kind below its choice, the head's chat B = 16 ran 1.13x our AR against 1.09x
+# at 24 (one draft a row fused, 1.09 ms in the loop, against two drafts a row at 1.38) and chat B = 8 level within
+# the runs' noise (the same 16-token steps chosen at both limits); before those two, code B = 8 1.65x-1.66x against
+# 1.62x-1.63x
+# (docs/benchmarks/2026-12-07-forty-second-lease.md, A and C; forty-third, B). (24 before: 4 x 8 lost, 38.1
+# against 36.7 µs, thirty-second lease, before PDL.) SPECPILOT_FUSED_MAX_TOKENS sets the limit for a run.
+FUSED_LAYER_MAX_TOKENS = int(os.environ.get("SPECPILOT_FUSED_MAX_TOKENS", "32"))
 # Its steps of up to this many tokens run a program per token on the FMA units (the only path that reads 12-bit
 # weights, `weights.format: lossless12`); the reasons for 6 are at FMA_MAX_TOKENS in triton_fused_layer.py.
 FUSED_LAYER_FMA_MAX_TOKENS = int(os.environ.get("SPECPILOT_FMA_MAX_TOKENS", "6"))

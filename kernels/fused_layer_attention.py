@@ -1,6 +1,7 @@
 """The fused layer's attention (triton_fused_layer.py's module docstring: kernel 2, and with a per-head q/k norm
 the sixth kernel): `_decode_attention`, one query over one range of cache slots a program, merged by each (token,
-head)'s last split, with its helpers; `_qk_norm_rope`, Qwen3's q/k norm and RoPE; and `attention_masks`, the modular
+head)'s last split, with its helpers; `_decode_attention_gqa`, the same with the query heads of one kv head in one
+program (ATTENTION_GQA); `_qk_norm_rope`, Qwen3's q/k norm and RoPE; and `attention_masks`, the modular
 layer's masks, which `check` and `benchmark` compare with.
 
 What a step launches them with stays in triton_fused_layer.py, where it is read: the settings (ATTENTION,
@@ -169,6 +170,107 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
                 out = tl.sum(s_acc * weight[:, None], axis=0) / tl.sum(s_sum * weight, axis=0)
                 tl.store(out_ptr + mh * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
                 tl.atomic_xchg(count_ptr + mh, 0)  # ready for the next layer and step
+
+
+@triton.jit
+def _attend_group(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
+    """`_attend` for the REP queries of one kv head at once, q [REP, D]: each query's scores, max, sum and output
+    computed as `_attend` computes one query's, from the K/V tile loaded once for them all."""
+    scores = _rounded(tl.sum(k[None, :, :] * q[:, None, :], axis=2), q_ptr) * scale  # [REP, S]
+    scores = tl.where(seen[None, :], scores, float("-inf"))
+    new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(run_max - shift)
+    return (new_max, run_sum * rescale + tl.sum(p, axis=1),
+            acc * rescale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1))
+
+
+@triton.jit
+def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr,
+                          out_ptr, root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits,
+                          n_tokens, stride_kv, stride_b, stride_h, stride_s,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, REP: tl.constexpr,
+                          PDL: tl.constexpr, SKIP_DEAD: tl.constexpr, TREE: tl.constexpr):
+    """`_decode_attention` with a program per (token m * n_kv_heads + kv head, split): the `rep` query heads that
+    share a kv head (GQA; REP is rep rounded up to a power of two) attend over the split's slots from one load of
+    its K/V tiles, where `_decode_attention` loads them once per query head (from L2 after the first), and the
+    token's last split to arrive merges all of them (one counter per (token, kv head)). The same visibility, PDL
+    prefetch and merge; a query's sums run in the same order whatever the step's tokens, so a verification step's
+    outputs stay those of one-token steps. (On SmolLM2, 9 heads over 3 kv heads, the attention of 16 rows of two
+    tokens at 1,000 cached slots doubled the fused layer's cost: docs/benchmarks/2026-12-07-forty-third-lease.md,
+    A.)"""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    n_kv = n_heads // rep
+    mg, split = tl.program_id(0), tl.program_id(1)
+    m, kv_head = mg // n_kv, mg % n_kv
+    dims = tl.arange(0, HEAD_DIM)
+    members = tl.arange(0, REP)
+    member = members < rep
+    mh = m * n_heads + kv_head * rep + members  # [REP] the (token, query head) indices of the group
+    pos = tl.load(positions_ptr + m)
+    if SKIP_DEAD:
+        if tl.load(live_ptr + m) == 0:
+            return
+    if TREE:
+        root = tl.load(root_ptr + m)
+        ancestors = tl.load(ancestors_ptr + m)
+        fresh = root
+    else:
+        root = pos
+        ancestors = pos.to(tl.int64)
+        fresh = pos - (n_tokens - 1)
+    first = split * keys_per_split
+    last = tl.minimum(first + keys_per_split, pos + 1)
+    k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + kv_head * stride_h
+    slots = first + tl.arange(0, BLOCK_S)
+    seen = _visible(slots, last, pos, window, root, ancestors, TREE)
+    at = slots[:, None] * stride_s + dims[None, :]
+    old = (seen & (slots < fresh))[:, None]
+    k = tl.load(k_base + at, mask=old, other=0.0).to(tl.float32)
+    v = tl.load(k_base + stride_kv + at, mask=old, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    q = tl.load(q_ptr + mh[:, None] * HEAD_DIM + dims[None, :], mask=member[:, None], other=0.0).to(tl.float32)
+    if first < last:
+        new = (seen & (slots >= fresh))[:, None]
+        k = tl.where(new, tl.load(k_base + at, mask=new, other=0.0).to(tl.float32), k)
+        v = tl.where(new, tl.load(k_base + stride_kv + at, mask=new, other=0.0).to(tl.float32), v)
+        run_max, run_sum, acc = _attend_group(q, k, v, seen, tl.full((REP,), float("-inf"), tl.float32),
+                                              tl.zeros((REP,), tl.float32), tl.zeros((REP, HEAD_DIM), tl.float32),
+                                              scale, q_ptr)
+        for s0 in range(first + BLOCK_S, last, BLOCK_S):
+            tile = s0 + tl.arange(0, BLOCK_S)
+            tile_seen = _visible(tile, last, pos, window, root, ancestors, TREE)
+            tile_at = tile[:, None] * stride_s + dims[None, :]
+            tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            run_max, run_sum, acc = _attend_group(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
+        n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)
+        out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
+        if n_used == 1:
+            tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=member[:, None])
+        else:
+            tl.store(partial_ptr + (mh[:, None] * N_SPLITS + split) * HEAD_DIM + dims[None, :], acc,
+                     mask=member[:, None])
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max, mask=member)
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum, mask=member)
+            tl.debug_barrier()  # (as in _decode_attention: every thread's stores before the counter's increment)
+            if tl.atomic_add(count_ptr + mg, 1) == n_used - 1:
+                splits = tl.arange(0, N_SPLITS)
+                used = member[:, None] & (splits < n_used)[None, :]  # [REP, N_SPLITS]
+                stat_at = (mh[:, None] * N_SPLITS + splits[None, :]) * 2
+                s_max = tl.load(stats_ptr + stat_at, mask=used, other=float("-inf"))
+                s_sum = tl.load(stats_ptr + stat_at + 1, mask=used, other=0.0)
+                s_acc = tl.load(partial_ptr + ((mh[:, None] * N_SPLITS + splits[None, :]) * HEAD_DIM)[:, :, None]
+                                + dims[None, None, :], mask=used[:, :, None], other=0.0)
+                top = tl.max(s_max, axis=1)
+                weight = tl.exp(s_max - tl.where(top == float("-inf"), 0.0, top)[:, None])
+                total = tl.where(member, tl.sum(s_sum * weight, axis=1), 1.0)  # (a padding member: no 0 / 0)
+                out = tl.sum(s_acc * weight[:, :, None], axis=1) / total[:, None]
+                tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=member[:, None])
+                tl.atomic_xchg(count_ptr + mg, 0)
 
 
 def attention_masks(cfg, positions, n_slots):

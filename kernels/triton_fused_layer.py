@@ -14,7 +14,8 @@ runs five, each a GEMV (or attention) with the small ops around it folded into i
 2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
    slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
    split of a (token, head) to finish, told by an atomic counter, merges all splits into the attention output (the
-   flash-decoding reduction, without a kernel of its own).
+   flash-decoding reduction, without a kernel of its own). (`_decode_attention_gqa`, with ATTENTION_GQA: a program
+   per (token, kv head, split) for the query heads that share the kv head.)
 3. `_gemv`: o = attn @ Wo^T (+ bias).
 4. `_norm_pair_gemv` (SILU): h = RMSNorm(r + o); gate, up = h @ W13^T; act = silu(gate) * up. It also writes r + o.
 5. `_gemv`: delta = act @ W2^T, added to the residual by the next layer's step 1.
@@ -75,7 +76,7 @@ import triton.language as tl
 
 from . import FUSED_LAYER_FMA_MAX_TOKENS
 from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
-from .fused_layer_attention import _decode_attention, _qk_norm_rope, attention_masks
+from .fused_layer_attention import _decode_attention, _decode_attention_gqa, _qk_norm_rope, attention_masks
 from .fused_layer_common import _normed, _rounded, _store_resid
 from .fused_layer_w12 import _escape_inputs12, _escape_list12, _gemv12, _gemv12_normed, _sums12, _words12
 from .lossless12_format import Packed12Linear
@@ -121,6 +122,12 @@ ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
 ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4,
                    **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
 MAX_SPLITS = 32
+# Attention with a program per (token, kv head, split) for all the query heads of that kv head
+# (`_decode_attention_gqa`: each K/V tile loaded once for them), instead of one per query head. Off until timed on a
+# GPU: at 1,000 cached slots the per-head programs took 16 rows x 2 tokens of SmolLM2 (3 query heads a kv head) from
+# 27.4 to 54.2 µs a layer (docs/benchmarks/2026-12-07-forty-third-lease.md, A). SPECPILOT_ATTENTION_GQA=1 turns it
+# on for a run.
+ATTENTION_GQA = os.environ.get("SPECPILOT_ATTENTION_GQA", "0") == "1"
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
 MIN_PROGRAMS = 256
 # 12-bit weights: the escapes of each row that a GEMV program loads with its words, before the PDL wait (a row with
@@ -862,11 +869,13 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     if tree is not None and block.window is not None:
         raise ValueError("fused layer: tree steps need full attention (a sliding window counts positions)")
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
-    _decode_attention[(M * H, splits)](
-        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
+    grouped = dict(REP=triton.next_power_of_2(H // Hkv)) if ATTENTION_GQA and Hkv < H else {}
+    kernel, programs = (_decode_attention_gqa, M * Hkv) if grouped else (_decode_attention, M * H)
+    kernel[(programs, splits)](
+        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(programs, dev), attn, root, ancestors,
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
-        num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
+        num_warps=setting["num_warps"], TREE=tree is not None, **grouped, **pdl, **skip)  # (every GEMV's tokens)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
@@ -1104,7 +1113,7 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
               fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
-              planes=None, dot_tiles=(None,), dot_pdl=(None,)) -> list[dict]:
+              planes=None, dot_tiles=(None,), dot_pdl=(None,), attention_gqa=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
@@ -1112,8 +1121,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
     `fma_tiles` and each DOT_TILES in `dot_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2)
     Packed12Linear, as `check` takes it): the fused layer reads 12-bit weights (the modular one its bf16 matrices), and
-    `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl`. `modular` None: the modular layer is not timed (a
-    sweep's many rows). GPU only."""
+    `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl` and each ATTENTION_GQA in `attention_gqa`. `modular`
+    None: the modular layer is not timed (a sweep's many rows). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
@@ -1142,17 +1151,19 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
         if modular is not None:
             run(modular)()  # compile before capture
             modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES, DOT_PDL
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES, DOT_PDL, ATTENTION_GQA
         current = attention_setting(batch * T)
         fma_saved, tile_saved, dot_saved, dot_pdl_saved = FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL
+        gqa_saved = ATTENTION_GQA
         tiles_saved = FMA_TILES if planes is None else FMA_TILES_12  # (the table of the weights' format)
         saved = dict(current)
-        for fma, tile, tiles, setting, dot, pdl in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention,
-                                                                     dot_tiles, dot_pdl):
+        for fma, tile, tiles, setting, dot, pdl, gqa in itertools.product(fma_max_tokens, tile_values, fma_tiles,
+                                                                          attention, dot_tiles, dot_pdl, attention_gqa):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
             DOT_TILES = dot_saved if dot is None else dot
             DOT_PDL = dot_pdl_saved if pdl is None else pdl
+            ATTENTION_GQA = gqa_saved if gqa is None else gqa
             if planes is None:
                 FMA_TILES = tiles_saved if tiles is None else tiles
             else:
@@ -1164,6 +1175,7 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
                 current.clear()
                 current.update(saved)
                 FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL = fma_saved, tile_saved, dot_saved, dot_pdl_saved
+                ATTENTION_GQA = gqa_saved
                 if planes is None:
                     FMA_TILES = tiles_saved
                 else:
@@ -1171,6 +1183,7 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
                             dot_tiles=dot_saved if dot is None else dot,
-                            dot_pdl=dot_pdl_saved if pdl is None else pdl, fused_us=fused_us, modular_us=modular_us,
+                            dot_pdl=dot_pdl_saved if pdl is None else pdl,
+                            attention_gqa=gqa_saved if gqa is None else gqa, fused_us=fused_us, modular_us=modular_us,
                             speedup=modular_us / fused_us if modular_us else None))
     return out

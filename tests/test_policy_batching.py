@@ -128,29 +128,32 @@ def fraction_options(batch: int, **recipe_keys) -> tuple[dict, list[str]]:
     return found, [str(s) for s in skipped]
 
 
-def test_fractions_where_one_draft_a_row_crosses_a_threshold_of_the_fused_layer():
-    """On the fused layer (its FMA path up to 6 tokens, itself up to 24): at B = 16 one draft a row is 32 tokens (the
-    modular layer) and half a draft, 24, stays fused; at B = 4, 8 tokens (the tensor-core path) where a quarter or
-    half a draft, 5-6 tokens, stays on the FMA path: proposed, unpriced, with the tokens of each fraction that fits,
-    and among the scheduler's candidates. At B = 8 one draft a row (16 tokens) stays fused and a fraction would not
-    reach the FMA path; at B = 64 no fraction fits; on the modular layer none is proposed."""
+def test_fractions_where_one_draft_a_row_crosses_a_threshold_of_the_fused_layer(monkeypatch):
+    """On the fused layer (its FMA path up to 6 tokens, itself up to 32): at B = 4 one draft a row is 8 tokens (the
+    tensor-core path) where a quarter or half a draft, 5-6 tokens, stays on the FMA path: proposed, unpriced, with the
+    tokens of each fraction that fits, and among the scheduler's candidates. At B = 16 one draft a row (32 tokens)
+    stays fused, at B = 8 too, and a fraction would not reach the FMA path; at B = 2, 32 and 64 no fraction fits. With
+    the fused layer's limit at 24 (SPECPILOT_FUSED_MAX_TOKENS), B = 16's one draft a row (32 tokens) runs the modular
+    layer and half a draft, 24 tokens, stays fused: proposed; on the modular layer none is."""
+    from specpilot.graph.providers.policy import scheduler
     from specpilot.kernels import FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS
 
-    assert (FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS) == (6, 24)  # (the premise)
-    found, _ = fraction_options(16, layer="fused")
-    reason = found[FRACTIONS]
-    assert "32 tokens, past the fused layer's 24" in reason
-    assert "0.25 (4 drafts, 20 tokens), 0.5 (8 drafts, 24 tokens)" in reason and "evaluation measures it" in reason
+    assert (FUSED_LAYER_FMA_MAX_TOKENS, FUSED_LAYER_MAX_TOKENS) == (6, 32)  # (the premise)
     found, _ = fraction_options(4, layer="fused")
     reason = found[FRACTIONS]
     assert "8 tokens, past the FMA path's 6" in reason and "0.25 (1 draft, 5 tokens), 0.5 (2 drafts, 6 tokens)" in reason
     prof = cpu_profile(HIGH)
-    deployment = {"device": "cuda:0", "dtype": "bf16", "batch_size": 16, "ceilings": prof["ceilings"]}
+    deployment = {"device": "cuda:0", "dtype": "bf16", "batch_size": 4, "ceilings": prof["ceilings"]}
     recipe = asdict(load_recipe("stock")) | {"layer": "fused"}
     cands = PolicyProvider().propose(AgentContext("scheduler", deployment, recipe, prof, [], [], [], 5))
     assert FRACTIONS in {str(c.recipe_patch) for c in cands}
-    for batch in (2, 8, 64):
+    for batch in (2, 8, 16, 32, 64):
         found, skipped = fraction_options(batch, layer="fused")
-        assert not found and any("crosses none of the fused layer's thresholds (6, 24 tokens)" in s for s in skipped)
+        assert not found and any("crosses none of the fused layer's thresholds (6, 32 tokens)" in s for s in skipped)
+    monkeypatch.setattr(scheduler, "FUSED_LAYER_MAX_TOKENS", 24)
+    found, _ = fraction_options(16, layer="fused")
+    reason = found[FRACTIONS]
+    assert "32 tokens, past the fused layer's 24" in reason
+    assert "0.25 (4 drafts, 20 tokens), 0.5 (8 drafts, 24 tokens)" in reason and "evaluation measures it" in reason
     found, skipped = fraction_options(16, layer="modular")
     assert not found and any("which this recipe does not run" in s for s in skipped)
