@@ -204,7 +204,7 @@ def test_optimize_refuses_impossible_ranks_in_one_line(capsys, tmp_path):
 
 
 def test_optimize_takes_the_packaged_heads_measured_profile_by_name(monkeypatch):
-    """`optimize --acceptance smollm2-135m-eagle3`: the profile measured for the packaged head (the H200's head_ranks
+    """`optimize --acceptance smollm2-135m-eagle3`: the profile measured for the packaged head (a head_ranks
     run, its raw output in docs/benchmarks) ships beside the head and is named by the head's alias; it is one the
     replay drafter takes, ranks and all."""
     import gzip
@@ -217,7 +217,7 @@ def test_optimize_takes_the_packaged_heads_measured_profile_by_name(monkeypatch)
     args = cli.build_parser().parse_args(["optimize", "--target", "synthetic:llama-3.1-8b", "--acceptance",
                                           "smollm2-135m-eagle3"])
     assert args.func(args) == 0
-    raw = Path(__file__).parents[1] / "docs/benchmarks/raw/2026-12-03-twenty-seventh/head_ranks.json.gz"
+    raw = Path(__file__).parents[1] / "docs/benchmarks/raw/2026-12-07-forty-third/D_head_ranks.json.gz"
     measured = json.loads(gzip.open(raw).read())["results"]["pooled"]
     assert seen["acceptance"] == pytest.approx(measured["acceptance"], abs=1e-4)
     assert [r == pytest.approx(m, abs=1e-4) for r, m in zip(seen["acceptance_ranks"], measured["ranks"])] == [True] * 4

@@ -38,8 +38,8 @@ HEAD_TREE_TOPK = 2
 HEAD_TREE_TOKENS = 16
 # With a replayed acceptance that places the target's token among the drafter's candidates (optimize --acceptance
 # FILE with ranks), the best static trees of these many drafts for that profile (engine.replay.best_static_tree):
-# at 8B, B = 1, at the packaged head's measured profile, the one of 31 drafts ran 1.93x our fastest AR, the chain of
-# 4 1.52x (H200, docs/benchmarks/2026-12-04-twenty-eighth-lease.md, A and D).
+# at 8B, B = 1, at the packaged head's first version's measured profile, the one of 31 drafts ran 1.93x our fastest
+# AR, the chain of 4 1.52x (H200, docs/benchmarks/2026-12-04-twenty-eighth-lease.md, A and D).
 REPLAY_TREE_DRAFTS = (15, 31)
 
 
