@@ -88,6 +88,54 @@ def _attend(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
 
 
 @triton.jit
+def _split_start(kv_ptr, rows_ptr, root_ptr, ancestors_ptr, m, pos, kv_head, split, keys_per_split, window, n_tokens,
+                 stride_kv, stride_b, stride_h, stride_s, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                 TREE: tl.constexpr):
+    """Token m's split `split` of kv head `kv_head`: what its queries see (`_visible`'s root and ancestors; `fresh`,
+    the first slot this step may have written), its slots [first, last), and its first K/V tile with the slots
+    written by earlier steps only (loaded before the PDL wait; `_fresh_slots` adds the others after it)."""
+    if TREE:
+        root = tl.load(root_ptr + m)
+        ancestors = tl.load(ancestors_ptr + m)
+        fresh = root
+    else:
+        root = pos
+        ancestors = pos.to(tl.int64)
+        fresh = pos - (n_tokens - 1)
+    first = split * keys_per_split
+    last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
+    k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + kv_head * stride_h
+    slots = first + tl.arange(0, BLOCK_S)
+    seen = _visible(slots, last, pos, window, root, ancestors, TREE)
+    at = slots[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :]
+    old = (seen & (slots < fresh))[:, None]
+    k = tl.load(k_base + at, mask=old, other=0.0).to(tl.float32)
+    v = tl.load(k_base + stride_kv + at, mask=old, other=0.0).to(tl.float32)
+    return root, ancestors, fresh, first, last, k_base, slots, seen, at, k, v
+
+
+@triton.jit
+def _fresh_slots(k, v, k_base, at, seen, slots, fresh, stride_kv):
+    """The first tile's slots from `fresh` on (written by this step's q/k/v kernel: read after the PDL wait)."""
+    new = (seen & (slots >= fresh))[:, None]
+    k = tl.where(new, tl.load(k_base + at, mask=new, other=0.0).to(tl.float32), k)
+    v = tl.where(new, tl.load(k_base + stride_kv + at, mask=new, other=0.0).to(tl.float32), v)
+    return k, v
+
+
+@triton.jit
+def _next_tile(k_base, s0, last, pos, window, root, ancestors, stride_kv, stride_s, HEAD_DIM: tl.constexpr,
+               BLOCK_S: tl.constexpr, TREE: tl.constexpr):
+    """The split's tile of slots from s0: which of them the query sees, and their K and V."""
+    tile = s0 + tl.arange(0, BLOCK_S)
+    tile_seen = _visible(tile, last, pos, window, root, ancestors, TREE)
+    tile_at = tile[:, None] * stride_s + tl.arange(0, HEAD_DIM)[None, :]
+    tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+    tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+    return tile_seen, tile_k, tile_v
+
+
+@triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
                       root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
@@ -111,38 +159,19 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
     if SKIP_DEAD:
         if tl.load(live_ptr + m) == 0:
             return
-    if TREE:
-        root = tl.load(root_ptr + m)
-        ancestors = tl.load(ancestors_ptr + m)
-        fresh = root
-    else:
-        root = pos
-        ancestors = pos.to(tl.int64)
-        fresh = pos - (n_tokens - 1)
-    first = split * keys_per_split
-    last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
-    k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + (head // rep) * stride_h
-    slots = first + tl.arange(0, BLOCK_S)
-    seen = _visible(slots, last, pos, window, root, ancestors, TREE)
-    at = slots[:, None] * stride_s + dims[None, :]
-    old = (seen & (slots < fresh))[:, None]
-    k = tl.load(k_base + at, mask=old, other=0.0).to(tl.float32)
-    v = tl.load(k_base + stride_kv + at, mask=old, other=0.0).to(tl.float32)
+    root, ancestors, fresh, first, last, k_base, slots, seen, at, k, v = _split_start(
+        kv_ptr, rows_ptr, root_ptr, ancestors_ptr, m, pos, head // rep, split, keys_per_split, window, n_tokens,
+        stride_kv, stride_b, stride_h, stride_s, HEAD_DIM, BLOCK_S, TREE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + mh * HEAD_DIM + dims).to(tl.float32)
     if first < last:
-        new = (seen & (slots >= fresh))[:, None]
-        k = tl.where(new, tl.load(k_base + at, mask=new, other=0.0).to(tl.float32), k)
-        v = tl.where(new, tl.load(k_base + stride_kv + at, mask=new, other=0.0).to(tl.float32), v)
+        k, v = _fresh_slots(k, v, k_base, at, seen, slots, fresh, stride_kv)
         run_max, run_sum, acc = _attend(q, k, v, seen, float("-inf"), 0.0, tl.zeros((HEAD_DIM,), tl.float32), scale,
                                         q_ptr)
         for s0 in range(first + BLOCK_S, last, BLOCK_S):  # (names of their own: no loop-carried type changes)
-            tile = s0 + tl.arange(0, BLOCK_S)
-            tile_seen = _visible(tile, last, pos, window, root, ancestors, TREE)
-            tile_at = tile[:, None] * stride_s + dims[None, :]
-            tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
-            tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            tile_seen, tile_k, tile_v = _next_tile(k_base, s0, last, pos, window, root, ancestors, stride_kv,
+                                                   stride_s, HEAD_DIM, BLOCK_S, TREE)
             run_max, run_sum, acc = _attend(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
         # The splits that run for this token; clamped to the grid's, so that a position past the cache cannot hang
         # the merge. (N_SPLITS, the partials' stride, is their count rounded up to a power of two.)
@@ -213,39 +242,20 @@ def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, part
     if SKIP_DEAD:
         if tl.load(live_ptr + m) == 0:
             return
-    if TREE:
-        root = tl.load(root_ptr + m)
-        ancestors = tl.load(ancestors_ptr + m)
-        fresh = root
-    else:
-        root = pos
-        ancestors = pos.to(tl.int64)
-        fresh = pos - (n_tokens - 1)
-    first = split * keys_per_split
-    last = tl.minimum(first + keys_per_split, pos + 1)
-    k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + kv_head * stride_h
-    slots = first + tl.arange(0, BLOCK_S)
-    seen = _visible(slots, last, pos, window, root, ancestors, TREE)
-    at = slots[:, None] * stride_s + dims[None, :]
-    old = (seen & (slots < fresh))[:, None]
-    k = tl.load(k_base + at, mask=old, other=0.0).to(tl.float32)
-    v = tl.load(k_base + stride_kv + at, mask=old, other=0.0).to(tl.float32)
+    root, ancestors, fresh, first, last, k_base, slots, seen, at, k, v = _split_start(
+        kv_ptr, rows_ptr, root_ptr, ancestors_ptr, m, pos, kv_head, split, keys_per_split, window, n_tokens,
+        stride_kv, stride_b, stride_h, stride_s, HEAD_DIM, BLOCK_S, TREE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_ptr + mh[:, None] * HEAD_DIM + dims[None, :], mask=member[:, None], other=0.0).to(tl.float32)
     if first < last:
-        new = (seen & (slots >= fresh))[:, None]
-        k = tl.where(new, tl.load(k_base + at, mask=new, other=0.0).to(tl.float32), k)
-        v = tl.where(new, tl.load(k_base + stride_kv + at, mask=new, other=0.0).to(tl.float32), v)
+        k, v = _fresh_slots(k, v, k_base, at, seen, slots, fresh, stride_kv)
         run_max, run_sum, acc = _attend_group(q, k, v, seen, tl.full((REP,), float("-inf"), tl.float32),
                                               tl.zeros((REP,), tl.float32), tl.zeros((REP, HEAD_DIM), tl.float32),
                                               scale, q_ptr)
         for s0 in range(first + BLOCK_S, last, BLOCK_S):
-            tile = s0 + tl.arange(0, BLOCK_S)
-            tile_seen = _visible(tile, last, pos, window, root, ancestors, TREE)
-            tile_at = tile[:, None] * stride_s + dims[None, :]
-            tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
-            tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
+            tile_seen, tile_k, tile_v = _next_tile(k_base, s0, last, pos, window, root, ancestors, stride_kv,
+                                                   stride_s, HEAD_DIM, BLOCK_S, TREE)
             run_max, run_sum, acc = _attend_group(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
         n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)
         out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
