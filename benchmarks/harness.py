@@ -351,6 +351,31 @@ def engine_bench(ctx: Context, label: str, systems: list[str], workloads: list[s
     return json.loads(ctx.need(out / "engine_bench.json", step).read_text())
 
 
+def finished_bench_cells(scratch: Path) -> dict[str, dict]:
+    """Each `specpilot bench` step's results.json in the scratch folder, by step label: the bench rewrites it after
+    every cell, so a run stopped mid-bench still has the cells that finished (unreadable or absent: left out)."""
+    found = {}
+    for path in sorted(Path(scratch).glob("*/results.json")):
+        try:
+            found[path.parent.name] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def partial_tables(partial: dict[str, dict]) -> str:
+    """`finished_bench_cells` as markdown: a table a bench (`bench_table`, against our fastest AR where it ran, else
+    `ar`), or a line saying no bench had finished a cell."""
+    if not partial:
+        return "No bench had finished a cell."
+    parts = []
+    for label, results in partial.items():
+        systems = {r["system"] for r in results.get("runs", [])}
+        parts.append(f"### {label}\n\n" + bench_table(results, "ar-fused-overlap" if "ar-fused-overlap" in systems
+                                                          else "ar"))
+    return "\n\n".join(parts)
+
+
 def bench_cells(results: dict) -> dict[tuple, dict]:
     """A `specpilot bench` results.json by cell: (workload, batch size) -> system -> its run."""
     cells: dict[tuple, dict] = {}

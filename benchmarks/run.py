@@ -115,6 +115,10 @@ def run_experiment(name: str, argv: list[str]) -> int:
     try:
         results, table = module.run(out_dir, args)
         status = 0 if results.get("ok", True) else 1   # an experiment that checks (gate, tests) says ok: False
+    except Stopped as e:  # what the stopped run's benches had finished still lands in NAME.json and NAME.md
+        partial = harness.finished_bench_cells(scratch)
+        results, status = {"error": str(e), "stopped": True, "partial": partial}, e.status
+        table = f"**stopped** ({e}); the cells its benches had finished:\n\n" + harness.partial_tables(partial)
     except Exception as e:
         results, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, 1
         table = f"**failed**: {type(e).__name__}: {e}"
@@ -192,10 +196,19 @@ def chain(argv: list[str], budget_s: float | None = None) -> int:
     return status
 
 
+class Stopped(BaseException):
+    """The runner was sent SIGTERM (`chain` past its budget, a `timeout`, a person)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.status = 128 + signum
+
+
 def _stopped(signum, frame):
-    """SIGTERM (`chain` past its budget, or a person): the running steps die with the runner, not after it."""
+    """SIGTERM: the running steps die with the runner, not after it, and the experiment's run ends with `Stopped`,
+    which `run_experiment` records (a device call's `timeout` once cost a whole sweep's finished cells)."""
     harness.kill_steps()
-    raise SystemExit(128 + signum)
+    raise Stopped(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _stopped)
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Stopped as e:  # (stopped outside an experiment's run: staging, `chain` itself)
+        sys.exit(e.status)

