@@ -1,7 +1,8 @@
 """The fused layer's attention (triton_fused_layer.py's module docstring: kernel 2, and with a per-head q/k norm
 the sixth kernel): `_decode_attention`, one query over one range of cache slots a program, merged by each (token,
 head)'s last split, with its helpers; `_decode_attention_gqa`, the same with the query heads of one kv head in one
-program (ATTENTION_GQA); `_qk_norm_rope`, Qwen3's q/k norm and RoPE; and `attention_masks`, the modular
+program (ATTENTION_GQA); `_decode_attention_rows`, a row's tokens and one kv head's query heads in one program, on
+tensor cores (ATTENTION_ROWS); `_qk_norm_rope`, Qwen3's q/k norm and RoPE; and `attention_masks`, the modular
 layer's masks, which `check` and `benchmark` compare with.
 
 What a step launches them with stays in triton_fused_layer.py, where it is read: the settings (ATTENTION,
@@ -281,6 +282,101 @@ def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, part
                 out = tl.sum(s_acc * weight[:, :, None], axis=1) / total[:, None]
                 tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=member[:, None])
                 tl.atomic_xchg(count_ptr + mg, 0)
+
+
+@triton.jit
+def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
+                           root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits,
+                           row_tokens, stride_kv, stride_b, stride_h, stride_s,
+                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           N_SPLITS: tl.constexpr, PDL: tl.constexpr, TREE: tl.constexpr):
+    """Program (row b * n_kv_heads + kv head, split): the `row_tokens` tokens of row b times the `rep` query heads of
+    one kv head, BLOCK_Q queries (padded to at least 16), over one range of cache slots, as a flash kernel does it:
+    scores q @ K^T and outputs p @ V on tensor cores, each K/V tile loaded once for all of them (`_decode_attention`
+    loads it once per query, `_decode_attention_gqa` once per token). A query's visibility, its splits and the merge
+    (by the row's last split to arrive: one counter per (row, kv head)) are the per-query kernels'; p goes into its dot
+    in V's type, as the modular layer's flash attention does. The step's tokens must sit [B, T], row b's T tokens in
+    cache row rows[b * T] (not a packed step). (PDL: everything it loads is read after the wait.)
+
+    Why (ATTENTION_ROWS): steps of several tokens a row at long contexts, where the per-query programs read each
+    tile again per query head and token: 16 rows x 2 tokens of SmolLM2 at 2,000 cached slots 82.4 µs a fused layer
+    against the modular layer's 67.4 (docs/benchmarks/2026-12-07-forty-fourth-lease.md, A)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    n_kv = n_heads // rep
+    bg, split = tl.program_id(0), tl.program_id(1)
+    b, kv_head = bg // n_kv, bg % n_kv
+    dims = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, BLOCK_Q)
+    valid = j < row_tokens * rep
+    m = b * row_tokens + tl.where(valid, j // rep, 0)  # each query's token
+    mh = m * n_heads + kv_head * rep + j % rep  # [BLOCK_Q] its (token, query head)
+    pos = tl.load(positions_ptr + m, mask=valid, other=-1)  # (a padding query sees no slot)
+    if TREE:
+        root = tl.load(root_ptr + m, mask=valid, other=0)
+        ancestors = tl.load(ancestors_ptr + m, mask=valid, other=0)
+    else:
+        root = pos
+        ancestors = pos.to(tl.int64)
+    first = split * keys_per_split
+    top = tl.max(pos, axis=0)
+    last_row = tl.minimum(first + keys_per_split, top + 1)  # the split's slots any query of the row sees
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if first < last_row:
+        last = tl.minimum(first + keys_per_split, pos + 1)
+        k_base = kv_ptr + tl.load(rows_ptr + b * row_tokens) * stride_b + kv_head * stride_h
+        q = tl.load(q_ptr + mh[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        run_max = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+        run_sum = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
+        for s0 in range(first, last_row, BLOCK_S):
+            slots = s0 + tl.arange(0, BLOCK_S)
+            seen = _visible(slots[None, :], last[:, None], pos[:, None], window, root[:, None], ancestors[:, None],
+                            TREE)  # [BLOCK_Q, BLOCK_S]
+            # slots no query sees load as zeros: never a stale NaN into p @ V, where a 0 weight cannot hide it
+            wanted = (tl.max(seen.to(tl.int32), axis=0) > 0)[:, None]
+            at = slots[:, None] * stride_s + dims[None, :]
+            k = tl.load(k_base + at, mask=wanted, other=0.0)
+            v = tl.load(k_base + stride_kv + at, mask=wanted, other=0.0)
+            scores = _rounded(tl.dot(q, tl.trans(k)), q_ptr) * scale  # rounded where q @ k^T rounds
+            scores = tl.where(seen, scores, float("-inf"))
+            new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.exp(scores - shift[:, None])
+            rescale = tl.exp(run_max - shift)
+            run_sum = run_sum * rescale + tl.sum(p, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            run_max = new_max
+        n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)  # each query's splits
+        row_used = tl.minimum(top // keys_per_split + 1, grid_splits)
+        out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
+        if row_used == 1:
+            tl.store(out_at, (acc / tl.where(valid, run_sum, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=valid[:, None])
+        else:
+            tl.store(partial_ptr + (mh[:, None] * N_SPLITS + split) * HEAD_DIM + dims[None, :], acc,
+                     mask=valid[:, None])
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max, mask=valid)
+            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum, mask=valid)
+            tl.debug_barrier()  # (as in _decode_attention: every thread's stores before the counter's increment)
+            if tl.atomic_add(count_ptr + bg, 1) == row_used - 1:
+                splits = tl.arange(0, N_SPLITS)
+                used = valid[:, None] & (splits[None, :] < n_used[:, None])  # [BLOCK_Q, N_SPLITS]: a query's own
+                stat_at = (mh[:, None] * N_SPLITS + splits[None, :]) * 2
+                s_max = tl.load(stats_ptr + stat_at, mask=used, other=float("-inf"))
+                s_sum = tl.load(stats_ptr + stat_at + 1, mask=used, other=0.0)
+                best = tl.max(s_max, axis=1)
+                weight = tl.exp(s_max - tl.where(best == float("-inf"), 0.0, best)[:, None])
+                total = tl.where(valid, tl.sum(s_sum * weight, axis=1), 1.0)  # (a padding query: no 0 / 0)
+                out = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
+                for s in range(0, row_used):  # (the splits one at a time: no [BLOCK_Q, N_SPLITS, D] tile)
+                    w = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), axis=1)
+                    part = tl.load(partial_ptr + (mh[:, None] * N_SPLITS + s) * HEAD_DIM + dims[None, :],
+                                   mask=valid[:, None] & (s < n_used)[:, None], other=0.0)
+                    out += part * w[:, None]
+                tl.store(out_at, (out / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
+                tl.atomic_xchg(count_ptr + bg, 0)
 
 
 def attention_masks(cfg, positions, n_slots):

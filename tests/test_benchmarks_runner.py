@@ -165,7 +165,7 @@ def run_fused_tokens(fused_tokens, tmp_path, monkeypatch, benchmark, random_mode
     monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = dict(tokens="8", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None, dot_pdl=None, dot_tokens=None,
-                fma_max_tokens="8,4", layers=30, filled="300", attention_gqa=None)
+                fma_max_tokens="8,4", layers=30, filled="300", attention_gqa=None, attention_rows=None)
     args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
                                  **{**args, **flags})
     return fused_tokens.run(tmp_path, args)
@@ -268,6 +268,33 @@ def test_fused_tokens_times_each_row_with_the_attention_by_query_head_and_by_kv_
     assert [r["attention_gqa"] for r in record["rows"]] == [False, True] * 4
     assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == 5  # (8 from the rows by kv head)
     assert "attention_gqa" in table
+
+
+def test_fused_tokens_times_each_row_with_the_attention_by_query_and_by_row(runner, tmp_path, monkeypatch):
+    """`--attention-rows 0,1`: each row timed with the tensor-core path's attention a program per query and per row
+    and kv head (ATTENTION_ROWS), each result saying which; the thresholds come from the shipped setting's rows
+    (off) alone (at 8 tokens the tensor cores by row beat the FMA path here, and lose to it by query)."""
+    import types
+
+    from specpilot.kernels import triton_fused_layer as F
+
+    fused_tokens = runner.load("fused_tokens")
+    seen = []
+
+    def fake_benchmark(model, modular, tokens, fma_max_tokens, attention_rows, **kw):
+        seen.append(attention_rows)
+        return [dict(batch=1, tokens=tokens[0], fma_max_tokens=fma, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
+                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, attention_rows=by_rows, modular_us=10.0,
+                     fused_us=9.0 if fma == 8 else (7.0 if by_rows else 11.0) if tokens[0] == 8 else 10.0)
+                for fma in fma_max_tokens for by_rows in attention_rows]
+
+    record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark,
+                                     lambda *a: types.SimpleNamespace(model="random"),
+                                     tokens="5,8", fma_max_tokens="8,4", attention_rows="0,1")
+    assert seen == [(False, True), (False, True)] and not F.ATTENTION_ROWS
+    assert [r["attention_rows"] for r in record["rows"]] == [False, True] * 4
+    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == 8  # (5 from the rows by row)
+    assert "attention_rows" in table
 
 
 def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):

@@ -256,6 +256,37 @@ def test_fused_layer_attention_a_program_per_kv_head(tiny_model_dir, monkeypatch
     assert triton_fused_layer.check(loaded.model, Block.forward, seed=2, n_slots=640) < 2e-5
 
 
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}), ("qwen3", {}),
+    ("mistral", {}),
+    ("llama", dict(hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1))])
+def test_fused_layer_attention_by_rows_on_tensor_cores(tiny_model_dir, monkeypatch, family, overrides):
+    """ATTENTION_ROWS (`_decode_attention_rows`): a row's tokens and one kv head's query heads in one program, scores
+    and outputs by tl.dot, over a 640-slot cache at random ragged positions (three splits in the interpreter; a row's
+    queries end in different splits, merged by the row's last), at 8 rows of one token, 4 of two and 2 of five, with
+    Qwen3's q/k norm, Mistral's sliding window and 3 query heads a kv head (padded queries): outputs and cache writes
+    equal the modular layer's to fp32 rounding, and no per-query kernel runs."""
+    monkeypatch.setattr(triton_fused_layer, "ATTENTION_ROWS", True)
+    monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)  # (calling it would raise)
+    monkeypatch.setattr(triton_fused_layer, "_decode_attention_gqa", None)
+    loaded = load(str(tiny_model_dir(family, num_hidden_layers=1, **overrides)), "fp32", "cpu")
+    steps = ((8, 1), (4, 2), (2, 5))
+    assert all(B * T > triton_fused_layer.FMA_MAX_TOKENS for B, T in steps)  # (the tensor-core path's steps)
+    assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=steps, seed=3, n_slots=640) < 2e-5
+
+
+def test_fused_layer_attention_by_rows_across_many_splits(tiny_model_dir, monkeypatch):
+    """`_decode_attention_rows` where a row's queries end in different splits: splits of 8 slots over a 128-slot cache
+    (16 of them), so a row of five tokens mostly straddles a split's end and its queries merge different numbers of
+    splits in one program; as the modular layer to fp32 rounding."""
+    monkeypatch.setattr(triton_fused_layer, "ATTENTION_ROWS", True)
+    monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)
+    monkeypatch.setattr(triton_fused_layer, "attention_splits", lambda n_slots, n_tokens, device: (n_slots // 8, 8))
+    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((2, 5), (4, 2)), seed=4,
+                                    n_slots=128) < 2e-5
+
+
 def test_attention_splits_cover_the_cache_and_no_more():
     """The fused layer's attention grid on the GPU: splits of the setting's keys (a multiple of them past
     MAX_SPLITS) whose last one starts inside the cache, for the cache lengths decode.cache_length gives."""

@@ -38,7 +38,10 @@ for launching before their predecessor ends when their weights load after the wa
 16 tokens 30.7 / 31.6 / 33.2 µs a layer without, 29.5 / 30.0 / 28.3 with, on the H100; all of K in one tile, its
 weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 tokens on the tensor cores too. With
 `--attention-gqa 0,1` each row with the attention a program per query head and per kv head (ATTENTION_GQA; with
-`--filled 64,300,1000`: the forty-third lease's A found a draft a row at B = 16 doubling the layer at 1,000 slots).
+`--filled 64,300,1000`: the forty-third lease's A found a draft a row at B = 16 doubling the layer at 1,000 slots;
+the forty-fourth's, the grouped kernel 0.46x-0.92x the per-head one), and with `--attention-rows 0,1` with the
+attention a program per row and kv head on tensor cores for the tensor-core path's steps (ATTENTION_ROWS; the
+forty-fourth lease's A: 16 rows x 2 tokens at 2,000 slots 82.4 µs a layer fused against 67.4 modular).
 
 With `--dot-tokens 32,64,...` each row past 16 tokens also runs in one token block of up to that many tokens a
 program (DOT_TILES' "tokens" on every role, `dot_token_block`: each weight tile read once a block, not once per 16
@@ -87,6 +90,9 @@ def arguments(p) -> None:
     p.add_argument("--attention-gqa", default=None,
                    help="ATTENTION_GQA settings to time each row at, e.g. 0,1 (the attention a program per query "
                         "head, or per kv head: _decode_attention_gqa)")
+    p.add_argument("--attention-rows", default=None,
+                   help="ATTENTION_ROWS settings to time each row at, e.g. 0,1 (the tensor-core path's attention a "
+                        "program per query, or per row and kv head on tensor cores: _decode_attention_rows)")
     p.add_argument("--dot-tokens", default=None,
                    help="token blocks past 16 to time each row past 16 tokens at too (DOT_TILES' \"tokens\"), "
                         "e.g. 32,64,128")
@@ -200,6 +206,7 @@ def run(out_dir, args):
     dot_tiles = (None, *json.loads(args.dot_tiles)) if args.dot_tiles else (None,)
     dot_pdl = tuple(bool(int(v)) for v in args.dot_pdl.split(",")) if args.dot_pdl else (None,)
     gqa = tuple(bool(int(v)) for v in args.attention_gqa.split(",")) if args.attention_gqa else (None,)
+    by_rows = tuple(bool(int(v)) for v in args.attention_rows.split(",")) if args.attention_rows else (None,)
     fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
     filled = [int(v) for v in args.filled.split(",")]
     rows = []
@@ -213,7 +220,7 @@ def run(out_dir, args):
                                                    n_slots=n_slots, filled=position,
                                                    fma_max_tokens=fma, batch=args.batch, tile_values=tiles,
                                                    fma_tiles=fma_tiles, dot_tiles=(dot,), dot_pdl=dot_pdl,
-                                                   attention_gqa=gqa)
+                                                   attention_gqa=gqa, attention_rows=by_rows)
             except Exception as e:  # (a tiling that does not compile or run costs its own row)
                 got = [dict(batch=args.batch, tokens=T, dot_tiles=dot or triton_fused_layer.DOT_TILES,
                             error=f"{type(e).__name__}: {e}"[:300])]
@@ -231,7 +238,8 @@ def run(out_dir, args):
                     and r["tile_values"] == triton_fused_layer.TILE_VALUES
                     and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
                     and r["dot_pdl"] == triton_fused_layer.DOT_PDL
-                    and r.get("attention_gqa", False) == triton_fused_layer.ATTENTION_GQA]
+                    and r.get("attention_gqa", False) == triton_fused_layer.ATTENTION_GQA
+                    and r.get("attention_rows", False) == triton_fused_layer.ATTENTION_ROWS]
     chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
     blocks = {}
     if args.dot_tokens:  # the token blocks' cap and the limit at it
