@@ -219,7 +219,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
                 out += [(f"{shape} B={B} T={T}{' tree' if tree else ''} by kv head", call) for call in calls
                         if call[0].__name__ == "_decode_attention_gqa"]  # (the rest as above)
         # the tensor-core path's attention by row (ATTENTION_ROWS, off by default): chain and tree steps, a row's
-        # queries from 16 to 128 (Qwen2-like: 7 query heads a kv head, 16 tokens a row)
+        # queries from 16 to 64 (Qwen2-like: 7 query heads a kv head, 16 tokens a row in chunks of 9)
         F.ATTENTION_GQA, F.ATTENTION_ROWS = False, True
         for shape, dims in SHAPES.items():
             block, hidden, head_dim = _meta_block(*dims), dims[0], dims[3]

@@ -287,14 +287,15 @@ def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, part
 @triton.jit
 def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
                            root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits,
-                           row_tokens, stride_kv, stride_b, stride_h, stride_s,
+                           row_tokens, chunk, stride_kv, stride_b, stride_h, stride_s,
                            HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr,
                            N_SPLITS: tl.constexpr, PDL: tl.constexpr, TREE: tl.constexpr):
-    """Program (row b * n_kv_heads + kv head, split): the `row_tokens` tokens of row b times the `rep` query heads of
-    one kv head, BLOCK_Q queries (padded to at least 16), over one range of cache slots, as a flash kernel does it:
+    """Program ((row b * n_kv_heads + kv head) * chunks + c, split): tokens c * chunk.. of row b's `row_tokens` (at
+    most `chunk` of them) times the `rep` query heads of one kv head, BLOCK_Q queries (padded to at least 16; the
+    chunks keep a program's queries few enough not to spill), over one range of cache slots, as a flash kernel does it:
     scores q @ K^T and outputs p @ V on tensor cores, each K/V tile loaded once for all of them (`_decode_attention`
     loads it once per query, `_decode_attention_gqa` once per token). A query's visibility, its splits and the merge
-    (by the row's last split to arrive: one counter per (row, kv head)) are the per-query kernels'; p goes into its dot
+    (by the chunk's last split to arrive: one counter per program) are the per-query kernels'; p goes into its dot
     in V's type, as the modular layer's flash attention does. The step's tokens must sit [B, T], row b's T tokens in
     cache row rows[b * T] (not a packed step). (PDL: everything it loads is read after the wait.)
 
@@ -303,13 +304,13 @@ def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, 
     against the modular layer's 67.4 (docs/benchmarks/2026-12-07-forty-fourth-lease.md, A)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    n_kv = n_heads // rep
+    n_kv, chunks = n_heads // rep, tl.cdiv(row_tokens, chunk)
     bg, split = tl.program_id(0), tl.program_id(1)
-    b, kv_head = bg // n_kv, bg % n_kv
+    b, kv_head, t0 = bg // (n_kv * chunks), bg // chunks % n_kv, bg % chunks * chunk
     dims = tl.arange(0, HEAD_DIM)
     j = tl.arange(0, BLOCK_Q)
-    valid = j < row_tokens * rep
-    m = b * row_tokens + tl.where(valid, j // rep, 0)  # each query's token
+    valid = j < tl.minimum(chunk, row_tokens - t0) * rep
+    m = b * row_tokens + t0 + tl.where(valid, j // rep, 0)  # each query's token
     mh = m * n_heads + kv_head * rep + j % rep  # [BLOCK_Q] its (token, query head)
     pos = tl.load(positions_ptr + m, mask=valid, other=-1)  # (a padding query sees no slot)
     if TREE:

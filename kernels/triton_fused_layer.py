@@ -122,12 +122,13 @@ ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
 # Steps past the FMA path (more than FMA_MAX_TOKENS tokens) attend with ATTENTION_MULTI, the tensor-core path's layer's
 # largest kernel at 8 tokens on the H100 (7.5 of 30.5 µs, docs/benchmarks/2026-12-06-thirty-second-lease.md, B):
 # SPECPILOT_DOT_ATTENTION (a JSON object) changes it for a run (`fused_tiles --tokens 8 --attention` sweeps it).
-# `rows_block_s` and `rows_num_warps` are `_decode_attention_rows`'s (ATTENTION_ROWS): compiled for sm_90, 4 warps
-# and 64 slots a tile took it to 249-255 registers and spilled at 64 queries a program; 8 warps and 16 slots, 119-227
-# registers and no spill up to 64 queries of head_dim 64 (Llama-3-8B's 64 of head_dim 128, and 128 queries, still
-# spill 408-528 bytes). Not yet timed.
+# `rows_block_s`, `rows_num_warps` and `rows_queries` are `_decode_attention_rows`'s (ATTENTION_ROWS): its tile of
+# slots, its warps, and the queries of head_dim 64 a program holds at most (a row's tokens in chunks; half as many of
+# head_dim 128). Compiled for sm_90, 4 warps and 64 slots a tile took it to 249-255 registers and spilled at 64
+# queries; 8 warps and 16 slots, 119-227 and no spill up to 64 queries of head_dim 64 and 32 of head_dim 128 (64 of
+# 128 and 128 of 64 spilled 408-528 bytes). Not yet timed.
 ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4, "rows_block_s": 16, "rows_num_warps": 8,
-                   **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
+                   "rows_queries": 64, **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
 MAX_SPLITS = 32
 # Attention with a program per (token, kv head, split) for all the query heads of that kv head
 # (`_decode_attention_gqa`: each K/V tile loaded once for them), instead of one per query head. Why: at 1,000 cached
@@ -887,11 +888,14 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         raise ValueError("fused layer: tree steps need full attention (a sliding window counts positions)")
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
     if ATTENTION_ROWS and not packed and M > FMA_MAX_TOKENS:  # a row's tokens and a kv head's query heads together
-        _decode_attention_rows[(B * Hkv, splits)](
-            q, kv_cache, pos, token_rows, partial, stats, _split_counters(B * Hkv, dev), attn, root, ancestors,
-            H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, T, *kv_strides, HEAD_DIM=D,
+        rep = H // Hkv
+        chunk = max(1, min(T, setting["rows_queries"] * 64 // D // rep))  # a program's tokens
+        programs = B * Hkv * triton.cdiv(T, chunk)
+        _decode_attention_rows[(programs, splits)](
+            q, kv_cache, pos, token_rows, partial, stats, _split_counters(programs, dev), attn, root, ancestors,
+            H, rep, block.window or n_slots + 1, D ** -0.5, per_split, splits, T, chunk, *kv_strides, HEAD_DIM=D,
             BLOCK_S=max(16, min(triton.next_power_of_2(per_split), setting["rows_block_s"])),
-            BLOCK_Q=max(16, triton.next_power_of_2(T * (H // Hkv))), N_SPLITS=n_splits,
+            BLOCK_Q=max(16, triton.next_power_of_2(chunk * rep)), N_SPLITS=n_splits,
             num_warps=setting["rows_num_warps"], TREE=tree is not None, **pdl)
     else:
         grouped = dict(REP=triton.next_power_of_2(H // Hkv)) if ATTENTION_GQA and Hkv < H else {}

@@ -275,14 +275,20 @@ def test_fused_layer_attention_by_rows_on_tensor_cores(tiny_model_dir, monkeypat
     assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=steps, seed=3, n_slots=640) < 2e-5
 
 
-def test_fused_layer_attention_by_rows_across_many_splits(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("rows_queries", (64, 1))
+def test_fused_layer_attention_by_rows_across_many_splits(tiny_model_dir, monkeypatch, rows_queries):
     """`_decode_attention_rows` where a row's queries end in different splits: splits of 8 slots over a 128-slot cache
     (16 of them), so a row of five tokens mostly straddles a split's end and its queries merge different numbers of
-    splits in one program; as the modular layer to fp32 rounding."""
+    splits in one program; a row's tokens in one program, and in chunks of two (rows_queries 1: the 4 queries of
+    head_dim 16 that one of head_dim 64 stands for; 2 query heads a kv head), the last chunk of five one token; as
+    the modular layer to fp32 rounding."""
     monkeypatch.setattr(triton_fused_layer, "ATTENTION_ROWS", True)
     monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)
     monkeypatch.setattr(triton_fused_layer, "attention_splits", lambda n_slots, n_tokens, device: (n_slots // 8, 8))
+    monkeypatch.setitem(triton_fused_layer.ATTENTION_MULTI, "rows_queries", rows_queries)
     loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
+    cfg = loaded.model.cfg
+    assert (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads) == (16, 2)  # (so that rows_queries 1 gives chunks of 2)
     assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((2, 5), (4, 2)), seed=4,
                                     n_slots=128) < 2e-5
 
