@@ -217,6 +217,41 @@ def _attend_group(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
 
 
 @triton.jit
+def _finish_group(partial_ptr, stats_ptr, counter_ptr, out_ptr, mh, ok, n_used, group_used, split, acc, run_max,
+                  run_sum, HEAD_DIM: tl.constexpr, N_SPLITS: tl.constexpr):
+    """A program's queries [Q] (their (token, head) indices `mh`, `ok` the real ones) after one split: where the
+    program's queries use one split only (`group_used`), their outputs; else this split's partials and stats, and
+    the program's last split to arrive (its counter) merges each query's own `n_used` splits, one at a time (no
+    [Q, N_SPLITS, D] tile), as `_decode_attention` merges one query's."""
+    dims = tl.arange(0, HEAD_DIM)
+    out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
+    if group_used == 1:
+        tl.store(out_at, (acc / tl.where(ok, run_sum, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    else:
+        tl.store(partial_ptr + (mh[:, None] * N_SPLITS + split) * HEAD_DIM + dims[None, :], acc, mask=ok[:, None])
+        tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max, mask=ok)
+        tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum, mask=ok)
+        tl.debug_barrier()  # (as in _decode_attention: every thread's stores before the counter's increment)
+        if tl.atomic_add(counter_ptr, 1) == group_used - 1:
+            splits = tl.arange(0, N_SPLITS)
+            used = ok[:, None] & (splits[None, :] < n_used[:, None])  # [Q, N_SPLITS]: a query's own
+            stat_at = (mh[:, None] * N_SPLITS + splits[None, :]) * 2
+            s_max = tl.load(stats_ptr + stat_at, mask=used, other=float("-inf"))
+            s_sum = tl.load(stats_ptr + stat_at + 1, mask=used, other=0.0)
+            best = tl.max(s_max, axis=1)
+            weight = tl.exp(s_max - tl.where(best == float("-inf"), 0.0, best)[:, None])  # 0 where none was seen
+            total = tl.where(ok, tl.sum(s_sum * weight, axis=1), 1.0)  # (a padding query: no 0 / 0)
+            out = tl.zeros(acc.shape, tl.float32)
+            for s in range(0, group_used):
+                w = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), axis=1)
+                part = tl.load(partial_ptr + (mh[:, None] * N_SPLITS + s) * HEAD_DIM + dims[None, :],
+                               mask=(ok & (s < n_used))[:, None], other=0.0)
+                out += part * w[:, None]
+            tl.store(out_at, (out / total[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None])
+            tl.atomic_xchg(counter_ptr, 0)  # ready for the next layer and step
+
+
+@triton.jit
 def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr,
                           out_ptr, root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits,
                           n_tokens, stride_kv, stride_b, stride_h, stride_s,
@@ -259,29 +294,8 @@ def _decode_attention_gqa(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, part
                                                    stride_s, HEAD_DIM, BLOCK_S, TREE)
             run_max, run_sum, acc = _attend_group(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
         n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)
-        out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
-        if n_used == 1:
-            tl.store(out_at, (acc / run_sum[:, None]).to(out_ptr.dtype.element_ty), mask=member[:, None])
-        else:
-            tl.store(partial_ptr + (mh[:, None] * N_SPLITS + split) * HEAD_DIM + dims[None, :], acc,
-                     mask=member[:, None])
-            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max, mask=member)
-            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum, mask=member)
-            tl.debug_barrier()  # (as in _decode_attention: every thread's stores before the counter's increment)
-            if tl.atomic_add(count_ptr + mg, 1) == n_used - 1:
-                splits = tl.arange(0, N_SPLITS)
-                used = member[:, None] & (splits < n_used)[None, :]  # [REP, N_SPLITS]
-                stat_at = (mh[:, None] * N_SPLITS + splits[None, :]) * 2
-                s_max = tl.load(stats_ptr + stat_at, mask=used, other=float("-inf"))
-                s_sum = tl.load(stats_ptr + stat_at + 1, mask=used, other=0.0)
-                s_acc = tl.load(partial_ptr + ((mh[:, None] * N_SPLITS + splits[None, :]) * HEAD_DIM)[:, :, None]
-                                + dims[None, None, :], mask=used[:, :, None], other=0.0)
-                top = tl.max(s_max, axis=1)
-                weight = tl.exp(s_max - tl.where(top == float("-inf"), 0.0, top)[:, None])
-                total = tl.where(member, tl.sum(s_sum * weight, axis=1), 1.0)  # (a padding member: no 0 / 0)
-                out = tl.sum(s_acc * weight[:, :, None], axis=1) / total[:, None]
-                tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=member[:, None])
-                tl.atomic_xchg(count_ptr + mg, 0)
+        _finish_group(partial_ptr, stats_ptr, count_ptr + mg, out_ptr, mh, member, n_used + 0 * mh, n_used, split,
+                      acc, run_max, run_sum, HEAD_DIM, N_SPLITS)
 
 
 @triton.jit
@@ -350,34 +364,9 @@ def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, 
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
             run_max = new_max
         n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)  # each query's splits
-        row_used = tl.minimum(top // keys_per_split + 1, grid_splits)
-        out_at = out_ptr + mh[:, None] * HEAD_DIM + dims[None, :]
-        if row_used == 1:
-            tl.store(out_at, (acc / tl.where(valid, run_sum, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None])
-        else:
-            tl.store(partial_ptr + (mh[:, None] * N_SPLITS + split) * HEAD_DIM + dims[None, :], acc,
-                     mask=valid[:, None])
-            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2, run_max, mask=valid)
-            tl.store(stats_ptr + (mh * N_SPLITS + split) * 2 + 1, run_sum, mask=valid)
-            tl.debug_barrier()  # (as in _decode_attention: every thread's stores before the counter's increment)
-            if tl.atomic_add(count_ptr + bg, 1) == row_used - 1:
-                splits = tl.arange(0, N_SPLITS)
-                used = valid[:, None] & (splits[None, :] < n_used[:, None])  # [BLOCK_Q, N_SPLITS]: a query's own
-                stat_at = (mh[:, None] * N_SPLITS + splits[None, :]) * 2
-                s_max = tl.load(stats_ptr + stat_at, mask=used, other=float("-inf"))
-                s_sum = tl.load(stats_ptr + stat_at + 1, mask=used, other=0.0)
-                best = tl.max(s_max, axis=1)
-                weight = tl.exp(s_max - tl.where(best == float("-inf"), 0.0, best)[:, None])
-                total = tl.where(valid, tl.sum(s_sum * weight, axis=1), 1.0)  # (a padding query: no 0 / 0)
-                out = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
-                for s in range(0, row_used):  # (the splits one at a time: no [BLOCK_Q, N_SPLITS, D] tile)
-                    w = tl.sum(tl.where(splits[None, :] == s, weight, 0.0), axis=1)
-                    part = tl.load(partial_ptr + (mh[:, None] * N_SPLITS + s) * HEAD_DIM + dims[None, :],
-                                   mask=valid[:, None] & (s < n_used)[:, None], other=0.0)
-                    out += part * w[:, None]
-                tl.store(out_at, (out / total[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
-                tl.atomic_xchg(count_ptr + bg, 0)
+        _finish_group(partial_ptr, stats_ptr, count_ptr + bg, out_ptr, mh, valid, n_used,
+                      tl.minimum(top // keys_per_split + 1, grid_splits), split, acc, run_max, run_sum, HEAD_DIM,
+                      N_SPLITS)
 
 
 def attention_masks(cfg, positions, n_slots):

@@ -243,10 +243,14 @@ def test_fused_tokens_times_each_row_at_each_context(runner, tmp_path, monkeypat
     assert "filled" in table
 
 
-def test_fused_tokens_times_each_row_with_the_attention_by_query_head_and_by_kv_head(runner, tmp_path, monkeypatch):
-    """`--attention-gqa 0,1`: each row timed with the attention a program per query head and per kv head
-    (ATTENTION_GQA), each result saying which; the thresholds come from the rows of the shipped setting (off) alone
-    (at 8 tokens the FMA path beats the tensor cores by kv head here, and loses to them by query head)."""
+@pytest.mark.parametrize("flag,changed_path", (("attention_gqa", 8), ("attention_rows", 4)))
+def test_fused_tokens_times_each_row_with_each_attention_kernel(runner, tmp_path, monkeypatch, flag, changed_path):
+    """`--attention-gqa 0,1` (a program per query head or per kv head: ATTENTION_GQA) and `--attention-rows 0,1` (the
+    tensor-core path's steps a program per query or per row and kv head: ATTENTION_ROWS): each row timed both ways,
+    each result saying which; the thresholds come from the shipped setting's rows (off) alone. At 8 tokens the
+    variant runs 7 µs on the path it changes (FMA_MAX_TOKENS 8 for the FMA path, 4 for the tensor cores), the shipped
+    kernel 11, the other path 9: by the variant's rows the FMA threshold would be 8 with GQA and 5 by row; by the
+    shipped rows it is 5 and 8."""
     import types
 
     from specpilot.kernels import triton_fused_layer as F
@@ -254,47 +258,21 @@ def test_fused_tokens_times_each_row_with_the_attention_by_query_head_and_by_kv_
     fused_tokens = runner.load("fused_tokens")
     seen = []
 
-    def fake_benchmark(model, modular, tokens, fma_max_tokens, attention_gqa, **kw):
-        seen.append(attention_gqa)
+    def fake_benchmark(model, modular, tokens, fma_max_tokens, **kw):
+        seen.append(kw[flag])
         return [dict(batch=1, tokens=tokens[0], fma_max_tokens=fma, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
-                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, attention_gqa=gqa, modular_us=10.0,
-                     fused_us=9.0 if fma == 4 else (7.0 if gqa else 11.0) if tokens[0] == 8 else 8.0)
-                for fma in fma_max_tokens for gqa in attention_gqa]
+                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, modular_us=10.0, **{flag: on},
+                     fused_us=(((7.0 if on else 11.0) if fma == changed_path else 9.0) if tokens[0] == 8
+                               else 8.0 if fma == 8 else 10.0))
+                for fma in fma_max_tokens for on in kw[flag]]
 
     record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark,
                                      lambda *a: types.SimpleNamespace(model="random"),
-                                     tokens="5,8", fma_max_tokens="8,4", attention_gqa="0,1")
-    assert seen == [(False, True), (False, True)] and not F.ATTENTION_GQA
-    assert [r["attention_gqa"] for r in record["rows"]] == [False, True] * 4
-    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == 5  # (8 from the rows by kv head)
-    assert "attention_gqa" in table
-
-
-def test_fused_tokens_times_each_row_with_the_attention_by_query_and_by_row(runner, tmp_path, monkeypatch):
-    """`--attention-rows 0,1`: each row timed with the tensor-core path's attention a program per query and per row
-    and kv head (ATTENTION_ROWS), each result saying which; the thresholds come from the shipped setting's rows
-    (off) alone (at 8 tokens the tensor cores by row beat the FMA path here, and lose to it by query)."""
-    import types
-
-    from specpilot.kernels import triton_fused_layer as F
-
-    fused_tokens = runner.load("fused_tokens")
-    seen = []
-
-    def fake_benchmark(model, modular, tokens, fma_max_tokens, attention_rows, **kw):
-        seen.append(attention_rows)
-        return [dict(batch=1, tokens=tokens[0], fma_max_tokens=fma, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
-                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, attention_rows=by_rows, modular_us=10.0,
-                     fused_us=9.0 if fma == 8 else (7.0 if by_rows else 11.0) if tokens[0] == 8 else 10.0)
-                for fma in fma_max_tokens for by_rows in attention_rows]
-
-    record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark,
-                                     lambda *a: types.SimpleNamespace(model="random"),
-                                     tokens="5,8", fma_max_tokens="8,4", attention_rows="0,1")
-    assert seen == [(False, True), (False, True)] and not F.ATTENTION_ROWS
-    assert [r["attention_rows"] for r in record["rows"]] == [False, True] * 4
-    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == 8  # (5 from the rows by row)
-    assert "attention_rows" in table
+                                     tokens="5,8", fma_max_tokens="8,4", **{flag: "0,1"})
+    assert seen == [(False, True), (False, True)] and not getattr(F, flag.upper())
+    assert [r[flag] for r in record["rows"]] == [False, True] * 4
+    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == (5 if flag == "attention_gqa" else 8)
+    assert flag in table
 
 
 def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):
