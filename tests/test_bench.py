@@ -335,3 +335,62 @@ def test_every_engine_bench_system_is_a_valid_recipe_named_as_listed():
         assert isinstance(spec, str) or recipe.name == name
     tree = parse(SYSTEMS["ngram2-tree3x4-fused-overlap"])
     assert tree.verification == "tree" and len(tree.tree.paths) == 12 and max(map(len, tree.tree.paths)) == 4
+
+
+def test_speedup_plot_is_over_our_fastest_ar_where_a_run_measured_it():
+    """speedup_vs_batch.png: each system's tok/s over `ar-fused-overlap` in the same cell where the run measured it
+    (the ratio issue #20's bar reads), else the bench's own speedup over `ar`."""
+    from specpilot.tools.bench import report
+
+    class Axes:
+        def __init__(self):
+            self.lines, self.labels = {}, {}
+
+        def plot(self, xs, ys, marker=None, label=None):
+            self.lines[label] = (list(xs), [round(y, 3) for y in ys])
+
+        def axhline(self, *a, **k):
+            pass
+
+        def set(self, **k):
+            self.labels.update(k)
+
+        def set_xscale(self, *a, **k):
+            pass
+
+        def legend(self, **k):
+            pass
+
+    class Plt:
+        def __init__(self):
+            self.axes, self.title = [], None
+
+        def subplots(self, rows, cols, figsize=None, squeeze=True):
+            self.axes = [Axes() for _ in range(cols)]
+            plt = self
+
+            class Fig:
+                def suptitle(self, text):
+                    plt.title = text
+
+                def tight_layout(self):
+                    pass
+
+                def savefig(self, path, dpi=None):
+                    pass
+            return Fig(), [self.axes]
+
+    def run(system, b, tps, ar_tps):
+        return {"system": system, "workload": "chat", "batch_size": b, "tokens_per_s": tps,
+                "speedup_vs_ar": tps / ar_tps}
+
+    runs = [run("ar", 1, 100.0, 100.0), run("ar-fused-overlap", 1, 200.0, 100.0), run("spec", 1, 260.0, 100.0),
+            run("ar", 8, 400.0, 400.0), run("ar-fused-overlap", 8, 500.0, 400.0), run("spec", 8, 450.0, 400.0)]
+    plt = Plt()
+    report.plot_speedup(plt, {"header": {"workloads": ["chat"]}, "runs": runs}, None)
+    [ax] = plt.axes
+    assert ax.lines["spec"] == ([1, 8], [1.3, 0.9]) and ax.lines["ar"] == ([1, 8], [0.5, 0.8])
+    assert "ar-fused-overlap" in plt.title and ax.labels["ylabel"] == "speedup vs ar-fused-overlap"
+    plt = Plt()
+    report.plot_speedup(plt, {"header": {}, "runs": [r for r in runs if r["system"] != "ar-fused-overlap"]}, None)
+    assert plt.axes[0].lines["spec"] == ([1, 8], [2.6, 1.125]) and plt.axes[0].labels["ylabel"] == "speedup vs ar"
