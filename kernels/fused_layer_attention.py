@@ -303,15 +303,17 @@ def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, 
                            root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits,
                            row_tokens, chunk, stride_kv, stride_b, stride_h, stride_s,
                            HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           N_SPLITS: tl.constexpr, PDL: tl.constexpr, TREE: tl.constexpr):
+                           N_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                           TREE: tl.constexpr):
     """Program ((row b * n_kv_heads + kv head) * chunks + c, split): tokens c * chunk.. of row b's `row_tokens` (at
     most `chunk` of them) times the `rep` query heads of one kv head, BLOCK_Q queries (padded to at least 16; the
     chunks keep a program's queries few enough not to spill), over one range of cache slots, as a flash kernel does it:
     scores q @ K^T and outputs p @ V on tensor cores, each K/V tile loaded once for all of them (`_decode_attention`
     loads it once per query, `_decode_attention_gqa` once per token). A query's visibility, its splits and the merge
     (by the chunk's last split to arrive: one counter per program) are the per-query kernels'; p goes into its dot
-    in V's type, as the modular layer's flash attention does. The step's tokens must sit [B, T], row b's T tokens in
-    cache row rows[b * T] (not a packed step). (PDL: everything it loads is read after the wait.)
+    in V's type, as the modular layer's flash attention does (DOT_PRECISION: "ieee" for an fp32 model). The step's
+    tokens must sit [B, T], row b's T tokens in cache row rows[b * T] (not a packed step). (PDL: everything it loads
+    is read after the wait.)
 
     Why (ATTENTION_ROWS): steps of several tokens a row at long contexts, where the per-query programs read each
     tile again per query head and token: 16 rows x 2 tokens of SmolLM2 at 2,000 cached slots 82.4 µs a fused layer
@@ -354,14 +356,14 @@ def _decode_attention_rows(q_ptr, kv_ptr, positions_ptr, rows_ptr, partial_ptr, 
             at = slots[:, None] * stride_s + dims[None, :]
             k = tl.load(k_base + at, mask=wanted, other=0.0)
             v = tl.load(k_base + stride_kv + at, mask=wanted, other=0.0)
-            scores = _rounded(tl.dot(q, tl.trans(k)), q_ptr) * scale  # rounded where q @ k^T rounds
+            scores = _rounded(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), q_ptr) * scale  # (as q @ k^T)
             scores = tl.where(seen, scores, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(scores, axis=1))
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
             p = tl.exp(scores - shift[:, None])
             rescale = tl.exp(run_max - shift)
             run_sum = run_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             run_max = new_max
         n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)  # each query's splits
         _finish_group(partial_ptr, stats_ptr, count_ptr + bg, out_ptr, mh, valid, n_used,

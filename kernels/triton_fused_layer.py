@@ -895,7 +895,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
             q, kv_cache, pos, token_rows, partial, stats, _split_counters(programs, dev), attn, root, ancestors,
             H, rep, block.window or n_slots + 1, D ** -0.5, per_split, splits, T, chunk, *kv_strides, HEAD_DIM=D,
             BLOCK_S=max(16, min(triton.next_power_of_2(per_split), setting["rows_block_s"])),
-            BLOCK_Q=max(16, triton.next_power_of_2(chunk * rep)), N_SPLITS=n_splits,
+            BLOCK_Q=max(16, triton.next_power_of_2(chunk * rep)), N_SPLITS=n_splits, DOT_PRECISION=precision,
             num_warps=setting["rows_num_warps"], TREE=tree is not None, **pdl)
     else:
         grouped = dict(REP=triton.next_power_of_2(H // Hkv)) if ATTENTION_GQA and Hkv < H else {}
