@@ -125,7 +125,7 @@ ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
 # `rows_block_s`, `rows_num_warps` and `rows_queries` are `_decode_attention_rows`'s (ATTENTION_ROWS): its tile of
 # slots, its warps, and the queries of head_dim 64 a program holds at most (a row's tokens in chunks; half as many of
 # head_dim 128). Compiled for sm_90, 4 warps and 64 slots a tile took it to 249-255 registers and spilled at 64
-# queries; 8 warps and 16 slots, 119-227 and no spill up to 64 queries of head_dim 64 and 32 of head_dim 128 (64 of
+# queries; 8 warps and 16 slots, 120-238 and no spill up to 64 queries of head_dim 64 and 32 of head_dim 128 (64 of
 # 128 and 128 of 64 spilled 408-528 bytes). Not yet timed.
 ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4, "rows_block_s": 16, "rows_num_warps": 8,
                    "rows_queries": 64, **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
@@ -1157,8 +1157,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
     `fma_tiles` and each DOT_TILES in `dot_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2)
     Packed12Linear, as `check` takes it): the fused layer reads 12-bit weights (the modular one its bf16 matrices), and
     `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl`, each ATTENTION_GQA in `attention_gqa` and each
-    ATTENTION_ROWS in `attention_rows`. `modular`
-    None: the modular layer is not timed (a sweep's many rows). GPU only."""
+    ATTENTION_ROWS in `attention_rows`. `modular` None: the modular layer is not timed (a sweep's many rows). GPU
+    only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
