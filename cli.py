@@ -290,7 +290,7 @@ def cmd_train_drafter(args) -> int:
                         device=device, dtype=args.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
                         checkpoint_every=args.checkpoint_every, log_every=args.log_every, minutes=args.minutes,
                         lm_head=args.lm_head, prompt_mix=args.prompt_mix, answer_batch=args.answer_batch,
-                        init=args.init)
+                        init=args.init, intermediate_size=args.intermediate_size)
     started = time.perf_counter()  # each line says when: where a long build's minutes go
     train_drafter(settings, args.out, resume=args.resume,
                   say=lambda line: print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True))
@@ -337,6 +337,9 @@ def add_train_parser(sub) -> None:
                    help="continue a trained EAGLE-3 head of this target (a directory or an alias, e.g. "
                         "smollm2-135m-eagle3) on this run's data: its weights and draft vocabulary instead of a "
                         "fresh draw (the optimizer and its schedule start anew); run.json records its sha256")
+    t.add_argument("--intermediate-size", type=positive_int, default=None, metavar="N",
+                   help="the head's MLP width (default: the target layer's; with --init, that head's): a wider head "
+                        "within the package's 16 MB")
     t.add_argument("--lm-head", default="trained", choices=["trained", "target"],
                    help="trained: the head's own LM head (starting from the target's rows of the draft vocabulary), "
                         "trained and exported; target: those rows frozen and not exported (EAGLE-1/2 style; about "

@@ -461,6 +461,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_head(trained, chat_target_dir
     (["--minutes", "0"], "--minutes: must be positive"),
     (["--lm-head", "tied"], "invalid choice"),
     (["--prompt-mix", "code"], "invalid choice"),
+    (["--intermediate-size", "0"], "--intermediate-size: must be positive"),
 ])
 def test_bad_arguments_are_refused_in_one_line(chat_target_dir, tmp_path, capsys, extra, message):
     code = main(["train-drafter", "--target", str(chat_target_dir), "--out", str(tmp_path / "h"), "--device", "cpu",
@@ -530,6 +531,35 @@ def test_init_refusals_are_one_line_before_anything_is_written(trained, chat_tar
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and message in err, (extra, err)
         assert not (tmp_path / "h").exists()
+
+
+def test_a_wider_head_trains_loads_continues_and_decodes_ar_identical_tokens(chat_target_dir, tmp_path):
+    """--intermediate-size: the head's MLP that wide (config.json and the weights' shapes), trained, loaded by the
+    engine, decoding AR's tokens greedily; --init continues it at its own width, and refuses another in one line."""
+    target = load(str(chat_target_dir))
+    wide = 2 * target.model.cfg.intermediate_size
+    out = tmp_path / "wide"
+    train_drafter(settings(chat_target_dir, steps=4, checkpoint_every=2, log_every=2, intermediate_size=wide), out,
+                  say=lambda line: None, progress=lambda e: None)
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == wide
+    weights = load_file(str(out / "model.safetensors"))
+    hidden = target.model.cfg.hidden_size
+    assert weights["midlayer.mlp.gate_proj.weight"].shape == (wide, hidden)
+    assert weights["midlayer.mlp.down_proj.weight"].shape == (hidden, wide)
+    assert load_head(out, target.model).cfg.intermediate_size == wide
+    want = Engine(target, parse({})).generate(tiny_prompts(), 16, ignore_eos=True)
+    recipe = parse({"drafter": {"kind": "eagle3", "model": str(out)}, "k": 3, "cuda_graphs": False})
+    assert [r.tokens for r in Engine(target, recipe).generate(tiny_prompts(), 16, ignore_eos=True)] == \
+        [r.tokens for r in want]
+    assert starting_head(str(out), target.model, target.hf_config).intermediate_size == wide
+    continued = tmp_path / "continued"
+    train_drafter(settings(chat_target_dir, steps=2, checkpoint_every=2, log_every=2, init=str(out)), continued,
+                  say=lambda line: None, progress=lambda e: None)
+    assert json.loads((continued / "config.json").read_text())["intermediate_size"] == wide
+    with pytest.raises(SpecPilotError, match=f"--intermediate-size {wide // 2}: --init .* has an MLP of {wide}"):
+        train_drafter(settings(chat_target_dir, steps=2, init=str(out), intermediate_size=wide // 2),
+                      tmp_path / "other", say=lambda line: None)
+    assert not (tmp_path / "other").exists()
 
 
 # -- --lm-head target, --minutes, batched capture ------------------------------------------------------------------

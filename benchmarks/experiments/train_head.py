@@ -81,6 +81,8 @@ def arguments(p) -> None:
     p.add_argument("--init", default=None, help="continue this head (train-drafter --init: a directory or an alias, "
                                                 "e.g. smollm2-135m-eagle3); the bench then runs its chain of 2 too")
     p.add_argument("--seed", type=int, default=0, help="train-drafter's seed (another one: other prompts)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="train-drafter's --intermediate-size: the head's MLP width (default: the target layer's)")
 
 
 def sized(args, speed: dict) -> dict:
@@ -146,6 +148,8 @@ def run(out_dir, args):
     train = ctx.module("train", "specpilot.cli", ["train-drafter", "--target", ctx.target, "--kind", "eagle3",
                                                   "--out", head, "--device", ctx.device, "--lm-head", "target",
                                                   "--seed", args.seed, *(["--init", args.init] if args.init else []),
+                                                  *(["--intermediate-size", args.intermediate_size]
+                                                    if args.intermediate_size else []),
                                                   *sizing, *resume], timeout=limit)
     if args.call_minutes is not None and not (head / "model.safetensors").is_file():
         return stopped(head, train, bool(resume))

@@ -42,13 +42,16 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     return 0, n_layers // 2, n_layers - 1
 
 
-def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype: torch.dtype) -> dict:
-    """config.json of a head for this target (its transformers config)."""
+def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype: torch.dtype,
+                intermediate_size: int | None = None) -> dict:
+    """config.json of a head for this target (its transformers config): the target layer's shapes, its MLP
+    `intermediate_size` wide where given (a wider head within the package's 16 MB: `train-drafter
+    --intermediate-size`)."""
     t = hf_config.to_dict()
     H = t["hidden_size"]
     n_heads = t["num_attention_heads"]
     cfg = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "hidden_size": H,
-           "intermediate_size": t["intermediate_size"], "num_attention_heads": n_heads,
+           "intermediate_size": intermediate_size or t["intermediate_size"], "num_attention_heads": n_heads,
            "num_key_value_heads": t.get("num_key_value_heads") or n_heads,
            "head_dim": t.get("head_dim") or H // n_heads, "num_hidden_layers": 1,
            "rms_norm_eps": t.get("rms_norm_eps", 1e-6), "max_position_embeddings": t["max_position_embeddings"],
@@ -69,17 +72,18 @@ def head_config(hf_config, draft_vocab: int, aux_layers: tuple[int, ...], dtype:
 class StartingHead:
     """A trained head a run starts from (`--init`): its weights by SGLang's names, as the file holds them; each draft
     id's target id (the run keeps the head's draft vocabulary: its LM-head rows are those ids'); the target layers
-    it reads; the sha256 of its weights file (run.json records it)."""
+    it reads; its MLP's width; the sha256 of its weights file (run.json records it)."""
     weights: dict[str, torch.Tensor]
     draft_ids: torch.Tensor
     aux_layers: tuple[int, ...]
+    intermediate_size: int
     sha256: str
 
 
 def starting_head(spec: str, target: Transformer, hf_config) -> StartingHead:
     """The head `spec` names (a directory or an alias: engine.loader.source_dir), checked by the engine's own loader
-    against the target, and refused in one line where a head trained here could not continue it: another shape
-    than the target's layer (this trainer's head is one), biases, or embeddings of its own."""
+    against the target, and refused in one line where a head trained here could not continue it: attention shapes
+    other than the target layer's (its MLP's width may be its own), biases, or embeddings of its own."""
     from ...engine import loader
 
     directory = loader.source_dir(spec)
@@ -87,7 +91,8 @@ def starting_head(spec: str, target: Transformer, hf_config) -> StartingHead:
     raw, weights = read_config(directory, fail), read_weights(directory, fail)
     loaded = Eagle3Head.from_weights(raw, weights, target, f"--init {spec}")
     t = hf_config.to_dict()
-    shaped = head_config(hf_config, loaded.cfg.draft_vocab_size, loaded.cfg.aux_layers, target.dtype)
+    shaped = head_config(hf_config, loaded.cfg.draft_vocab_size, loaded.cfg.aux_layers, target.dtype,
+                         loaded.cfg.intermediate_size)  # (its MLP's width is its own)
     for key, have in (("hidden_size", loaded.cfg.hidden_size), ("intermediate_size", loaded.cfg.intermediate_size),
                       ("num_attention_heads", loaded.cfg.n_heads), ("num_key_value_heads", loaded.cfg.n_kv_heads),
                       ("head_dim", loaded.cfg.head_dim)):
@@ -103,7 +108,8 @@ def starting_head(spec: str, target: Transformer, hf_config) -> StartingHead:
     for f in files:
         digest.update(f.read_bytes())
     return StartingHead({k: w for k, w in weights.items() if k not in ("d2t", "t2d")},
-                        loaded.draft_to_target.cpu(), tuple(loaded.cfg.aux_layers), digest.hexdigest())
+                        loaded.draft_to_target.cpu(), tuple(loaded.cfg.aux_layers), loaded.cfg.intermediate_size,
+                        digest.hexdigest())
 
 
 class TrainableHead(nn.Module):

@@ -51,6 +51,7 @@ class Settings:
     prompt_mix: str = "tasks"  # self-instruct: "chat" (the bare user turn) or "tasks" (prompts.FAMILIES, even shares)
     answer_batch: int = data_mod.ANSWER_ROWS  # rows the engine decodes prompts and answers in at once
     init: str | None = None  # a trained head to continue (its weights and draft vocabulary), or None: a fresh draw
+    intermediate_size: int | None = None  # the head's MLP width; None: the target layer's (--init: that head's)
 
 
 def check(s: Settings) -> None:
@@ -66,6 +67,8 @@ def check(s: Settings) -> None:
         raise SpecPilotError(f"--prompt-mix {s.prompt_mix!r}: one of {', '.join(PROMPT_MIXES)}")
     if s.answer_batch < 1:
         raise SpecPilotError(f"--answer-batch {s.answer_batch}: must be at least 1")
+    if s.intermediate_size is not None and s.intermediate_size < 1:
+        raise SpecPilotError(f"--intermediate-size {s.intermediate_size}: must be at least 1")
     if s.samples < 2:
         raise SpecPilotError(f"--samples {s.samples}: at least 2 prompts are needed (one is held out)")
     if s.prompts is not None and not Path(s.prompts).is_file():
@@ -210,6 +213,10 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
     if start and draft_vocab != start.draft_ids.numel():
         raise SpecPilotError(f"--draft-vocab {draft_vocab}: --init {settings.init} drafts over "
                              f"{start.draft_ids.numel()} ids, which a continued head keeps")
+    width = settings.intermediate_size or (start.intermediate_size if start else None)
+    if start and width != start.intermediate_size:
+        raise SpecPilotError(f"--intermediate-size {width}: --init {settings.init} has an MLP of "
+                             f"{start.intermediate_size}, which a continued head keeps")
     if settings.prompts is None:
         user_turn_prefix(target.tokenizer, settings.target)  # refused here, before DIR is written, without one
     started_from = {"init_sha256": start.sha256} if start else {}
@@ -230,7 +237,7 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
     samples, heldout = resident(samples, model.device), resident(heldout, model.device)  # on a GPU once, if they fit
     draft_ids = start.draft_ids if start else draft_vocabulary([s.answer for s in samples], draft_vocab,
                                                                model.cfg.vocab_size)
-    config = head_config(target.hf_config, draft_vocab, aux_layers, model.dtype)
+    config = head_config(target.hf_config, draft_vocab, aux_layers, model.dtype, width)
     head = TrainableHead(config, draft_ids, model, settings.seed, settings.lm_head)
     if start:
         head.start_from(start)
