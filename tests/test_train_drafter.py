@@ -533,33 +533,52 @@ def test_init_refusals_are_one_line_before_anything_is_written(trained, chat_tar
         assert not (tmp_path / "h").exists()
 
 
-def test_a_wider_head_trains_loads_continues_and_decodes_ar_identical_tokens(chat_target_dir, tmp_path):
-    """--intermediate-size: the head's MLP that wide (config.json and the weights' shapes), trained, loaded by the
-    engine, decoding AR's tokens greedily; --init continues it at its own width, and refuses another in one line."""
+def test_a_head_widened_by_init_drafts_as_before_then_trains_and_decodes_ar_identical_tokens(trained,
+                                                                                              chat_target_dir,
+                                                                                              tmp_path):
+    """--init HEAD --intermediate-size N: the head's MLP N wide, HEAD's units first and the new ones' down columns
+    zero, so before a step it drafts HEAD's logits; trained, written (config.json and the weights' shapes), loaded by
+    the engine, it decodes AR's tokens greedily; a narrower width than HEAD's is refused in one line."""
+    source = trained[0]
     target = load(str(chat_target_dir))
-    wide = 2 * target.model.cfg.intermediate_size
+    narrow = target.model.cfg.intermediate_size
+    wide = 2 * narrow
+    start = starting_head(str(source), target.model, target.hf_config)
+    assert start.intermediate_size == narrow
+    config = json.loads((source / "config.json").read_text()) | {"intermediate_size": wide}
+    widened = TrainableHead(config, start.draft_ids, target.model, seed=5)
+    widened.start_from(start)
+    before = load_head(source, target.model)
+    sample = load_samples(source / "samples.pt")[0]
+    n = sample.tokens.numel() - 1
+    tokens, states, positions = sample.tokens[None], sample.states[None].float(), torch.arange(n)[None]
+
+    def logits(head):
+        head.ensure_rope(n)
+        cache = torch.zeros(2, 1, head.cfg.n_kv_heads, n, head.cfg.head_dim)
+        return draft_logits(head, midlayer(head, tokens[:, 1:], fuse(head, states[:, :n], OPS), positions, cache,
+                                           OPS), OPS)
+
+    with torch.no_grad():
+        torch.testing.assert_close(logits(widened), logits(before), atol=1e-5, rtol=1e-5)
     out = tmp_path / "wide"
-    train_drafter(settings(chat_target_dir, steps=4, checkpoint_every=2, log_every=2, intermediate_size=wide), out,
-                  say=lambda line: None, progress=lambda e: None)
+    train_drafter(settings(chat_target_dir, steps=4, checkpoint_every=2, log_every=2, init=str(source),
+                           intermediate_size=wide), out, say=lambda line: None, progress=lambda e: None)
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == wide
     weights = load_file(str(out / "model.safetensors"))
     hidden = target.model.cfg.hidden_size
     assert weights["midlayer.mlp.gate_proj.weight"].shape == (wide, hidden)
     assert weights["midlayer.mlp.down_proj.weight"].shape == (hidden, wide)
+    assert weights["midlayer.mlp.down_proj.weight"][:, narrow:].abs().sum() > 0  # the new units trained
     assert load_head(out, target.model).cfg.intermediate_size == wide
     want = Engine(target, parse({})).generate(tiny_prompts(), 16, ignore_eos=True)
     recipe = parse({"drafter": {"kind": "eagle3", "model": str(out)}, "k": 3, "cuda_graphs": False})
     assert [r.tokens for r in Engine(target, recipe).generate(tiny_prompts(), 16, ignore_eos=True)] == \
         [r.tokens for r in want]
-    assert starting_head(str(out), target.model, target.hf_config).intermediate_size == wide
-    continued = tmp_path / "continued"
-    train_drafter(settings(chat_target_dir, steps=2, checkpoint_every=2, log_every=2, init=str(out)), continued,
-                  say=lambda line: None, progress=lambda e: None)
-    assert json.loads((continued / "config.json").read_text())["intermediate_size"] == wide
-    with pytest.raises(SpecPilotError, match=f"--intermediate-size {wide // 2}: --init .* has an MLP of {wide}"):
-        train_drafter(settings(chat_target_dir, steps=2, init=str(out), intermediate_size=wide // 2),
-                      tmp_path / "other", say=lambda line: None)
-    assert not (tmp_path / "other").exists()
+    with pytest.raises(SpecPilotError, match=f"--intermediate-size {narrow}: --init .* has an MLP of {wide} units"):
+        train_drafter(settings(chat_target_dir, steps=2, init=str(out), intermediate_size=narrow),
+                      tmp_path / "cut", say=lambda line: None)
+    assert not (tmp_path / "cut").exists()
 
 
 # -- --lm-head target, --minutes, batched capture ------------------------------------------------------------------

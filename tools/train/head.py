@@ -83,7 +83,8 @@ class StartingHead:
 def starting_head(spec: str, target: Transformer, hf_config) -> StartingHead:
     """The head `spec` names (a directory or an alias: engine.loader.source_dir), checked by the engine's own loader
     against the target, and refused in one line where a head trained here could not continue it: attention shapes
-    other than the target layer's (its MLP's width may be its own), biases, or embeddings of its own."""
+    other than the target layer's (its MLP's width may be its own, and a run may widen it), biases, or embeddings of
+    its own."""
     from ...engine import loader
 
     directory = loader.source_dir(spec)
@@ -162,7 +163,10 @@ class TrainableHead(nn.Module):
     def start_from(self, start: StartingHead) -> None:
         """Every trained weight from a head (`--init`), in fp32: the run continues it instead of a fresh draw. Its
         LM head where it has one of its own (refused with the target's rows frozen, which would drop it); a head
-        without one drafts with the target's rows, which this head starts from already."""
+        without one drafts with the target's rows, which this head starts from already. A wider MLP than the
+        starting head's (`--intermediate-size`) keeps its units first and the new ones' fresh gate and up rows with
+        zero down columns, so the widened head drafts what the starting head drafted and training grows the new
+        units from there."""
         w = start.weights
         if not torch.equal(start.draft_ids.to(self.draft_to_target.device), self.draft_to_target):
             raise SpecPilotError("--init: the run's draft vocabulary must be the starting head's")
@@ -173,8 +177,15 @@ class TrainableHead(nn.Module):
                  self.hidden_norm: w["midlayer.hidden_norm.weight"],
                  self.wqkv: torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), self.wo: w[a + "o_proj.weight"],
                  self.post_norm: w["midlayer.post_attention_layernorm.weight"],
-                 self.w13: torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]),
-                 self.w2: w[m + "down_proj.weight"], self.norm: w["norm.weight"]}
+                 self.norm: w["norm.weight"]}
+        width, had = self.cfg.intermediate_size, w[m + "down_proj.weight"].shape[1]
+        if width < had:
+            raise SpecPilotError(f"--intermediate-size {width}: --init's MLP has {had} units; a head is widened, "
+                                 f"never cut")
+        w13, w2 = self.w13.detach().clone(), torch.zeros_like(self.w2)
+        w13[:had], w13[width: width + had], w2[:, :had] = (w[m + f"{n}_proj.weight"].float()
+                                                           for n in ("gate", "up", "down"))
+        pairs.update({self.w13: w13, self.w2: w2})
         if "lm_head.weight" in w:
             pairs[self.lm_head] = w["lm_head.weight"]
         for param, value in pairs.items():

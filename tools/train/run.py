@@ -51,7 +51,8 @@ class Settings:
     prompt_mix: str = "tasks"  # self-instruct: "chat" (the bare user turn) or "tasks" (prompts.FAMILIES, even shares)
     answer_batch: int = data_mod.ANSWER_ROWS  # rows the engine decodes prompts and answers in at once
     init: str | None = None  # a trained head to continue (its weights and draft vocabulary), or None: a fresh draw
-    intermediate_size: int | None = None  # the head's MLP width; None: the target layer's (--init: that head's)
+    intermediate_size: int | None = None  # the head's MLP width; None: the target layer's (--init: that head's,
+    # which a wider one grows: TrainableHead.start_from)
 
 
 def check(s: Settings) -> None:
@@ -214,9 +215,9 @@ def train_drafter(settings: Settings, out: str | Path, resume: bool = False, say
         raise SpecPilotError(f"--draft-vocab {draft_vocab}: --init {settings.init} drafts over "
                              f"{start.draft_ids.numel()} ids, which a continued head keeps")
     width = settings.intermediate_size or (start.intermediate_size if start else None)
-    if start and width != start.intermediate_size:
+    if start and width < start.intermediate_size:
         raise SpecPilotError(f"--intermediate-size {width}: --init {settings.init} has an MLP of "
-                             f"{start.intermediate_size}, which a continued head keeps")
+                             f"{start.intermediate_size} units; a head is widened, never cut")
     if settings.prompts is None:
         user_turn_prefix(target.tokenizer, settings.target)  # refused here, before DIR is written, without one
     started_from = {"init_sha256": start.sha256} if start else {}
