@@ -72,6 +72,16 @@ MINUTES = 2
 CUDA_ONLY = True
 
 
+# The on/off settings of triton_fused_layer each row can be timed both ways (`--dot-pdl 0,1`, ...): the benchmark's
+# keyword and the module global are the name, upper-cased.
+SWITCHES = {
+    "dot_pdl": "the tensor-core path's kernels launched before their predecessor ends",
+    "attention_gqa": "the attention a program per query head, or per kv head: _decode_attention_gqa",
+    "attention_rows": "the tensor-core path's attention a program per query, or per row and kv head on tensor "
+                      "cores: _decode_attention_rows",
+}
+
+
 def arguments(p) -> None:
     p.add_argument("--tokens", default="1,2,4,5,6,8,10,12,16,20,24,32,40,48,64")
     p.add_argument("--batch", type=int, default=1,
@@ -86,13 +96,9 @@ def arguments(p) -> None:
     p.add_argument("--dot-tiles", default=None,
                    help="a JSON list of DOT_TILES settings to time too, e.g. '[{\"down\": {\"rows\": 16, "
                         "\"block_k\": 512, \"split\": 3}}]'")
-    p.add_argument("--dot-pdl", default=None, help="DOT_PDL settings to time each row at, e.g. 0,1")
-    p.add_argument("--attention-gqa", default=None,
-                   help="ATTENTION_GQA settings to time each row at, e.g. 0,1 (the attention a program per query "
-                        "head, or per kv head: _decode_attention_gqa)")
-    p.add_argument("--attention-rows", default=None,
-                   help="ATTENTION_ROWS settings to time each row at, e.g. 0,1 (the tensor-core path's attention a "
-                        "program per query, or per row and kv head on tensor cores: _decode_attention_rows)")
+    for name, what in SWITCHES.items():
+        p.add_argument("--" + name.replace("_", "-"), default=None,
+                       help=f"{name.upper()} settings to time each row at, e.g. 0,1 ({what})")
     p.add_argument("--dot-tokens", default=None,
                    help="token blocks past 16 to time each row past 16 tokens at too (DOT_TILES' \"tokens\"), "
                         "e.g. 32,64,128")
@@ -204,9 +210,8 @@ def run(out_dir, args):
     tiles = tuple(int(t) for t in args.tile_values.split(",")) if args.tile_values else (None,)
     fma_tiles = (None, *json.loads(args.fma_tiles)) if args.fma_tiles else (None,)
     dot_tiles = (None, *json.loads(args.dot_tiles)) if args.dot_tiles else (None,)
-    dot_pdl = tuple(bool(int(v)) for v in args.dot_pdl.split(",")) if args.dot_pdl else (None,)
-    gqa = tuple(bool(int(v)) for v in args.attention_gqa.split(",")) if args.attention_gqa else (None,)
-    by_rows = tuple(bool(int(v)) for v in args.attention_rows.split(",")) if args.attention_rows else (None,)
+    switches = {name: tuple(bool(int(v)) for v in getattr(args, name).split(",")) if getattr(args, name) else (None,)
+                for name in SWITCHES}
     fma = tuple(int(v) for v in args.fma_max_tokens.split(","))
     filled = [int(v) for v in args.filled.split(",")]
     rows = []
@@ -219,8 +224,7 @@ def run(out_dir, args):
                 got = triton_fused_layer.benchmark(target.model, modular if i == 0 else None, tokens=(T,),
                                                    n_slots=n_slots, filled=position,
                                                    fma_max_tokens=fma, batch=args.batch, tile_values=tiles,
-                                                   fma_tiles=fma_tiles, dot_tiles=(dot,), dot_pdl=dot_pdl,
-                                                   attention_gqa=gqa, attention_rows=by_rows)
+                                                   fma_tiles=fma_tiles, dot_tiles=(dot,), **switches)
             except Exception as e:  # (a tiling that does not compile or run costs its own row)
                 got = [dict(batch=args.batch, tokens=T, dot_tiles=dot or triton_fused_layer.DOT_TILES,
                             error=f"{type(e).__name__}: {e}"[:300])]
@@ -236,10 +240,9 @@ def run(out_dir, args):
     keys = sorted({k for r in rows for k in r})
     default_tile = [r for r in rows if "fused_us" in r and r["filled"] == filled[0]
                     and r["tile_values"] == triton_fused_layer.TILE_VALUES
-                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES and r["dot_tiles"] == triton_fused_layer.DOT_TILES
-                    and r["dot_pdl"] == triton_fused_layer.DOT_PDL
-                    and r.get("attention_gqa", False) == triton_fused_layer.ATTENTION_GQA
-                    and r.get("attention_rows", False) == triton_fused_layer.ATTENTION_ROWS]
+                    and r["fma_tiles"] == triton_fused_layer.FMA_TILES
+                    and r["dot_tiles"] == triton_fused_layer.DOT_TILES
+                    and all(r.get(name, False) == getattr(triton_fused_layer, name.upper()) for name in SWITCHES)]
     chosen = (thresholds(default_tile, *fma[:2]) if args.batch == 1 and default_tile and len(fma) >= 2 else {})
     blocks = {}
     if args.dot_tokens:  # the token blocks' cap and the limit at it
