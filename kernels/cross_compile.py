@@ -151,10 +151,9 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
 
     out = []
     names = ["_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"]
-    saved, tiles, gqa, by_rows = F._pdl, F.DOT_TILES, F.ATTENTION_GQA, F.ATTENTION_ROWS
+    saved, tiles = F._pdl, F.DOT_TILES
     try:
         F._pdl = lambda device: True
-        F.ATTENTION_GQA = F.ATTENTION_ROWS = False  # (the defaults; their own launches come last)
         for shape, dims in SHAPES.items():
             block = _meta_block(*dims)
             hidden, head_dim = dims[0], dims[3]
@@ -202,41 +201,8 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
         with record(F, names) as calls:
             _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None))
         out += [("smollm2-135m B=8 T=2 split K", call) for call in calls]
-        # the attention a program per kv head (ATTENTION_GQA, off by default): its launches at every shape and step,
-        # a tree step's too
-        F.DOT_TILES, F.ATTENTION_GQA = tiles, True
-        for shape, dims in SHAPES.items():
-            block, hidden, head_dim = _meta_block(*dims), dims[0], dims[3]
-            for B, T in steps:
-                x = torch.empty(B, T, hidden, dtype=torch.bfloat16, device="meta")
-                cos = torch.empty(B, T, 1, head_dim, dtype=torch.bfloat16, device="meta")
-                cache = torch.empty(2, B, dims[2], 512, head_dim, dtype=torch.bfloat16, device="meta")
-                rows = torch.empty(B, T, dtype=torch.long, device="meta")
-                tree = (rows, rows) if T > 1 else None
-                with record(F, names + ["_decode_attention_gqa"]) as calls:
-                    _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
-                                                           tree=tree))
-                out += [(f"{shape} B={B} T={T}{' tree' if tree else ''} by kv head", call) for call in calls
-                        if call[0].__name__ == "_decode_attention_gqa"]  # (the rest as above)
-        # the tensor-core path's attention by row (ATTENTION_ROWS, off by default): chain and tree steps, a row's
-        # queries from 16 to 64 (Qwen2-like: 7 query heads a kv head, 16 tokens a row in chunks of 9)
-        F.ATTENTION_GQA, F.ATTENTION_ROWS = False, True
-        for shape, dims in SHAPES.items():
-            block, hidden, head_dim = _meta_block(*dims), dims[0], dims[3]
-            for (B, T), as_tree in (((8, 1), False), ((4, 2), False), ((4, 2), True), ((2, 16), False),
-                                    ((2, 16), True)):
-                x = torch.empty(B, T, hidden, dtype=torch.bfloat16, device="meta")
-                cos = torch.empty(B, T, 1, head_dim, dtype=torch.bfloat16, device="meta")
-                cache = torch.empty(2, B, dims[2], 512, head_dim, dtype=torch.bfloat16, device="meta")
-                rows = torch.empty(B, T, dtype=torch.long, device="meta")
-                tree = (rows, rows) if as_tree else None
-                with record(F, names + ["_decode_attention_rows"]) as calls:
-                    _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None,
-                                                           tree=tree))
-                out += [(f"{shape} B={B} T={T}{' tree' if tree else ''} by row", call) for call in calls
-                        if call[0].__name__ == "_decode_attention_rows"]
     finally:
-        F._pdl, F.DOT_TILES, F.ATTENTION_GQA, F.ATTENTION_ROWS = saved, tiles, gqa, by_rows
+        F._pdl, F.DOT_TILES = saved, tiles
     return out
 
 

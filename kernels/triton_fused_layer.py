@@ -14,10 +14,7 @@ runs five, each a GEMV (or attention) with the small ops around it folded into i
 2. `_decode_attention`: each (token, query head, cache split) program attends one query over one range of cache
    slots (online softmax, fp32) and writes an unnormalized partial result with its running max and sum; the last
    split of a (token, head) to finish, told by an atomic counter, merges all splits into the attention output (the
-   flash-decoding reduction, without a kernel of its own). (`_decode_attention_gqa`, with ATTENTION_GQA: a program
-   per (token, kv head, split) for the query heads that share the kv head. `_decode_attention_rows`, with
-   ATTENTION_ROWS, on the tensor-core path: a program per (row, kv head, split) for all the row's tokens and the kv
-   head's query heads, on tensor cores.)
+   flash-decoding reduction, without a kernel of its own).
 3. `_gemv`: o = attn @ Wo^T (+ bias).
 4. `_norm_pair_gemv` (SILU): h = RMSNorm(r + o); gate, up = h @ W13^T; act = silu(gate) * up. It also writes r + o.
 5. `_gemv`: delta = act @ W2^T, added to the residual by the next layer's step 1.
@@ -78,8 +75,7 @@ import triton.language as tl
 
 from . import FUSED_LAYER_FMA_MAX_TOKENS
 from . import FUSED_LAYER_MAX_TOKENS as MAX_TOKENS
-from .fused_layer_attention import (_decode_attention, _decode_attention_gqa, _decode_attention_rows, _qk_norm_rope,
-                                    attention_masks)
+from .fused_layer_attention import _decode_attention, _qk_norm_rope, attention_masks
 from .fused_layer_common import _normed, _rounded, _store_resid
 from .fused_layer_w12 import _escape_inputs12, _escape_list12, _gemv12, _gemv12_normed, _sums12, _words12
 from .lossless12_format import Packed12Linear
@@ -122,27 +118,9 @@ ATTENTION = {"keys_per_split": 32, "block_s": 32, "num_warps": 4,
 # Steps past the FMA path (more than FMA_MAX_TOKENS tokens) attend with ATTENTION_MULTI, the tensor-core path's layer's
 # largest kernel at 8 tokens on the H100 (7.5 of 30.5 µs, docs/benchmarks/2026-12-06-thirty-second-lease.md, B):
 # SPECPILOT_DOT_ATTENTION (a JSON object) changes it for a run (`fused_tiles --tokens 8 --attention` sweeps it).
-# `rows_block_s`, `rows_num_warps` and `rows_queries` are `_decode_attention_rows`'s (ATTENTION_ROWS): its tile of
-# slots, its warps, and the queries of head_dim 64 a program holds at most (a row's tokens in chunks; half as many of
-# head_dim 128). Compiled for sm_90, 4 warps and 64 slots a tile took it to 249-255 registers and spilled at 64
-# queries; 8 warps and 16 slots, 120-238 and no spill up to 64 queries of head_dim 64 and 32 of head_dim 128 (64 of
-# 128 and 128 of 64 spilled 408-528 bytes). Not yet timed.
-ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4, "rows_block_s": 16, "rows_num_warps": 8,
-                   "rows_queries": 64, **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
+ATTENTION_MULTI = {"keys_per_split": 64, "block_s": 64, "num_warps": 4,
+                   **json.loads(os.environ.get("SPECPILOT_DOT_ATTENTION", "{}"))}
 MAX_SPLITS = 32
-# Attention with a program per (token, kv head, split) for all the query heads of that kv head
-# (`_decode_attention_gqa`: each K/V tile loaded once for them), instead of one per query head. Why: at 1,000 cached
-# slots the per-head programs took 16 rows x 2 tokens of SmolLM2 (3 query heads a kv head) from 27.4 to 54.2 µs a
-# layer (docs/benchmarks/2026-12-07-forty-third-lease.md, A). Off: with the per-head kernel's tiles its programs
-# spilled and ran 0.46-0.92x it at every shape timed (forty-fourth lease, A); its tiles now hold a REP-th of the
-# slots (no spills at sm_90), not yet timed. SPECPILOT_ATTENTION_GQA=1 turns it on for a run.
-ATTENTION_GQA = os.environ.get("SPECPILOT_ATTENTION_GQA", "0") == "1"
-# Tensor-core path steps (more than FMA_MAX_TOKENS tokens) attend a program per (row, kv head, split) for all the row's
-# tokens and the kv head's query heads, scores and outputs on tensor cores (`_decode_attention_rows`), where the
-# per-query programs read each K/V tile once per query head and token: at 2,000 cached slots 16 rows x 2 tokens of
-# SmolLM2 took the fused layer to 82.4 µs against the modular layer's 67.4 (forty-fourth lease, A). Off until timed:
-# SPECPILOT_ATTENTION_ROWS=1 turns it on for a run (a packed step of several rows' tokens attends by query anyway).
-ATTENTION_ROWS = os.environ.get("SPECPILOT_ATTENTION_ROWS", "0") == "1"
 # Programs a one-token GEMV wants at least: about two per multiprocessor of a 132-SM GPU, so all issue loads at once.
 MIN_PROGRAMS = 256
 # 12-bit weights: the escapes of each row that a GEMV program loads with its words, before the PDL wait (a row with
@@ -785,7 +763,7 @@ def supports(block, n_tokens: int, device: torch.device, w12: bool = False) -> s
 
 # -- the layer ---------------------------------------------------------------------------------------------------
 def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live=None, tree=None,
-                qkv_input=None, weights12=None, resid_out=None, packed=False):
+                qkv_input=None, weights12=None, resid_out=None):
     """Block.forward's contract (engine/model.py) in five kernels (six with a per-head q/k norm): (x, delta) in,
     (x', delta') out, the tokens' K/V written to `kv_cache` [2, B, kv_heads, S, D]. `masks` and `ops` are not needed:
     each token's `positions` and `rows` (its cache row, contiguous [B, T]) say it all, so packed tokens of several rows
@@ -810,10 +788,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
     `resid_out` [B, T, hidden] (any strides that flatten to one row stride, e.g. a slice of a wider tensor's last
     dim): also gets x + delta, the layer's input residual, which kernel 1 stores anyway (a token it skips, none).
-    So the previous layer's output, which an EAGLE-3 head reads, costs no add of its own (`Transformer.forward`).
-
-    `packed`: the step's tokens [1, N] are several rows' (Transformer.forward's packing), so they cannot attend by
-    row (ATTENTION_ROWS)."""
+    So the previous layer's output, which an EAGLE-3 head reads, costs no add of its own (`Transformer.forward`)."""
     cfg = block.cfg
     p_qkv, p_o, p_mlp, p_down = weights12 if weights12 is not None else (None,) * 4
     if weights12 is not None and x.shape[0] * x.shape[1] > FMA_MAX_TOKENS:
@@ -887,28 +862,11 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
     if tree is not None and block.window is not None:
         raise ValueError("fused layer: tree steps need full attention (a sliding window counts positions)")
     root, ancestors = (t.reshape(M).contiguous() for t in tree) if tree is not None else (pos, pos)
-    if ATTENTION_ROWS and not packed and M > FMA_MAX_TOKENS:  # a row's tokens and a kv head's query heads together
-        rep = H // Hkv
-        chunk = max(1, min(T, setting["rows_queries"] * 64 // D // rep))  # a program's tokens
-        programs = B * Hkv * triton.cdiv(T, chunk)
-        _decode_attention_rows[(programs, splits)](
-            q, kv_cache, pos, token_rows, partial, stats, _split_counters(programs, dev), attn, root, ancestors,
-            H, rep, block.window or n_slots + 1, D ** -0.5, per_split, splits, T, chunk, *kv_strides, HEAD_DIM=D,
-            BLOCK_S=max(16, min(triton.next_power_of_2(per_split), setting["rows_block_s"])),
-            BLOCK_Q=max(16, triton.next_power_of_2(chunk * rep)), N_SPLITS=n_splits, DOT_PRECISION=precision,
-            num_warps=setting["rows_num_warps"], TREE=tree is not None, **pdl)
-    else:
-        grouped = dict(REP=triton.next_power_of_2(H // Hkv)) if ATTENTION_GQA and Hkv < H else {}
-        kernel, programs = (_decode_attention_gqa, M * Hkv) if grouped else (_decode_attention, M * H)
-        # A grouped program's tiles hold REP queries' products [REP, BLOCK_S, D]: a REP-th of the slots a tile keeps
-        # them the per-head tile's size (at the full tile they spilled, and ran 0.46-0.92x the per-head kernel on the
-        # H100: docs/benchmarks/2026-12-07-forty-fourth-lease.md, A).
-        block_s = min(triton.next_power_of_2(per_split), setting["block_s"]) // grouped.get("REP", 1)
-        kernel[(programs, splits)](
-            q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(programs, dev), attn, root,
-            ancestors, H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides,
-            HEAD_DIM=D, BLOCK_S=max(block_s, 8), N_SPLITS=n_splits, num_warps=setting["num_warps"],
-            TREE=tree is not None, **grouped, **pdl, **skip)  # (every GEMV's tokens)
+    _decode_attention[(M * H, splits)](
+        q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
+        H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
+        BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
+        num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
@@ -1043,13 +1001,12 @@ def layer_function(fallback, packed: dict | None = None):
         B, T = x.shape[:2]
         if slots is None and runs(block, B * T, x.device):  # packed or not, rows say where tokens go
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops, live,
-                               weights12=planes(block), resid_out=resid_out, packed=unpack is not None)
+                               weights12=planes(block), resid_out=resid_out)
         if (slots is not None and tree_ancestors is not None and supports_tree(block, B, T, x.device) is None
                 and runs(block, B * T, x.device)):
             roots = slots[:, :1].expand(B, T)  # node 0, the root, sits at its tree's first slot
             return fused_layer(block, x, delta, cos, sin, kv_cache, rows, slots, masks, ops, live,
-                               tree=(roots, tree_ancestors), weights12=planes(block), resid_out=resid_out,
-                               packed=unpack is not None)
+                               tree=(roots, tree_ancestors), weights12=planes(block), resid_out=resid_out)
         if resid_out is not None:
             torch.add(x, delta, out=resid_out)
         extra = {k: v for k, v in (("unpack", unpack), ("slots", slots)) if v is not None}
@@ -1147,8 +1104,7 @@ def check(model, reference, batch_tokens=((1, 1), (1, 5), (3, 2)), seed: int = 0
 
 def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 300, attention=(None,),
               fma_max_tokens=(None,), batch: int = 1, tile_values=(None,), fma_tiles=(None,),
-              planes=None, dot_tiles=(None,), dot_pdl=(None,), attention_gqa=(None,),
-              attention_rows=(None,)) -> list[dict]:
+              planes=None, dot_tiles=(None,), dot_pdl=(None,)) -> list[dict]:
     """Microseconds per layer of the fused layer and of `modular` (the engine's compiled Block.forward), each over all
     of `model`'s layers captured in one CUDA graph (triton.testing.do_bench_cudagraph), for `batch` rows of T tokens
     each at position `filled` of an `n_slots` cache (a verification step of T - 1 drafts a row, or a tree of T
@@ -1156,9 +1112,8 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
     None: as set), each FMA_MAX_TOKENS in `fma_max_tokens`, each TILE_VALUES in `tile_values` and each FMA_TILES in
     `fma_tiles` and each DOT_TILES in `dot_tiles` (None: as set). `planes` (block -> its (wqkv, wo, w13, w2)
     Packed12Linear, as `check` takes it): the fused layer reads 12-bit weights (the modular one its bf16 matrices), and
-    `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl`, each ATTENTION_GQA in `attention_gqa` and each
-    ATTENTION_ROWS in `attention_rows`. `modular` None: the modular layer is not timed (a sweep's many rows). GPU
-    only."""
+    `fma_tiles` are FMA_TILES_12; with each DOT_PDL in `dot_pdl`. `modular` None: the modular layer is not timed (a
+    sweep's many rows). GPU only."""
     from triton.testing import do_bench_cudagraph
 
     def fused(block, *args):
@@ -1187,20 +1142,17 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
         if modular is not None:
             run(modular)()  # compile before capture
             modular_us = do_bench_cudagraph(run(modular)) * 1e3 / cfg.n_layers
-        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES, DOT_PDL, ATTENTION_GQA, ATTENTION_ROWS
+        global FMA_MAX_TOKENS, TILE_VALUES, FMA_TILES, FMA_TILES_12, DOT_TILES, DOT_PDL
         current = attention_setting(batch * T)
         fma_saved, tile_saved, dot_saved, dot_pdl_saved = FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL
-        gqa_saved, rows_saved = ATTENTION_GQA, ATTENTION_ROWS
         tiles_saved = FMA_TILES if planes is None else FMA_TILES_12  # (the table of the weights' format)
         saved = dict(current)
-        for fma, tile, tiles, setting, dot, pdl, gqa, by_rows in itertools.product(
-                fma_max_tokens, tile_values, fma_tiles, attention, dot_tiles, dot_pdl, attention_gqa, attention_rows):
+        for fma, tile, tiles, setting, dot, pdl in itertools.product(fma_max_tokens, tile_values, fma_tiles, attention,
+                                                                     dot_tiles, dot_pdl):
             current.update(setting or {})
             FMA_MAX_TOKENS, TILE_VALUES = fma or fma_saved, tile or tile_saved
             DOT_TILES = dot_saved if dot is None else dot
             DOT_PDL = dot_pdl_saved if pdl is None else pdl
-            ATTENTION_GQA = gqa_saved if gqa is None else gqa
-            ATTENTION_ROWS = rows_saved if by_rows is None else by_rows
             if planes is None:
                 FMA_TILES = tiles_saved if tiles is None else tiles
             else:
@@ -1212,7 +1164,6 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
                 current.clear()
                 current.update(saved)
                 FMA_MAX_TOKENS, TILE_VALUES, DOT_TILES, DOT_PDL = fma_saved, tile_saved, dot_saved, dot_pdl_saved
-                ATTENTION_GQA, ATTENTION_ROWS = gqa_saved, rows_saved
                 if planes is None:
                     FMA_TILES = tiles_saved
                 else:
@@ -1220,9 +1171,6 @@ def benchmark(model, modular, tokens=(1, 5), n_slots: int = 512, filled: int = 3
             out.append(dict(batch=batch, tokens=T, attention=setting or saved, fma_max_tokens=fma or fma_saved,
                             tile_values=tile or tile_saved, fma_tiles=tiles_saved if tiles is None else tiles,
                             dot_tiles=dot_saved if dot is None else dot,
-                            dot_pdl=dot_pdl_saved if pdl is None else pdl,
-                            attention_gqa=gqa_saved if gqa is None else gqa,
-                            attention_rows=rows_saved if by_rows is None else by_rows, fused_us=fused_us,
-                            modular_us=modular_us,
+                            dot_pdl=dot_pdl_saved if pdl is None else pdl, fused_us=fused_us, modular_us=modular_us,
                             speedup=modular_us / fused_us if modular_us else None))
     return out

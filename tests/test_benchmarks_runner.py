@@ -165,7 +165,7 @@ def run_fused_tokens(fused_tokens, tmp_path, monkeypatch, benchmark, random_mode
     monkeypatch.setattr(fused_tokens.harness, "WORK", tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = dict(tokens="8", batch=1, tile_values=None, fma_tiles=None, dot_tiles=None, dot_pdl=None, dot_tokens=None,
-                fma_max_tokens="8,4", layers=30, filled="300", attention_gqa=None, attention_rows=None)
+                fma_max_tokens="8,4", layers=30, filled="300")
     args = types.SimpleNamespace(ctx=types.SimpleNamespace(target="none", scratch=tmp_path), smoke=False,
                                  **{**args, **flags})
     return fused_tokens.run(tmp_path, args)
@@ -243,297 +243,33 @@ def test_fused_tokens_times_each_row_at_each_context(runner, tmp_path, monkeypat
     assert "filled" in table
 
 
-@pytest.mark.parametrize("flag,changed_path", (("attention_gqa", 8), ("attention_rows", 4)))
-def test_fused_tokens_times_each_row_with_each_attention_kernel(runner, tmp_path, monkeypatch, flag, changed_path):
-    """`--attention-gqa 0,1` (a program per query head or per kv head: ATTENTION_GQA) and `--attention-rows 0,1` (the
-    tensor-core path's steps a program per query or per row and kv head: ATTENTION_ROWS): each row timed both ways,
-    each result saying which; the thresholds come from the shipped setting's rows (off) alone. At 8 tokens the
-    variant runs 7 µs on the path it changes (FMA_MAX_TOKENS 8 for the FMA path, 4 for the tensor cores), the shipped
-    kernel 11, the other path 9: by the variant's rows the FMA threshold would be 8 with GQA and 5 by row; by the
-    shipped rows it is 5 and 8."""
+def test_fused_tokens_times_each_row_at_each_switch_setting(runner, tmp_path, monkeypatch):
+    """`--dot-pdl 0,1` (a `SWITCHES` setting): each row timed both ways, each result saying which; the thresholds come
+    from the shipped setting's rows alone. At 8 tokens the tensor-core path (FMA_MAX_TOKENS 4) runs 7 µs with the
+    setting's other value and 11 with the shipped one, the FMA path 9: by the other value's rows the FMA threshold
+    would be 5, by the shipped rows it is 8."""
     import types
 
     from specpilot.kernels import triton_fused_layer as F
 
     fused_tokens = runner.load("fused_tokens")
-    seen = []
+    seen, shipped = [], F.DOT_PDL
 
     def fake_benchmark(model, modular, tokens, fma_max_tokens, **kw):
-        seen.append(kw[flag])
+        seen.append(kw["dot_pdl"])
         return [dict(batch=1, tokens=tokens[0], fma_max_tokens=fma, tile_values=F.TILE_VALUES, fma_tiles=F.FMA_TILES,
-                     dot_tiles=F.DOT_TILES, dot_pdl=F.DOT_PDL, modular_us=10.0, **{flag: on},
-                     fused_us=(((7.0 if on else 11.0) if fma == changed_path else 9.0) if tokens[0] == 8
+                     dot_tiles=F.DOT_TILES, dot_pdl=on, modular_us=10.0,
+                     fused_us=(((11.0 if on == shipped else 7.0) if fma == 4 else 9.0) if tokens[0] == 8
                                else 8.0 if fma == 8 else 10.0))
-                for fma in fma_max_tokens for on in kw[flag]]
+                for fma in fma_max_tokens for on in kw["dot_pdl"]]
 
     record, table = run_fused_tokens(fused_tokens, tmp_path, monkeypatch, fake_benchmark,
                                      lambda *a: types.SimpleNamespace(model="random"),
-                                     tokens="5,8", fma_max_tokens="8,4", **{flag: "0,1"})
-    assert seen == [(False, True), (False, True)] and not getattr(F, flag.upper())
-    assert [r[flag] for r in record["rows"]] == [False, True] * 4
-    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == (5 if flag == "attention_gqa" else 8)
-    assert flag in table
-
-
-def run_fused_tiles(fused_tiles, target, tmp_path, monkeypatch, benchmark, kernel_times, **flags):
-    """fused_tiles.run on `target` with the GPU work faked: the layer timings (`benchmark`, as F.benchmark), the
-    kernel profiles (`kernel_times`), the copy bandwidth (4 TB/s), torch.cuda's housekeeping; `flags` are its
-    arguments besides the target. Returns (record, table)."""
-    import types
-
-    import torch
-
-    from specpilot.engine import loader
-    from specpilot.engine import model as model_module
-    from specpilot.kernels import triton_fused_layer as F
-    from specpilot.tools.bench import engine_bench
-
-    monkeypatch.setattr(loader, "load", lambda *a, **k: target)
-    monkeypatch.setattr(model_module, "compiled", lambda fn: fn)
-    monkeypatch.setattr(F, "benchmark", benchmark)
-    monkeypatch.setattr(engine_bench, "copy_bandwidth", lambda device: 4e12)
-    monkeypatch.setattr(fused_tiles, "kernel_times", kernel_times)
-    monkeypatch.setattr(fused_tiles.harness, "WORK", tmp_path)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    return fused_tiles.run(tmp_path, types.SimpleNamespace(ctx=types.SimpleNamespace(target="tiny"), **flags))
-
-
-def test_fused_tiles_keeps_each_roles_fastest_tile_and_survives_a_broken_one(runner, tmp_path, monkeypatch,
-                                                                             tiny_model_dir):
-    """fused_tiles: candidate tiles stay within 16,384 weight values a program and K's power of two; the sweep keeps
-    each role's fastest tile where it beats the shipped layer by more than half a percent, a tile that fails costs
-    its own row, and the best tiles go to the env file a later call reads. Timings faked (the sweep is GPU work)."""
-
-    from specpilot.engine import loader
-
-    fused_tiles = runner.load("fused_tiles")
-    for role, k in (("qkv", 4096), ("o", 4096), ("mlp", 4096), ("down", 14336), ("o", 576)):
-        tiles = fused_tiles.candidates(role, k)
-        assert tiles and all(t["rows"] * (2 if role in ("qkv", "mlp") else 1) * t["block_k"] <= 16384 for t in tiles)
-        assert all(t["block_k"] <= 1 << (k - 1).bit_length() for t in tiles) and len({json.dumps(t) for t in tiles}) \
-            == len(tiles)
-
-    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,), planes=None):
-        if attention != (None,):  # the attention sweep: 64-slot splits of 32-slot iterations win
-            return [{"fused_us": 97.0 if a["keys_per_split"] == 64 and a["block_s"] == 32 and a["num_warps"] == 2
-                     else 100.0, "modular_us": 120.0} for a in attention]
-        out = []
-        for tiles in fma_tiles:
-            o = tiles.get("o")
-            if o and o["warps"] == 8 and o["rows"] == 8:
-                raise RuntimeError("out of resources")
-            us = 100.0 - (5.0 if o == {"rows": 2, "block_k": 64, "warps": 8} else 0.0) - (
-                0.2 if tiles.get("down", {}).get("rows") == 4 else 0.0)  # down's gain is noise-sized
-            out.append({"fused_us": us, "modular_us": 120.0})
-        return out
-
-    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "fp32", "cpu")
-    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark,
-                                    lambda model, F, tiles, planes=None, tokens=1: dict.fromkeys(fused_tiles.KERNELS,
-                                                                                                 2.0),
-                                    roles="o,down", warps="4,8", attention=True, w12=False, tokens=1)
-    assert record["best"] == {"o": {"rows": 2, "block_k": 64, "warps": 8}}  # down's 0.2% is not kept
-    assert record["best_us"] == 95.0 and record["shipped_us"] == 100.0
-    broken = [s for s in record["sweep"] if "error" in s]
-    assert broken and all(s["role"] == "o" and s["rows"] == 8 and s["warps"] == 8 for s in broken)
-    cfg = tiny.model.cfg
-    assert len(record["sweep"]) == (len(fused_tiles.candidates("o", cfg.n_heads * cfg.head_dim))
-                                    + len(fused_tiles.candidates("down", cfg.intermediate_size)))
-    env = (tmp_path / "fused_tiles.env").read_text()
-    assert env.startswith("export SPECPILOT_FMA_TILES=") and '"block_k": 64' in env
-    assert "out of resources" in table
-    assert record["best_attention"] == {"keys_per_split": 64, "block_s": 32, "num_warps": 2}
-    assert len(record["attention"]) == len(fused_tiles.attention_candidates())
-    assert 'export SPECPILOT_FMA_ATTENTION=\'{"keys_per_split": 64, "block_s": 32, "num_warps": 2}\'' in env
-
-
-
-def test_fused_tiles_sweeps_the_tensor_core_tiles_past_the_fma_path(runner, tmp_path, monkeypatch, tiny_model_dir):
-    """fused_tiles --tokens 8 (past FMA_MAX_TOKENS): the sweep is of DOT_TILES (16 rows a program at every K tile up
-    to K's power of two, then 32 rows), the best tile of a role is then tried at each pipeline depth and with K
-    split over programs, the best of all goes to SPECPILOT_DOT_TILES, the kernels are profiled at 8 tokens, and the
-    layer is timed at 1-32 tokens with the shipped and the best tiles. 12-bit weights (FMA path only) refuse such a
-    step. Timings faked (GPU work)."""
-    from specpilot.engine import loader
-    from specpilot.kernels import triton_fused_layer as F
-
-    fused_tiles = runner.load("fused_tiles")
-    tiles = fused_tiles.dot_candidates("o", 576)
-    assert {t["block_k"] for t in tiles} == {32, 64, 128, 256, 512, 1024} and {t["rows"] for t in tiles} == {16, 32}
-    assert max(t["block_k"] for t in fused_tiles.dot_candidates("down", 1536)) == 2048
-    winner = {"rows": 16, "block_k": 64, "warps": 2}
-    calls = {"tokens": [], "profiles": [], "attention": []}
-
-    def fake_benchmark(model, modular, tokens, dot_tiles=(None,), attention=(None,), planes=None):
-        calls["tokens"].append(tokens[0])
-        if attention != (None,):  # the multi-token attention: 128-slot splits win, timed at the sweep's tokens
-            calls["attention"].append(tokens[0])
-            return [{"fused_us": 29.0 if a["keys_per_split"] == 128 and a["block_s"] == 64 and a["num_warps"] == 8
-                     else 30.0, "modular_us": None} for a in attention]
-        out = []
-        for t in dot_tiles:
-            o = (t or {}).get("o", {})
-            us = 30.0 - (8.0 if {k: v for k, v in o.items() if k != "stages"} == winner else 0.0) - (
-                1.0 if o.get("stages") == 4 else 0.0)
-            out.append({"fused_us": us if tokens[0] > F.FMA_MAX_TOKENS else 14.0,
-                        "modular_us": 34.0 if modular is not None else None})
-        return out
-
-    def fake_kernel_times(model, F, tiles, planes=None, tokens=1):
-        calls["profiles"].append(tokens)
-        return dict.fromkeys(fused_tiles.KERNELS, 5.0)
-
-    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
-    cfg = tiny.model.cfg
-    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
-                                    roles="o", warps="4", attention=True, w12=False, tokens=8)
-    assert record["table"] == "DOT_TILES" and record["best"] == {"o": {**winner, "stages": 4}}
-    assert set(calls["attention"]) == {8} and record["best_attention"] == {"keys_per_split": 128, "block_s": 64,
-                                                                          "num_warps": 8}
-    assert record["best_us"] == 21.0 and record["shipped_us"] == 30.0
-    staged = [s for s in record["sweep"] if "stages" in s and "split" not in s]
-    assert [s["stages"] for s in staged] == [1, 2, 3, 4, 5] and all(s["block_k"] == 64 for s in staged)
-    split = [s for s in record["sweep"] if "split" in s]  # then K split over programs, from the best so far
-    assert [s["split"] for s in split] == [2, 3, 4, 6] and all(s["stages"] == 4 for s in split)
-    assert len(record["sweep"]) == len(fused_tiles.dot_candidates("o", cfg.n_heads * cfg.head_dim)) + 5 + 4
-    assert calls["profiles"] == [8, 8]
-    assert [b["tokens"] for b in record["by_tokens"]] == [1, 2, 4, 6, 8, 12, 16, 24, 32]
-    assert all(b["best_us"] == (21.0 if b["tokens"] > F.FMA_MAX_TOKENS else 14.0) for b in record["by_tokens"])
-    env = (tmp_path / "fused_tiles.env").read_text()
-    assert env.startswith("export SPECPILOT_DOT_TILES=") and '"stages": 4' in env
-    assert 'export SPECPILOT_DOT_ATTENTION=\'{"keys_per_split": 128, "block_s": 64, "num_warps": 8}\'' in env
-    assert "tensor cores" in table and "1.50x" in table and "multi-token attention" in table  # 21 against 14
-    with pytest.raises(SystemExit, match="12-bit weights run the FMA path only"):
-        run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
-                        roles="o", warps="4", attention=False, w12=True, tokens=8)
-
-
-def test_fused_tiles_on_12bit_planes(runner, tmp_path, monkeypatch, tiny_model_dir):
-    """fused_tiles --w12: the layer's timings and profiles get the 12-bit planes (the bf16 kernels profiled beside
-    them, without), the floors are the planes' bytes, the sweep starts from FMA_TILES_12 and its best tiles go to
-    SPECPILOT_FMA_TILES_12. Timings faked (GPU work)."""
-    from specpilot.engine import loader
-    from specpilot.kernels import triton_fused_layer as F
-
-    fused_tiles = runner.load("fused_tiles")
-    seen = {"benchmark": set(), "profiles": []}
-
-    def fake_benchmark(model, modular, tokens, fma_tiles=(None,), attention=(None,), planes=None):
-        seen["benchmark"].add(planes is not None and all(p is not None for p in planes(model.layers[0])))
-        return [{"fused_us": 90.0 if (t or {}).get("down", {}).get("rows") == 2 else 100.0, "modular_us": 120.0}
-                for t in fma_tiles]
-
-    def fake_kernel_times(model, F, tiles, planes=None, tokens=1):
-        seen["profiles"].append(planes is not None)
-        return dict.fromkeys(fused_tiles.KERNELS, 3.0 if planes is not None else 2.0)
-
-    tiny = loader.load(str(tiny_model_dir("llama", num_hidden_layers=2)), "bf16", "cpu")
-    record, table = run_fused_tiles(fused_tiles, tiny, tmp_path, monkeypatch, fake_benchmark, fake_kernel_times,
-                                    roles="down", warps="4", attention=False, w12=True, tokens=1)
-    assert seen["benchmark"] == {True} and seen["profiles"] == [True, True, False]
-    block = tiny.model.layers[0]
-    planes = tiny.model._lossless12[block.w2.data_ptr()]
-    assert record["floor_us"]["down"] == pytest.approx(planes.nbytes / 4e12 * 1e6)
-    assert planes.nbytes < block.w2.numel() * 2  # (1.5 bytes a weight and the escapes, not bf16's 2)
-    assert record["shipped"] == F.FMA_TILES_12 and record["best"]["down"]["rows"] == 2
-    assert (tmp_path / "fused_tiles.env").read_text().startswith("export SPECPILOT_FMA_TILES_12=")
-    assert "12-bit planes" in table and "bf16 µs" in table
-
-def test_fused_check_gives_each_target_its_verdict_and_a_fault_costs_its_own_row(runner, monkeypatch):
-    """fused_check: PASS with the worst error, FAIL with the check's reason, ERROR for a target that does not load;
-    each target is checked whatever happened to the one before (check and loading faked: the check is GPU work)."""
-    import types
-
-    import torch
-
-    from specpilot.engine import loader
-    from specpilot.kernels import triton_fused_layer
-
-    fused_check = runner.load("fused_check")
-
-    def load(target, dtype, device):
-        if target == "missing":
-            raise FileNotFoundError("no such model")
-        return types.SimpleNamespace(model=target)
-
-    def check(model, reference, batch_tokens):
-        assert batch_tokens == fused_check.STEPS
-        if model == "bad":
-            raise AssertionError("fused layer 3 cache at B=1, T=5: error 4.1e-01 > 2.0e-03 (vs fp32)")
-        return 6.3e-3
-
-    monkeypatch.setattr(loader, "load", load)
-    monkeypatch.setattr(triton_fused_layer, "check", check)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    args = types.SimpleNamespace(target=None, targets="good,missing,bad,good2")
-    record, table = fused_check.run(None, args)
-    assert [r["verdict"] for r in record["rows"]] == ["PASS", "ERROR", "FAIL", "PASS"]
-    assert record["rows"][0]["worst_error"] == 6.3e-3 and "no such model" in record["rows"][1]["why"]
-    assert "4.1e-01" in table and "6.30e-03" in table
-    args = types.SimpleNamespace(target="only", targets="good,bad")  # the run's --target wins
-    assert [r["target"] for r in fused_check.run(None, args)[0]["rows"]] == ["only"]
-
-
-def test_train_head_stopped_by_its_call_limit_resumes_in_the_next_call(tmp_path):
-    """train_head --run-dir --call-minutes: a run stopped at the call's limit reports where it stopped and keeps its
-    folder; the same command again resumes it (train-drafter --resume) to the head an unbroken run gives (smoke
-    sizes, CPU). The stops come at 0.3 s, before the interpreter is up, so that no machine is fast enough to finish
-    first; the stop mid-training is the finished run's folder less its head."""
-    import subprocess
-
-    run_dir = tmp_path / "run"
-    common = [sys.executable, str(BENCHMARKS / "run.py"), "train_head", "--smoke", "--no-bench", "--run-dir",
-              str(run_dir)]
-
-    def call(out: str, *extra: str) -> dict:
-        done = subprocess.run(common + ["--out", str(tmp_path / out), *extra], capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        return json.loads((tmp_path / out / "train_head.json").read_text())
-
-    stopped = call("a", "--call-minutes", "0.005")["results"]
-    assert stopped["stopped"] is True and not stopped["resumed"] and not stopped["data_built"]
-    assert stopped["run_dir"] == str(run_dir) and "(killed after 0 s)" in stopped["train_tail"]
-    unbroken = call("b")
-    assert "--resume" not in unbroken["steps"][0]["command"] and (run_dir / "run.json").is_file()
-    for name in ("model.safetensors", "config.json"):
-        (run_dir / name).unlink()
-    stopped = call("c", "--call-minutes", "0.005")["results"]
-    assert stopped["stopped"] is True and stopped["resumed"] and stopped["data_built"]
-    assert stopped["checkpoint"] == (run_dir / "checkpoint.pt").is_file()
-    resumed = call("d")
-    assert "--resume" in resumed["steps"][0]["command"] and (run_dir / "model.safetensors").is_file()
-    assert len(resumed["results"]["head_sha256"]) == 64
-    assert resumed["results"]["head_sha256"] == unbroken["results"]["head_sha256"]
-
-
-def test_chain_keeps_within_its_budget_and_records_each_run(runner, tmp_path, monkeypatch, capsys):
-    """`run.py chain`: experiments one after another into OUT/NAME, each with its log; one whose listed device minutes
-    no longer fit is skipped, one that runs past what is left is killed; OUT/chain.json says what became of each, and
-    a name it does not know is refused before anything runs."""
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    assert runner.main(["chain", "--budget-s", "6", "ngram_trees", "--smoke", "--", "fused_tokens"]) == 1
-    runs = json.loads((tmp_path / "chain.json").read_text())["runs"]
-    assert runs[0]["experiment"] == "ngram_trees" and runs[0]["status"].startswith("killed")
-    assert runs[0]["seconds"] < 30 and (tmp_path / "ngram_trees.log").is_file()
-    # nothing of it left running: the runner's steps (each in a process group of its own) died with it
-    time.sleep(1)
-    left = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "specpilot-ngram_trees-" in cmdline or f"--out {tmp_path}" in cmdline:
-            left.append(cmdline)
-    assert not left, left
-    assert runs[1] == {"experiment": "fused_tokens", "command": ["fused_tokens"], "status": "skipped", "seconds": 0.0}
-    out = capsys.readouterr().out
-    assert "chain: fused_tokens skipped: ~120 s listed" in out
-    assert runner.main(["chain", "no_such", "--", "ngram_trees"]) == 2
-    assert "unknown experiment 'no_such'" in capsys.readouterr().err
+                                     tokens="5,8", fma_max_tokens="8,4", dot_pdl="0,1")
+    assert seen == [(False, True), (False, True)] and F.DOT_PDL == shipped
+    assert [r["dot_pdl"] for r in record["rows"]] == [False, True] * 4
+    assert record["thresholds"]["SPECPILOT_FMA_MAX_TOKENS"] == 8
+    assert "dot_pdl" in table
 
 
 def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monkeypatch):

@@ -28,25 +28,14 @@ def child(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
 
 def test_every_fused_layer_kernel_compiles_for_hopper():
     """Every kind of step the engine runs on the fused layer (one token, a verification step of five with and without
-    a dead-token mask, ragged batches on tensor cores; the attention a program per kv head, and by row, too), on
-    SmolLM2's, Llama-3-8B's, a Qwen3-like (q/k norm) and a Qwen2-like (q/k/v bias) shape: each kernel compiles for
-    sm_90, and reports its registers."""
+    a dead-token mask, ragged batches on tensor cores), on SmolLM2's, Llama-3-8B's, a
+    Qwen3-like (q/k norm) and a Qwen2-like (q/k/v bias) shape: each kernel compiles for sm_90, and reports its
+    registers."""
     r = child(["-m", "specpilot.kernels.cross_compile"])
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     kernels = {x["kernel"] for x in report}
-    assert kernels == {"_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_decode_attention_gqa",
-                       "_decode_attention_rows", "_gemv", "_add_rmsnorm"}
-    # the tensor-core path's attention by row (ATTENTION_ROWS): chain and tree steps, 16 to 64 queries a program (a
-    # row's tokens in chunks past 64 of head_dim 64, 32 of head_dim 128), none spilling
-    by_row = [x for x in report if x["kernel"] == "_decode_attention_rows"]
-    assert {x["constexprs"]["TREE"] for x in by_row} == {False, True}
-    assert {x["constexprs"]["BLOCK_Q"] for x in by_row} == {16, 32, 64}
-    assert all(x["stack_bytes"] == 0 for x in by_row)
-    # the attention a program per kv head (ATTENTION_GQA), chain and tree steps, every group size
-    grouped = [x for x in report if x["kernel"] == "_decode_attention_gqa"]
-    assert {x["constexprs"]["TREE"] for x in grouped} == {False, True}
-    assert {x["constexprs"]["REP"] for x in grouped} == {2, 4, 8}  # 3 and 4 a kv head: 4; Qwen3-like 2; Qwen2-like 7
+    assert kernels == {"_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"}
     assert all(0 < x["registers"] <= 255 for x in report)
     assert {x["constexprs"]["DOT"] for x in report if x["kernel"] == "_gemv"} == {False, True}  # both paths
     for kernel in ("_gemv", "_norm_pair_gemv"):  # split K too

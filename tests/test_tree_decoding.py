@@ -81,19 +81,15 @@ def test_tree_with_the_fused_layer_and_ar_after_miss(tiny_model_dir):
     assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-@pytest.mark.parametrize("attention", ("by query head", "by kv head", "by row"))
-def test_tree_steps_run_on_the_fused_layer(tiny_model_dir, monkeypatch, attention, paths=MIXED):
+def test_tree_steps_run_on_the_fused_layer(tiny_model_dir, monkeypatch, paths=MIXED):
     """With `layer: fused` a tree step's layers run the fused kernels, the attention masking each node to the slots
     before its tree and its ancestors' (one int64 of ancestor bits a node), and greedy decoding gives AR's tokens:
     three rows of a tree of 8 nodes with an empty branch, 24 tokens a step (two of the tensor-core path's token
-    blocks); with the attention a program per kv head too (ATTENTION_GQA), and a program per row's tree and kv head on
-    tensor cores (ATTENTION_ROWS)."""
+    blocks)."""
     from specpilot.engine.loader import load
     from specpilot.kernels import triton_fused_layer as fused
 
     monkeypatch.setattr(fused, "MAX_TOKENS", 64)
-    monkeypatch.setattr(fused, "ATTENTION_GQA", attention == "by kv head")
-    monkeypatch.setattr(fused, "ATTENTION_ROWS", attention == "by row")
     calls, real = [], fused.fused_layer
 
     def counted(*args, tree=None, **kwargs):

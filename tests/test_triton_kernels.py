@@ -241,58 +241,6 @@ def test_fused_layer_on_a_cache_that_is_not_a_power_of_two(tiny_model_dir):
                                     n_slots=640) < 2e-5
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("llama", {}), ("qwen3", {}),
-    ("mistral", {}),
-    ("llama", dict(hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1))])
-def test_fused_layer_attention_a_program_per_kv_head(tiny_model_dir, monkeypatch, family, overrides):
-    """ATTENTION_GQA (`_decode_attention_gqa`): the query heads of a kv head in one program (2 a group, and 3 padded
-    to 4), over a 640-slot cache (three splits in the interpreter, merged by a token's last split), at one token, a
-    row of five and three rows of two, with Qwen3's q/k norm and Mistral's sliding window: outputs and cache writes
-    equal the modular layer's to fp32 rounding, and the per-head kernel is not run."""
-    monkeypatch.setattr(triton_fused_layer, "ATTENTION_GQA", True)
-    monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)  # (calling it would raise)
-    loaded = load(str(tiny_model_dir(family, num_hidden_layers=1, **overrides)), "fp32", "cpu")
-    assert triton_fused_layer.check(loaded.model, Block.forward, seed=2, n_slots=640) < 2e-5
-
-
-@pytest.mark.parametrize("family,overrides", [
-    ("llama", {}), ("qwen3", {}),
-    ("mistral", {}),
-    ("llama", dict(hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1))])
-def test_fused_layer_attention_by_rows_on_tensor_cores(tiny_model_dir, monkeypatch, family, overrides):
-    """ATTENTION_ROWS (`_decode_attention_rows`): a row's tokens and one kv head's query heads in one program, scores
-    and outputs by tl.dot, over a 640-slot cache at random ragged positions (three splits in the interpreter; a row's
-    queries end in different splits, merged by the row's last), at 8 rows of one token, 4 of two and 2 of five, with
-    Qwen3's q/k norm, Mistral's sliding window and 3 query heads a kv head (padded queries): outputs and cache writes
-    equal the modular layer's to fp32 rounding, and no per-query kernel runs."""
-    monkeypatch.setattr(triton_fused_layer, "ATTENTION_ROWS", True)
-    monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)  # (calling it would raise)
-    monkeypatch.setattr(triton_fused_layer, "_decode_attention_gqa", None)
-    loaded = load(str(tiny_model_dir(family, num_hidden_layers=1, **overrides)), "fp32", "cpu")
-    steps = ((8, 1), (4, 2), (2, 5))
-    assert all(B * T > triton_fused_layer.FMA_MAX_TOKENS for B, T in steps)  # (the tensor-core path's steps)
-    assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=steps, seed=3, n_slots=640) < 2e-5
-
-
-@pytest.mark.parametrize("rows_queries", (64, 1))
-def test_fused_layer_attention_by_rows_across_many_splits(tiny_model_dir, monkeypatch, rows_queries):
-    """`_decode_attention_rows` where a row's queries end in different splits: splits of 8 slots over a 128-slot cache
-    (16 of them), so a row of five tokens mostly straddles a split's end and its queries merge different numbers of
-    splits in one program; a row's tokens in one program, and in chunks of two (rows_queries 1: the 4 queries of
-    head_dim 16 that one of head_dim 64 stands for; 2 query heads a kv head), the last chunk of five one token; as
-    the modular layer to fp32 rounding."""
-    monkeypatch.setattr(triton_fused_layer, "ATTENTION_ROWS", True)
-    monkeypatch.setattr(triton_fused_layer, "_decode_attention", None)
-    monkeypatch.setattr(triton_fused_layer, "attention_splits", lambda n_slots, n_tokens, device: (n_slots // 8, 8))
-    monkeypatch.setitem(triton_fused_layer.ATTENTION_MULTI, "rows_queries", rows_queries)
-    loaded = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu")
-    cfg = loaded.model.cfg
-    assert (cfg.head_dim, cfg.n_heads // cfg.n_kv_heads) == (16, 2)  # (so that rows_queries 1 gives chunks of 2)
-    assert triton_fused_layer.check(loaded.model, Block.forward, batch_tokens=((2, 5), (4, 2)), seed=4,
-                                    n_slots=128) < 2e-5
-
-
 def test_attention_splits_cover_the_cache_and_no_more():
     """The fused layer's attention grid on the GPU: splits of the setting's keys (a multiple of them past
     MAX_SPLITS) whose last one starts inside the cache, for the cache lengths decode.cache_length gives."""
@@ -552,14 +500,12 @@ def test_fused_layer_dead_tokens_leave_nothing_unwritten_behind(tiny_model_dir, 
             assert torch.isfinite(h).all() and torch.isfinite(d).all()
 
 
-@pytest.mark.parametrize("by_kv_head", (False, True))
-def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir, monkeypatch, by_kv_head):
+def test_fused_layer_step_computes_what_one_token_steps_compute(tiny_model_dir):
     """On the FMA path a step of five tokens runs each token through the program a one-token step runs, with the same
     tile (FMA_TILES_AS_ONE_TOKEN) and attention splits: its outputs and cache writes are bit for bit those of five
     one-token steps run in order (what AR decoding computes), so verification cannot change a token by rounding
     differently. (The interpreter sums a tile's rows in one order whatever the tile; on the GPU the tile fixes it.)
-    Qwen2: q/k/v biases. The same with the attention a program per kv head (ATTENTION_GQA)."""
-    monkeypatch.setattr(triton_fused_layer, "ATTENTION_GQA", by_kv_head)
+    Qwen2: q/k/v biases."""
     model = load(str(tiny_model_dir("qwen2")), "fp32", "cpu").model
     cfg = model.cfg
     positions, cos, sin, x, delta, cache = _five_token_step(model, first=30, seed=4)

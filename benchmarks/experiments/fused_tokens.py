@@ -36,12 +36,9 @@ With `--dot-tiles '[{...}, ...]'` each row also at those DOT_TILES settings (the
 `{}` is the built-in rule), and with `--dot-pdl 0,1` each at both DOT_PDL settings: whether steps of 8-16 tokens pay
 for launching before their predecessor ends when their weights load after the wait (thirty-eighth lease, A: 8 / 12 /
 16 tokens 30.7 / 31.6 / 33.2 µs a layer without, 29.5 / 30.0 / 28.3 with, on the H100; all of K in one tile, its
-weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 tokens on the tensor cores too. With
-`--attention-gqa 0,1` each row with the attention a program per query head and per kv head (ATTENTION_GQA; with
-`--filled 64,300,1000`: the forty-third lease's A found a draft a row at B = 16 doubling the layer at 1,000 slots;
-the forty-fourth's, the grouped kernel 0.46x-0.92x the per-head one), and with `--attention-rows 0,1` with the
-attention a program per row and kv head on tensor cores for the tensor-core path's steps (ATTENTION_ROWS; the
-forty-fourth lease's A: 16 rows x 2 tokens at 2,000 slots 82.4 µs a layer fused against 67.4 modular).
+weights before the wait, 43 / 33 µs). Then `--fma-max-tokens 1` times 2-6 tokens on the tensor cores too.
+(`--attention-gqa` and `--attention-rows` timed two attention kernels that read a K/V tile once for several queries,
+in the forty-fourth and forty-fifth leases; both lost and were removed: docs/BENCHMARKS.md.)
 
 With `--dot-tokens 32,64,...` each row past 16 tokens also runs in one token block of up to that many tokens a
 program (DOT_TILES' "tokens" on every role, `dot_token_block`: each weight tile read once a block, not once per 16
@@ -76,9 +73,6 @@ CUDA_ONLY = True
 # keyword and the module global are the name, upper-cased.
 SWITCHES = {
     "dot_pdl": "the tensor-core path's kernels launched before their predecessor ends",
-    "attention_gqa": "the attention a program per query head, or per kv head: _decode_attention_gqa",
-    "attention_rows": "the tensor-core path's attention a program per query, or per row and kv head on tensor "
-                      "cores: _decode_attention_rows",
 }
 
 
