@@ -411,6 +411,23 @@ def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_mo
     assert loop_overhead.side_by_side_table({}) == ""
 
 
+def test_loop_overhead_s_timeline_sums_each_kind_s_device_time_and_the_idle_before_it(runner):
+    """`--timeline`: per kind, the median device ms of its steps and the idle before them (µs; a step without a step
+    before it says nothing of idle), and the share idle past 5 µs; a table row per (system, kind)."""
+    loop_overhead = runner.load("loop_overhead")
+    steps = [(0, None, 0.50), (0, 0.002, 0.49), (0, 0.004, 0.51), (0, 0.030, 0.50), (-1, 0.010, 0.52),
+             (-1, 0.012, 0.53), (4, 0.003, 0.90)]
+    found = loop_overhead.timeline_summary(steps)
+    assert set(found) == {0, -1, 4}
+    assert found[0]["steps"] == 3 and found[0]["device_ms"] == 0.50
+    assert found[0]["idle_us_median"] == 4.0 and abs(found[0]["idle_us_mean"] - 12.0) < 1e-9
+    assert abs(found[0]["idle_over_5us"] - 1 / 3) < 1e-9 and found[-1]["idle_over_5us"] == 1.0
+    assert found[-1]["device_ms"] == 0.525 and found[4]["steps"] == 1
+    table = loop_overhead.timeline_table({"ar": {"timeline": found}, "other": {"error": "x"}})
+    assert table.count("\n| ar |") == 3 and "| ar | -1 | 2 | 0.5250 | 11.0 | 11.0 | 100% |" in table
+    assert loop_overhead.timeline_table({"ar": {"wall_s": 1.0}}) == ""
+
+
 RAW36 = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "raw" / "2026-12-06-thirty-sixth"
 
 

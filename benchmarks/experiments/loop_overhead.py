@@ -26,6 +26,12 @@ longest one replayed in turn, round after round, all systems kept in memory: the
 the device's time, where one system after another moved the same graph's time by a few percent (the head's blind
 step against AR's step: thirty-fifth lease).
 
+With `--timeline`, a further call with every step's run (its graph, and an ABSORB before it) bracketed by CUDA
+timing events: each kind's device time a step in the loop and the device's idle gap before it (from the previous
+step's end: the copy of its outputs, and any wait for the host's launch), steps behind host work or in the drain left
+out. It tells a loop whose steps run longer on the device from one whose device waits between them (the forty-fifth
+lease: the controllers' AR-kind steps 1-3% slower in the loop than AR's, their replays level).
+
 Any of the bench's systems runs too (`stock` is the target's), NAME+compiled-prefill is NAME with its prefill's
 layers compiled, and a system named twice runs twice (the second NAME#2): in the bench's order, with the controller
 first and last, it says whether what ran before a system slows its steps (the twenty-fifth lease's bench replayed
@@ -84,6 +90,9 @@ def arguments(p) -> None:
     p.add_argument("--probe-refills", type=int, default=0,
                    help="then a third call whose first N refills are timed alone (device drained before and after "
                         "each phase) and their kernels traced: where a started request's time goes")
+    p.add_argument("--timeline", action="store_true",
+                   help="then a call with every step bracketed by CUDA events: each kind's device time in the loop "
+                        "and the device's idle gap before it (CUDA)")
     p.add_argument("--side-by-side", type=int, default=0, metavar="ROUNDS",
                    help="then every system's kinds of step replayed in turn, ROUNDS rounds of 10 replays each, all "
                         "systems kept: their step costs compared in one stretch of the device's time (medians)")
@@ -110,6 +119,65 @@ def system_recipe(name: str, target: str | None, device: str):
     if isinstance(spec, str):  # (a built-in or a recipe file)
         return parse({**asdict(load_recipe(spec, target)), **eager})
     return parse({**spec, **eager})
+
+
+def device_timeline(dec, eng, prompts, new: int, eos: bool, rows: int) -> dict:
+    """A further call with each step's run (`Decoder._run_step`: an ABSORB it needs, then the step's graph) between
+    two CUDA timing events: `timeline_summary` of (kind, gap before it, device time) a step, the steps behind host
+    work (refills, moves) and the drain's left out by the loop's own step records."""
+    import torch
+
+    marks = []
+    run_step = dec._run_step
+
+    def bracketed(st, sampling, drafts_k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_step(st, sampling, drafts_k)
+        end.record()
+        marks.append((drafts_k, start, end))
+
+    dec._run_step = bracketed
+    try:
+        eng.generate(prompts, new, ignore_eos=not eos, max_batch=rows)
+        torch.cuda.synchronize()
+    finally:
+        del dec._run_step
+    steps = [(kind, marks[i - 1][2].elapsed_time(start) if i else None, start.elapsed_time(end))
+             for i, (kind, start, end) in enumerate(marks)]
+    log = dec.last_stats.step_log  # (a step launched ahead and never read has no record: left out)
+    keep = [i for i, s in enumerate(log[: len(steps)]) if i and not s.behind_refill and not s.queue_empty]
+    return timeline_summary([steps[i] for i in keep])
+
+
+def timeline_summary(steps) -> dict:
+    """Per kind of step, from (kind, idle ms before it, device ms) a step: how many, the median device ms, the
+    median and mean idle µs before it, and the share of steps with more than 5 µs idle before them."""
+    import statistics
+
+    by_kind: dict = {}
+    for kind, gap, ms in steps:
+        if gap is not None:
+            by_kind.setdefault(kind, []).append((gap, ms))
+    return {kind: {"steps": len(v), "device_ms": statistics.median(ms for _, ms in v),
+                   "idle_us_median": statistics.median(g for g, _ in v) * 1e3,
+                   "idle_us_mean": statistics.fmean(g for g, _ in v) * 1e3,
+                   "idle_over_5us": sum(g > 5e-3 for g, _ in v) / len(v)}
+            for kind, v in sorted(by_kind.items(), key=lambda kv: str(kv[0]))}
+
+
+def timeline_table(found: dict) -> str:
+    """The timeline calls' table: per system and kind, device ms a step in the loop and the idle before it."""
+    lines = [f"| {name} | {kind} | {t['steps']} | {t['device_ms']:.4f} | {t['idle_us_median']:.1f} | "
+             f"{t['idle_us_mean']:.1f} | {t['idle_over_5us']:.0%} |"
+             for name, f in found.items() if isinstance(f, dict) and f.get("timeline")
+             for kind, t in f["timeline"].items()]
+    if not lines:
+        return ""
+    return ("\n\nEach step of a further call between CUDA events (steps behind host work and the drain left out): "
+            "device ms a step in the loop, and the device's idle µs before it (from the previous step's end)\n\n"
+            "| system | kind | steps | device ms | idle µs, median | idle µs, mean | idle > 5 µs |\n"
+            "|---|---:|---:|---:|---:|---:|---:|\n" + "\n".join(lines))
 
 
 def probe_refills(dec, eng, prompts, new: int, eos: bool, rows: int, n: int) -> dict:
@@ -454,6 +522,8 @@ def run(out_dir, args):
                            "kinds": {k: stats.draft_lengths.count(k) for k in kinds}, "replay_ms_at_end": at_end,
                            "replay_ms_at_warmup": warm, "loop_ms": loop, "host_s": phases, "rest_s": rest,
                            "time_budget": budget}
+            if args.timeline and device == "cuda":
+                found[name]["timeline"] = device_timeline(dec, eng, prompts, new, args.eos, rows)
             if args.probe_refills and device == "cuda":
                 found[name]["refill_probe"] = probe_refills(dec, eng, prompts, new, args.eos, rows, args.probe_refills)
             if args.kernels and device == "cuda":
@@ -491,7 +561,7 @@ def run(out_dir, args):
             "refill | their ms beyond a typical step | drain steps | drain ms |\n"
             "|---|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     return found, (head + "\n" + "\n".join(lines) + "\n\n" + probe_table(found) + kernel_table(found)
-                   + side_by_side_table(found))
+                   + side_by_side_table(found) + timeline_table(found))
 
 
 def probe_table(found: dict) -> str:
