@@ -411,21 +411,29 @@ def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_mo
     assert loop_overhead.side_by_side_table({}) == ""
 
 
-def test_loop_overhead_s_timeline_sums_each_kind_s_device_time_and_the_idle_before_it(runner):
-    """`--timeline`: per kind, the median device ms of its steps and the idle before them (µs; a step without a step
-    before it says nothing of idle), and the share idle past 5 µs; a table row per (system, kind)."""
-    loop_overhead = runner.load("loop_overhead")
-    steps = [(0, None, 0.50), (0, 0.002, 0.49), (0, 0.004, 0.51), (0, 0.030, 0.50), (-1, 0.010, 0.52),
-             (-1, 0.012, 0.53), (4, 0.003, 0.90)]
-    found = loop_overhead.timeline_summary(steps)
+def test_step_events_sum_each_kind_s_device_time_and_the_idle_before_it(runner):
+    """tools/bench/step_events.summary (`loop_overhead --timeline`, a bench's SPECPILOT_STEP_EVENTS=1): per kind over
+    the kept steps, the median device ms and the idle before them (µs; a run's first step says nothing of idle), and
+    the share idle past 5 µs; loop_overhead's table has a row per (system, kind), batch_sweep a line per run."""
+    from specpilot.tools.bench import step_events
+
+    kinds = [0, 0, 0, 0, -1, -1, 4, 0]
+    device = [0.50, 0.49, 0.51, 0.50, 0.52, 0.53, 0.90, 9.0]
+    idle = [None, 2.0, 4.0, 30.0, 10.0, 12.0, 3.0, 500.0]
+    keep = [True] * 7 + [False]  # (the last: behind a refill)
+    found = step_events.summary(kinds, device, idle, keep)
     assert set(found) == {0, -1, 4}
     assert found[0]["steps"] == 3 and found[0]["device_ms"] == 0.50
-    assert found[0]["idle_us_median"] == 4.0 and abs(found[0]["idle_us_mean"] - 12.0) < 1e-9
-    assert abs(found[0]["idle_over_5us"] - 1 / 3) < 1e-9 and found[-1]["idle_over_5us"] == 1.0
-    assert found[-1]["device_ms"] == 0.525 and found[4]["steps"] == 1
-    table = loop_overhead.timeline_table({"ar": {"timeline": found}, "other": {"error": "x"}})
+    assert found[0]["idle_us_median"] == 4.0 and found[0]["idle_us_mean"] == pytest.approx(12.0)
+    assert found[0]["idle_over_5us"] == pytest.approx(1 / 3) and found[-1]["idle_over_5us"] == 1.0
+    assert found[-1]["device_ms"] == pytest.approx(0.525) and found[4]["steps"] == 1
+    table = runner.load("loop_overhead").timeline_table({"ar": {"timeline": found}, "other": {"error": "x"}})
     assert table.count("\n| ar |") == 3 and "| ar | -1 | 2 | 0.5250 | 11.0 | 11.0 | 100% |" in table
-    assert loop_overhead.timeline_table({"ar": {"wall_s": 1.0}}) == ""
+    assert runner.load("loop_overhead").timeline_table({"ar": {"wall_s": 1.0}}) == ""
+    log = {"kind": kinds, "device_ms": device, "idle_us": idle, "refill": [0] * 7 + [1], "drain": [0] * 8}
+    line = runner.load("batch_sweep").device_line({"workload": "chat", "batch_size": 2, "system": "s",
+                                                   "step_log": log})
+    assert line.startswith("- chat B=2 s: ") and "k'=0 3, 0.5000 ms, idle 12.0 µs" in line
 
 
 RAW36 = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "raw" / "2026-12-06-thirty-sixth"

@@ -105,7 +105,24 @@ def table(results: dict, reference: str) -> str:
         if kinds:
             text += ("\n\nBefore the drain, the steps not behind a refill by kind (count, mean loop time, live rows, "
                      "tokens):\n\n" + "\n".join(kinds))
+    events = [r for r in results["runs"] if (r.get("step_log") or {}).get("device_ms")]
+    if events:
+        text += ("\n\nEach step between CUDA events (SPECPILOT_STEP_EVENTS=1), before the drain and not behind a "
+                 "refill: per kind k', steps, the median device ms a step, the mean idle µs before it:\n\n"
+                 + "\n".join(device_line(r) for r in events))
     return text
+
+
+def device_line(r: dict) -> str:
+    """One run's steps by kind on the device (tools/bench/step_events.summary of its step log's columns)."""
+    from specpilot.tools.bench import step_events
+
+    log = r["step_log"]
+    keep = [not refill and not drain for refill, drain in zip(log["refill"], log["drain"])]
+    kinds = step_events.summary(log["kind"], log["device_ms"], log["idle_us"], keep)
+    return (f"- {r['workload']} B={r['batch_size']} {r['system']}: "
+            + ", ".join(f"k'={k} {v['steps']}, {v['device_ms']:.4f} ms, idle {v['idle_us_mean']:.1f} µs"
+                        for k, v in kinds.items()))
 
 
 def losses_beyond_noise(results: dict, reference: str) -> list[str] | None:

@@ -122,48 +122,15 @@ def system_recipe(name: str, target: str | None, device: str):
 
 
 def device_timeline(dec, eng, prompts, new: int, eos: bool, rows: int) -> dict:
-    """A further call with each step's run (`Decoder._run_step`: an ABSORB it needs, then the step's graph) between
-    two CUDA timing events: `timeline_summary` of (kind, gap before it, device time) a step, the steps behind host
-    work (refills, moves) and the drain's left out by the loop's own step records."""
-    import torch
+    """A further call with each step between two CUDA timing events (tools/bench/step_events): per kind, its device
+    time and the idle before it, the steps behind host work (refills, moves) and the drain's left out."""
+    from specpilot.tools.bench import step_events
 
-    marks = []
-    run_step = dec._run_step
-
-    def bracketed(st, sampling, drafts_k):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_step(st, sampling, drafts_k)
-        end.record()
-        marks.append((drafts_k, start, end))
-
-    dec._run_step = bracketed
-    try:
+    with step_events.bracketed(dec) as marks:
         eng.generate(prompts, new, ignore_eos=not eos, max_batch=rows)
-        torch.cuda.synchronize()
-    finally:
-        del dec._run_step
-    steps = [(kind, marks[i - 1][2].elapsed_time(start) if i else None, start.elapsed_time(end))
-             for i, (kind, start, end) in enumerate(marks)]
+    device_ms, idle_us = step_events.columns(marks)
     log = dec.last_stats.step_log  # (a step launched ahead and never read has no record: left out)
-    keep = [i for i, s in enumerate(log[: len(steps)]) if i and not s.behind_refill and not s.queue_empty]
-    return timeline_summary([steps[i] for i in keep])
-
-
-def timeline_summary(steps) -> dict:
-    """Per kind of step, from (kind, idle ms before it, device ms) a step: how many, the median device ms, the
-    median and mean idle µs before it, and the share of steps with more than 5 µs idle before them."""
-    import statistics
-
-    by_kind: dict = {}
-    for kind, gap, ms in steps:
-        if gap is not None:
-            by_kind.setdefault(kind, []).append((gap, ms))
-    return {kind: {"steps": len(v), "device_ms": statistics.median(ms for _, ms in v),
-                   "idle_us_median": statistics.median(g for g, _ in v) * 1e3,
-                   "idle_us_mean": statistics.fmean(g for g, _ in v) * 1e3,
-                   "idle_over_5us": sum(g > 5e-3 for g, _ in v) / len(v)}
-            for kind, v in sorted(by_kind.items(), key=lambda kv: str(kv[0]))}
+    return step_events.summary([k for k, _, _ in marks], device_ms, idle_us, step_events.steady(log))
 
 
 def timeline_table(found: dict) -> str:

@@ -14,6 +14,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from . import step_events
 from .systems import BatchRun
 
 QUANTILES = tuple(range(101))  # percentiles stored for latency CDFs
@@ -154,19 +155,28 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
                                    sum(r.refill_prefill_s for r in runs)),
         # our engine: every step as the loop read it, in columns (null for HF): what time_budget sums, kept for
         # questions it does not answer (which steps of a cell were slow, and what ran before them)
-        "step_log": step_columns([s for r in runs for s in r.step_log]),
+        "step_log": step_columns([s for r in runs for s in r.step_log], [r.step_events for r in runs]),
     }
 
 
-def step_columns(steps) -> dict | None:
+def step_columns(steps, events=()) -> dict | None:
     """The steps (engine.decode.StepRecord, in the order read) as columns: ms (3 decimals), kind, rows (bucket),
     live, tokens, refill (1: behind host work: requests started or a move), drain (1: no request waited); None for
-    none."""
+    none. With `events` (each run's step_events, SPECPILOT_STEP_EVENTS=1) for every step, also device_ms (4 decimals)
+    and idle_us (2; null for a run's first step)."""
     if not steps:
         return None
-    return {"ms": [round(s.seconds * 1e3, 3) for s in steps], "kind": [s.kind for s in steps],
-            "rows": [s.rows for s in steps], "live": [s.live for s in steps], "tokens": [s.tokens for s in steps],
-            "refill": [int(s.behind_refill) for s in steps], "drain": [int(s.queue_empty) for s in steps]}
+    out = {"ms": [round(s.seconds * 1e3, 3) for s in steps], "kind": [s.kind for s in steps],
+           "rows": [s.rows for s in steps], "live": [s.live for s in steps], "tokens": [s.tokens for s in steps],
+           "refill": [int(s.behind_refill) for s in steps], "drain": [int(s.queue_empty) for s in steps]}
+    if events and sum(map(len, events)) == len(steps):
+        device, idle = [], []
+        for marks in events:
+            ms, us = step_events.columns(marks)
+            device += [round(t, 4) for t in ms]
+            idle += [None if t is None else round(t, 2) for t in us]
+        out["device_ms"], out["idle_us"] = device, idle
+    return out
 
 
 def compare_to_ar(run: dict, runs: list[BatchRun], ar_run: dict | None, ar_runs: list[BatchRun] | None) -> None:

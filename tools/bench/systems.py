@@ -11,6 +11,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ...engine.engine import Engine
 from ...engine.loader import LoadedModel
 from ...engine.recipe import Recipe
+from . import step_events
 
 
 @dataclass
@@ -44,6 +46,8 @@ class BatchRun:
     step_log: list = field(default_factory=list)  # our engine: every step as its loop read it (engine.decode.StepRecord)
     refill_prefills: int = 0  # our engine: prefills that started waiting requests, and their device seconds
     refill_prefill_s: float = 0.0
+    step_events: list = field(default_factory=list)  # our engine with SPECPILOT_STEP_EVENTS=1: each step's CUDA events
+    # (tools/bench/step_events), read after the timing
 
 
 class BenchSkip(Exception):
@@ -141,7 +145,9 @@ class EngineSystem(System):
         """The engine's own batching: at most `concurrency` rows (and the recipe's max_batch_size), continuous where
         the drafter allows it; token times are on the clock of the engine's call."""
         captures = self.engine.decoder.captures
-        rows = self.engine.generate(prompts, max_new_tokens, ignore_eos=ignore_eos, max_batch=concurrency)
+        events = step_events.ENABLED and self.device.type == "cuda"
+        with step_events.bracketed(self.engine.decoder) if events else nullcontext([]) as marks:
+            rows = self.engine.generate(prompts, max_new_tokens, ignore_eos=ignore_eos, max_batch=concurrency)
         run = BatchRun([r.tokens for r in rows], [r.token_times for r in rows], [r.accepted for r in rows],
                        [r.finish_reason for r in rows])
         run.captures = self.engine.decoder.captures - captures
@@ -153,6 +159,7 @@ class EngineSystem(System):
         run.shrinks = decoder.last_stats.shrinks
         run.steps, run.row_steps = decoder.last_stats.steps, decoder.last_stats.row_steps
         run.step_log = list(decoder.last_stats.step_log)
+        run.step_events = marks[: len(run.step_log)]  # (a step launched ahead and never read has no record)
         run.refill_prefills, run.refill_prefill_s = decoder.last_stats.refill_prefills, decoder.last_stats.refill_prefill_s
         return run
 
