@@ -2,7 +2,8 @@
 before it, step by step. The loop's own record of a step (engine.decode.StepRecord) is the interval between two host
 reads, where a longer step and a device that waited for the host's launch look alike; these tell them apart. On in a
 bench with SPECPILOT_STEP_EVENTS=1 (the step log then carries device_ms and idle_us columns), and in
-benchmarks' `loop_overhead --timeline`. Two events a step cost the device about a microsecond, each system alike.
+benchmarks' `loop_overhead --timeline`. Off by default: the two events (and the host's work to record them) are
+the same for every system, but they are not free, so a figure with them on is compared only with figures with them on.
 (Forty-fifth lease: the batch controllers' AR steps took 1-3% longer in the bench's loop than our AR's, their graphs'
 replays level.)"""
 from __future__ import annotations
