@@ -394,3 +394,65 @@ def test_speedup_plot_is_over_our_fastest_ar_where_a_run_measured_it():
     plt = Plt()
     report.plot_speedup(plt, {"header": {}, "runs": [r for r in runs if r["system"] != "ar-fused-overlap"]}, None)
     assert plt.axes[0].lines["spec"] == ([1, 8], [2.6, 1.125]) and plt.axes[0].labels["ylabel"] == "speedup vs ar"
+
+
+@pytest.mark.parametrize("device, lead_in", [("cuda", 0.2), ("cuda", 0.0), ("cpu", 0.2)])
+def test_each_timed_call_follows_its_own_lead_in(monkeypatch, device, lead_in):
+    """On CUDA each timed call of a cell comes right after the same system's untimed decodes of its warm-up batch,
+    for at least --lead-in seconds, whichever system ran before it in the rotation: what the GPU did just before
+    (its clocks) is then the system's own load. --lead-in 0 and a system on the CPU have none."""
+    import time
+    from types import SimpleNamespace
+
+    from specpilot.tools.bench import run as bench_run
+    from specpilot.tools.bench.prompt_requests import BenchRequest
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.device = name, SimpleNamespace(type=device)
+
+        def prepare(self, batches, max_new_tokens):
+            pass
+
+        def run(self, prompts, max_new_tokens, ignore_eos, concurrency):
+            t0 = time.perf_counter()
+            time.sleep(0.02)
+            calls.append((self.name, len(prompts), t0, time.perf_counter()))
+            return SimpleNamespace(seconds=0.02)
+
+    class Progress:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, text):
+            pass
+
+    measured = {}
+    monkeypatch.setattr(bench_run.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench_run.Bench, "_add_runs", lambda self, systems, w, b, runs, timed, repeated=0:
+                        measured.update(runs))
+    args = SimpleNamespace(cell_requests=None, repeats=2, max_new_tokens=4, ignore_eos=False, waves=1,
+                           batching="continuous", lead_in=lead_in)
+    bench = bench_run.Bench(args, None, {})
+    requests = [BenchRequest(f"q{i}", 0, [1, 2, 3 + i]) for i in range(4)]
+    bench.measure_cell([Fake("a"), Fake("b")], "code", 2, requests, Progress())
+
+    assert {name: len(runs[0]) for name, runs in measured.items()} == {"a": 2, "b": 2}
+    timed = [i for i, call in enumerate(calls) if call[1] == 4]  # the cell's 4 requests in one call, B = 2
+    assert [calls[i][0] for i in timed] == ["a", "b", "b", "a"]  # (the rotation)
+    assert [call[:2] for call in calls[:2]] == [("a", 2), ("b", 2)]  # each system's warm-up batch
+    if device == "cpu" or lead_in == 0:
+        assert len(calls) == 2 + len(timed)
+        return
+    for i in timed:
+        name, j = calls[i][0], i - 1
+        while calls[j][:2] == (name, 2) and j > 1:
+            j -= 1
+        lead = calls[j + 1: i]  # the same system's untimed decodes of its warm-up batch right before
+        assert lead and all(c[:2] == (name, 2) for c in lead)
+        assert lead[-1][3] - lead[0][2] >= lead_in  # at least the lead-in's seconds
+        assert len(lead) == 1 or lead[-2][3] - lead[0][2] < lead_in  # and not a decode more than they need

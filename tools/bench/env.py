@@ -87,6 +87,7 @@ def header(args, device: torch.device, dtype: str, workloads: list[str], batch_s
         "ignore_eos": args.ignore_eos, "workloads": workloads, "batch_sizes": batch_sizes, "repeats": args.repeats,
         "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None),
         "waves": getattr(args, "waves", 1) or 1, "batching": getattr(args, "batching", "continuous"),
+        "lead_in_s": getattr(args, "lead_in", None),
         "threads": torch.get_num_threads(),
         "recipes": {name: dataclasses.asdict(r) for name, r in recipes or []},
     }

@@ -3,8 +3,12 @@
 Systems: the same engine's AR (`ar`, the reference), the `stock` recipe, each `--recipe`, and with `--baselines hf`
 HF transformers (hf_baselines.py). For each workload and batch size (a cell) the requests are split in order into
 batches; every system first decodes a warm-up (not counted), then each batch is decoded by every system in an order
-rotated per batch, so that drift (clocks, caches, other load) hits all systems alike. A system that fails in a cell
-becomes an error entry; the others are still measured. results.json is rewritten after every cell.
+rotated per batch, so that drift (clocks, caches, other load) hits all systems alike. On CUDA each timed call
+follows a lead-in, the system's own warm-up batch decoded again untimed for `--lead-in` seconds: a GPU's clocks
+follow the load of the last few hundred milliseconds, so without it a system was timed in the state its predecessor
+left (after `stock`'s light steps the next system's steps ran 2% faster for its first 0.1-0.2 s, and the rotation
+kept that neighbour: forty-seventh lease). A system that fails in a cell becomes an error entry; the others are
+still measured. results.json is rewritten after every cell.
 
 Isolation (docs/BENCH.md, "A bench that survives a fault"): on CUDA this process does not load the model. A worker
 process, `python -m specpilot.tools.bench.worker` (worker.py), loads the target and the systems once and measures the
@@ -35,12 +39,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
 
-from ..argtypes import (add_device_arguments, add_target_argument, check, positive_float, positive_int,
-                        positive_int_list)
+from ..argtypes import (add_device_arguments, add_target_argument, check, non_negative_float, positive_float,
+                        positive_int, positive_int_list)
 from ...engine import loader, packaged
 from ...engine.errors import SpecPilotError
 from ...engine.recipe import Recipe, load_recipe, parse, reported_name, with_absolute_paths
@@ -55,6 +60,7 @@ from .hf_baselines import HF_SYSTEMS, HFSystem, load_hf_model
 
 SCHEMA = "specpilot-bench/1"
 BASELINES = ("hf", "hf-static", "none")
+LEAD_IN_S = 0.3  # seconds of a system's own untimed decoding before each timed call on CUDA (`--lead-in`)
 
 
 def hf_systems(baselines: str) -> tuple[str, ...]:
@@ -92,6 +98,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "of B a timed call of its own")
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="times each timed call is measured per system (median kept)")
+    b.add_argument("--lead-in", type=non_negative_float, default=LEAD_IN_S,
+                   help="on CUDA, seconds of each system's own untimed decoding (its warm-up batch again) right "
+                        "before each of its timed calls, so that it is timed in the clocks its own load leaves, not "
+                        "the previous system's (0: none)")
     b.add_argument("--baselines", default="none",
                    help="hf: add HF transformers static-cache AR and prompt lookup; hf-static: only the first")
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
@@ -187,6 +197,20 @@ class Bench:
             self.running(None, workload, batch_size)
         return None
 
+    def _lead_in(self, system: System, workload: str, batch_size: int, prompts: list[list[int]]) -> bool:
+        """Untimed decodes of `prompts` by `system` for at least the lead-in's seconds (at least one) right before a
+        timed call of it, on CUDA: what the device does just before a call (its clocks, its power) is then this
+        system's own load, whichever system ran before. False when one of them failed (its error entry made)."""
+        seconds = lead_in_seconds(self.args)
+        if seconds <= 0 or system.device.type != "cuda":
+            return True
+        t0 = time.perf_counter()
+        while True:
+            if self._try(system, workload, batch_size, prompts) is None:
+                return False
+            if time.perf_counter() - t0 >= seconds:
+                return True
+
     def _prepare(self, system: System, workload: str, batch_size: int, batches: list[list[list[int]]]) -> bool:
         self.running(system.name, workload, batch_size)
         try:
@@ -234,7 +258,8 @@ class Bench:
                 for s in live[shift:] + live[:shift]:
                     if s.name in measured:
                         progress.set_postfix_str(f"{workload} B={batch_size} {s.name}")
-                        run = self._try(s, workload, batch_size, batch)
+                        run = self._try(s, workload, batch_size, batch) \
+                            if self._lead_in(s, workload, batch_size, warm[0]) else None
                         if run is None:
                             del measured[s.name]  # a partial set of batches would not be comparable
                         else:
@@ -278,6 +303,12 @@ def repeat_throughputs(per_batch: list[list[BatchRun]]) -> list[float] | None:
         return None
     rounds = zip(*per_batch)
     return [sum(len(row) for r in runs for row in r.tokens) / sum(r.seconds for r in runs) for runs in rounds]
+
+
+def lead_in_seconds(args) -> float:
+    """`--lead-in`'s seconds (callers that build their own args may leave it out: the default)."""
+    value = getattr(args, "lead_in", None)
+    return LEAD_IN_S if value is None else float(value)
 
 
 def continuous(args) -> bool:
@@ -482,6 +513,7 @@ class WorkerRun:
             "args": {"target": self.args.target, "max_new_tokens": self.args.max_new_tokens,
                      "ignore_eos": self.args.ignore_eos, "repeats": self.args.repeats, "limit": self.args.limit,
                      "cell_requests": getattr(self.args, "cell_requests", None), "waves": waves(self.args),
+                     "lead_in": lead_in_seconds(self.args),
                      "batching": getattr(self.args, "batching", "continuous"),
                      "baselines": self.args.baselines if hf else "none",
                      "argv": list(getattr(self.args, "argv", None) or sys.argv[1:])},
