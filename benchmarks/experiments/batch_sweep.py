@@ -49,6 +49,9 @@ def arguments(p) -> None:
                    help="each cell's call timed this many times a system (the systems in turn): with 2 or more, "
                         "each ratio's range over the repeats (the replica noise issue #20's bar is read within)")
     p.add_argument("--baselines", default="hf-static")
+    p.add_argument("--lead-in", type=float, default=None,
+                   help="the bench's --lead-in: seconds of a system's own untimed decoding before each timed call "
+                        "(default: the bench's, 0.3; 0: none, as before the forty-seventh lease)")
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
     p.add_argument("--recipes", default=",".join(RECIPES),
@@ -202,6 +205,8 @@ def run(out_dir, args):
             argv += ["--recipe", ctx.recipe(name, recipe)]
         if args.baselines and not args.smoke:
             argv += ["--baselines", args.baselines]
+        if args.lead_in is not None:
+            argv += ["--lead-in", args.lead_in]
         found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
         text.append("## Every batch size\n\n" + table(found["sweep"], FASTEST_AR))
     return found, "\n\n".join(text)
