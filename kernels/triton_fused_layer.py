@@ -182,6 +182,12 @@ PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 # put them under it. SPECPILOT_DOT_PDL=0 turns it off (for A/B timing).
 DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 
+# The attention's programs of splits past their token's position end before the PDL wait (`_decode_attention`'s
+# EXIT_PAST): the grid covers the static cache, whose length a recipe's draft length moves (engine/decode.py,
+# cache_length), and a program that waited for nothing cost its step. SPECPILOT_ATTENTION_EXIT_PAST=0 turns it off
+# (for A/B timing).
+ATTENTION_EXIT_PAST = os.environ.get("SPECPILOT_ATTENTION_EXIT_PAST", "1") != "0"
+
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
 # First took the adaptive n-gram from 0.94x to 0.99x our fastest AR on summarization, 1.20x to 1.22x on code (H200,
@@ -866,7 +872,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
-        num_warps=setting["num_warps"], TREE=tree is not None, **pdl, **skip)  # (the same tokens as every GEMV)
+        num_warps=setting["num_warps"], TREE=tree is not None, EXIT_PAST=ATTENTION_EXIT_PAST, **pdl,
+        **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)
