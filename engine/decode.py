@@ -484,6 +484,12 @@ class Decoder:
         """Rows of the latest batch (its bucket), None before any."""
         return self._state.batch if self._state is not None else None
 
+    @property
+    def cache_slots(self) -> int | None:
+        """Slots a row of the static KV cache holds (what the fused layer's attention grid covers), None before any
+        cache. The cache only grows: a decoder keeps the longest a call of it needed (`reserve`)."""
+        return self._base_cache.max_len if self._base_cache is not None else None
+
     def _mark(self, point: str) -> None:
         if self.phase_timer is not None:
             self.phase_timer.mark(point)

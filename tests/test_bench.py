@@ -107,6 +107,21 @@ def test_tiny_bench_records_what_it_timed(tiny_run):
         assert same == run["identical_to_ar"]
 
 
+def test_tiny_bench_records_each_engine_s_cache(tiny_run):
+    """cache_slots: the static KV cache an engine run decoded in, long enough for every request it timed (prompt and
+    answer), never shorter than in an earlier cell of the run (it only grows), and null for an HF baseline."""
+    _, results = tiny_run
+    seen: dict[str, int] = {}
+    for run in results["runs"]:  # (in the cells' order)
+        if run["system"].startswith("hf"):
+            assert run["cache_slots"] is None
+            continue
+        assert run["cache_slots"] >= max(len(o["prompt"]) + len(o["tokens"]) for o in run["outputs"])
+        assert run["cache_slots"] >= seen.get(run["system"], 0)
+        seen[run["system"]] = run["cache_slots"]
+    assert len(seen) == 3  # ar, stock and the recipe named like it (stock-2)
+
+
 def test_tiny_bench_captures_nothing_while_timing(tiny_run):
     _, results = tiny_run
     engine_runs = [r for r in results["runs"] if not r["system"].startswith("hf-")]

@@ -122,6 +122,24 @@ def test_batch_sweep_names_the_losses_beyond_the_replica_noise(runner):
     assert "every repeat" not in batch_sweep.table(once, ref)
 
 
+def test_batch_sweep_names_the_cells_where_a_cache_was_longer_than_ar_s(runner):
+    """batch_sweep lists, per cell, the systems that decoded in a longer static cache than our fastest AR (the
+    forty-seventh lease's summarize cells after chat's: 576 slots against 512); equal caches and runs without the
+    field (HF) say nothing."""
+    batch_sweep = runner.load("batch_sweep")
+    ref = "ar-fused-overlap"
+
+    def run(system, workload, slots):
+        return {"system": system, "workload": workload, "batch_size": 2, "tokens_per_s": 1.0, "cache_slots": slots}
+
+    results = {"runs": [run(ref, "chat", 512), run("ngram", "chat", 512), run("hf-static", "chat", None),
+                        run(ref, "summarize", 512), run("ngram", "summarize", 576), run("head", "summarize", 576)]}
+    assert batch_sweep.cache_lines(results, ref) == ["- summarize B=2: ar-fused-overlap 512, ngram 576, head 576"]
+    assert "- summarize B=2: ar-fused-overlap 512, ngram 576" in batch_sweep.table(results, ref)
+    even = {"runs": [r for r in results["runs"] if r["workload"] == "chat"]}
+    assert batch_sweep.cache_lines(even, ref) == [] and "static KV cache" not in batch_sweep.table(even, ref)
+
+
 def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):
     """fused_tokens' thresholds: the FMA path up to the last width where it beat the tensor cores, the fused layer's
     limit at the last whole 16-token block where every tested width beat the modular layer."""

@@ -91,6 +91,10 @@ def table(results: dict, reference: str) -> str:
     if occupancy:
         text += ("\n\nLive rows a step (a batch's occupancy):\n\n"
                  + "\n".join(f"- {wl} B={b}: {', '.join(v)}" for (wl, b), v in occupancy.items()))
+    uneven = cache_lines(results, reference)
+    if uneven:
+        text += ("\n\nCells where a system's static KV cache was longer than " + reference + "'s (slots a row; the "
+                 "fused layer's attention grid covers it):\n\n" + "\n".join(uneven))
     budgets = [r for r in results["runs"] if r.get("time_budget") and r["batch_size"] > 1]
     if budgets:
         text += ("\n\nWhere the steps' time went (ms; the bench's time_budget): the cell's wall time, its steps' "
@@ -114,6 +118,23 @@ def table(results: dict, reference: str) -> str:
                  "refill: per kind k', steps, the median device ms a step, the mean idle µs before it:\n\n"
                  + "\n".join(device_line(r) for r in events))
     return text
+
+
+def cache_lines(results: dict, reference: str) -> list[str]:
+    """Per cell, the systems whose cache held more slots a row than the reference's (runs without `cache_slots`,
+    HF's and older results, left out)."""
+    cells: dict[tuple, dict[str, int]] = {}
+    for r in results["runs"]:
+        if r.get("cache_slots"):
+            cells.setdefault((r["workload"], r["batch_size"]), {})[r["system"]] = r["cache_slots"]
+    lines = []
+    for (workload, batch), slots in cells.items():
+        ref = slots.get(reference)
+        longer = {name: n for name, n in slots.items() if ref is not None and n > ref}
+        if longer:
+            lines.append(f"- {workload} B={batch}: {reference} {ref}, "
+                         + ", ".join(f"{name} {n}" for name, n in longer.items()))
+    return lines
 
 
 def device_line(r: dict) -> str:

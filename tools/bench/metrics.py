@@ -146,6 +146,10 @@ def summarize(system: str, workload: str, batch_size: int, runs: list[BatchRun],
         # times a batch moved to a smaller bucket as its requests ran out (its last steps then cost what the rows
         # left cost)
         "batch_shrinks": sum(r.shrinks for r in runs),
+        # our engine: slots a row of its static KV cache held (null for HF). It only grows, so a cell after one of
+        # longer prompts decodes in the longer cache; a recipe that verifies drafts needs a few slots more than AR
+        # (engine/decode.py, cache_length), which can put the two in caches of different lengths
+        "cache_slots": max((r.cache_slots for r in runs if r.cache_slots is not None), default=None),
         # our engine: live rows a decoding step, on average (null for HF): a batch's occupancy, below B where its rows
         # end at different steps and wait for the next request, or drain at the end
         "live_rows_per_step": (sum(r.row_steps for r in runs) / sum(r.steps for r in runs)

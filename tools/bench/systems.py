@@ -48,6 +48,7 @@ class BatchRun:
     refill_prefill_s: float = 0.0
     step_events: list = field(default_factory=list)  # our engine with SPECPILOT_STEP_EVENTS=1: each step's CUDA events
     # (tools/bench/step_events), read after the timing
+    cache_slots: int | None = None  # our engine: slots a row of its static KV cache held in this call
 
 
 class BenchSkip(Exception):
@@ -161,6 +162,7 @@ class EngineSystem(System):
         run.step_log = list(decoder.last_stats.step_log)
         run.step_events = marks[: len(run.step_log)]  # (a step launched ahead and never read has no record)
         run.refill_prefills, run.refill_prefill_s = decoder.last_stats.refill_prefills, decoder.last_stats.refill_prefill_s
+        run.cache_slots = decoder.cache_slots
         return run
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
