@@ -399,6 +399,40 @@ def test_loop_overhead_takes_the_timing_s_own_work_off_a_step_s_kernels(runner, 
     assert len(forwards) == 3 and torch.equal(dec._state.lengths, before)
 
 
+def test_cache_length_times_each_decoder_in_its_own_cache_at_the_position_given(runner, tiny_model_dir):
+    """cache_length's timing on the CPU (eager steps, host-timed): each decoder grown to its cache length (which it
+    reports, `Decoder.cache_slots`), its step kind timed for each batch size with every row at the position given,
+    the rows' lengths as they were afterwards; the AR decoder's and the n-gram controller's blind step alike."""
+    import torch
+
+    from specpilot.engine.engine import Engine
+    from specpilot.engine.loader import load
+    from specpilot.engine.recipe import parse
+
+    cache_length = runner.load("cache_length")
+    target = load(str(tiny_model_dir("llama")), "fp32", "cpu")
+    decoders = {}
+    for name, spec, kind, slots in (("ar", {}, 0, 512), ("ar", {}, 0, 640),
+                                    ("ngram", {"drafter": {"kind": "ngram"}, "k": 4, "batch": {"controller": "cost"}},
+                                     -1, 576)):
+        eng = Engine(target, parse({**spec, "cuda_graphs": False}))
+        eng.generate([[1, 2, 3], [4, 5]], 2, ignore_eos=True)
+        for B in (1, 2):
+            eng.decoder.reserve(B, slots)
+        assert eng.decoder.cache_slots == slots
+        decoders[(name, slots)] = (eng.decoder, kind)
+    seen = []
+    for dec, _ in decoders.values():
+        real = dec.model.forward
+        dec.model.forward = lambda *a, real=real, **kw: seen.append(int(kw.get("positions", a[1]).min())) or \
+            real(*a, **kw)
+    times = cache_length.timed(decoders, (1, 2), 40, 2)
+    assert set(times) == {(name, slots, B) for name, slots in decoders for B in (1, 2)}
+    assert all(ms > 0 for ms in times.values())
+    assert seen and set(seen) == {39}  # every step at the rows' position (the last token's, 40 - 1)
+    assert all(torch.equal(dec._use(2, 0).lengths, torch.full((2,), 40)) for dec, _ in decoders.values())
+
+
 def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_model_dir):
     """`--side-by-side ROUNDS`: each kept system's kinds of step replayed in turn, round after round, a median of the
     rounds for each (system, kind), and a table of them over the first system's first kind; the decoders' states are

@@ -1,0 +1,105 @@
+"""What the static KV cache's length costs a decoding step, and the fused attention's early exit against it.
+
+What it measures. A random-weight model of SmolLM2-135M's shapes (nothing staged), bf16, the fused layer: our
+fastest AR's step and the n-gram controller's blind step (AR's kernels in a speculative decoder) at each batch size,
+every row at the same position, in caches of several lengths (each system and length a decoder of its own, warmed,
+then grown to that length), replayed in turn, rounds of 20 replays, each cell the median of its rounds, and over our
+AR at the shortest cache. Then the same with the attention's splits past their token's position waiting on their
+predecessor before they return (`SPECPILOT_ATTENTION_EXIT_PAST=0`'s kernel), and with the early exit again: whether
+a longer cache costs the step, and whether the exit removes that.
+
+Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
+overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
+and our AR 512, and at summarize's contexts their AR-kind steps ran 2.4-6.2% over AR's on the device (forty-seventh
+lease, M), where the fused layer's attention launches programs over the whole cache.
+
+Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the forty-seventh lease's summarize cells after chat's,
+docs/benchmarks/2026-12-07-forty-seventh-lease.md).
+
+Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry).
+
+Device minutes: about 2 (six decoders' warm-ups, three rounds of timing).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import harness
+
+MINUTES = 2
+CUDA_ONLY = True
+
+
+def arguments(p) -> None:
+    p.add_argument("--batch-sizes", default="2,8")
+    p.add_argument("--slots", default="512,576,640,1024", help="cache lengths our AR is timed in (the first: the base)")
+    p.add_argument("--controller-slots", default="512,576", help="cache lengths the n-gram controller is timed in")
+    p.add_argument("--position", type=int, default=440, help="every row's position (below the shortest cache)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--layers", type=int, default=30)
+
+
+def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
+    """{(system, slots, B): median ms} of each decoder's step kind, replayed in turn round after round."""
+    times: dict[tuple, list[float]] = {}
+    for B in batch_sizes:
+        for _ in range(rounds):
+            for (system, slots), (dec, kind) in decoders.items():
+                st = dec._use(B, 0)
+                st.lengths.fill_(position)
+                times.setdefault((system, slots, B), []).append(dec._time_step(st, kind, 20) * 1e3)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def run(out_dir, args):
+    import torch
+
+    from specpilot.engine.engine import Engine
+    from specpilot.engine.recipe import parse
+    from specpilot.kernels import triton_fused_layer
+    from specpilot.tools.bench.engine_bench import SYSTEMS
+
+    ctx = args.ctx
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")][: 1 if ctx.smoke else None]
+    slots = [int(s) for s in args.slots.split(",")][: 2 if ctx.smoke else None]
+    controller_slots = [int(s) for s in args.controller_slots.split(",")][: 1 if ctx.smoke else None]
+    if args.position + 2 * 5 >= min(slots + controller_slots):
+        raise SystemExit(f"--position {args.position}: leave room for a step below the shortest cache")
+    target = harness.random_smollm2(2 if ctx.smoke else args.layers, "cuda", ctx.scratch)
+    plan = [("ar-fused-overlap", 0, s) for s in slots] + [("ngram2-k4-cost-fused-overlap", -1, s)
+                                                          for s in controller_slots]
+    decoders = {}
+    for system, kind, n in plan:
+        t0 = time.perf_counter()
+        eng = Engine(target, parse(SYSTEMS[system]))
+        eng.warmup(batch_sizes, 300, 128)
+        for B in batch_sizes:
+            eng.decoder.reserve(B, n)
+        decoders[(system, n)] = (eng.decoder, kind)
+        print(f"cache_length: {system} in {eng.decoder.cache_slots} slots, warm in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    found, saved = {}, triton_fused_layer.ATTENTION_EXIT_PAST
+    try:
+        for label, exit_past in (("exit", True), ("wait", False), ("exit again", True)):
+            triton_fused_layer.ATTENTION_EXIT_PAST = exit_past
+            for dec, _ in decoders.values():
+                dec.forget_steps()  # (captured again with this kernel at their first replay)
+            found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
+    finally:
+        triton_fused_layer.ATTENTION_EXIT_PAST = saved
+        torch.cuda.synchronize()
+    rows = []
+    for label, times in found.items():
+        for B in batch_sizes:
+            base = times[("ar-fused-overlap", slots[0], B)]
+            cells = [f"{times[(system, n, B)]:.4f} ({times[(system, n, B)] / base:.3f})" for system, _, n in plan]
+            rows.append(f"| {label} | {B} | " + " | ".join(cells) + " |")
+    head = ("| splits past the position | B | " + " | ".join(f"{'AR' if k == 0 else 'n-gram blind'} {n}"
+                                                        for _, k, n in plan) + " |\n|---|---:|"
+            + "---:|" * len(plan))
+    text = (f"Device ms a step (over our AR in {slots[0]} slots), rows at position {args.position}, by cache "
+            f"length (slots a row):\n\n{head}\n" + "\n".join(rows))
+    return {label: {f"{system} {n} B={B}": ms for (system, n, B), ms in times.items()}
+            for label, times in found.items()}, text
