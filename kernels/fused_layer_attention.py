@@ -101,9 +101,9 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
     same K/V tiles, from L2 after the first. A split past the token's position ends at once (EXIT_PAST), before the
 masked loads and the PDL wait: the grid covers the whole static cache, whose length moves with a recipe's draft
-length, and the same AR step ran 2.4-4.8% slower in a cache of 576 slots than in one of 512 (forty-seventh lease,
-the controllers' AR-kind steps against our AR's at summarize B = 1-4; level where both had 512); that these
-programs are the cause is not yet timed (SPECPILOT_ATTENTION_EXIT_PAST=0 for the A/B). TREE: the token is a
+length (the forty-seventh lease's controllers ran their AR-kind steps 2.4-4.8% over our AR's at summarize B = 1-4
+with 576 slots to its 512, level where both had 512; the cache as the cause is unproven, and these programs' share
+not yet timed: `benchmarks/run.py cache_length`, SPECPILOT_ATTENTION_EXIT_PAST=0 for the A/B). TREE: the token is a
     draft-tree node whose `positions` entry is its cache slot; of the slots from its tree's first (`root_ptr`) on it
     sees those whose bit, counted from that first slot, is set in its ancestor mask (`ancestors_ptr`, int64).
 

@@ -184,9 +184,9 @@ DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 
 # The attention's programs of splits past their token's position end before the PDL wait (`_decode_attention`'s
 # EXIT_PAST): the grid covers the static cache, whose length a recipe's draft length moves (engine/decode.py,
-# cache_length); the same AR step ran 2.4-4.8% slower in 576 slots than in 512 (forty-seventh lease), where every
-# such program waited on its predecessor like the others. SPECPILOT_ATTENTION_EXIT_PAST=0 turns it off (for A/B
-# timing; not yet timed).
+# cache_length), and every such program waited on its predecessor like the others (the forty-seventh lease's
+# controllers, with 576 slots to our AR's 512, ran AR steps 2.4-4.8% slower: whether for this, unproven).
+# SPECPILOT_ATTENTION_EXIT_PAST=0 turns it off (for A/B timing: `benchmarks/run.py cache_length`; not yet timed).
 ATTENTION_EXIT_PAST = os.environ.get("SPECPILOT_ATTENTION_EXIT_PAST", "1") != "0"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
