@@ -469,5 +469,5 @@ def test_each_timed_call_follows_its_own_lead_in(monkeypatch, device, lead_in):
             j -= 1
         lead = calls[j + 1: i]  # the same system's untimed decodes of its warm-up batch right before
         assert lead and all(c[:2] == (name, 2) for c in lead)
-        assert lead[-1][3] - lead[0][2] >= lead_in  # at least the lead-in's seconds
+        assert lead[-1][3] - lead[0][2] >= lead_in - 0.005  # the lead-in's seconds (less the bench's own µs around)
         assert len(lead) == 1 or lead[-2][3] - lead[0][2] < lead_in  # and not a decode more than they need
