@@ -122,10 +122,10 @@ def test_batch_sweep_names_the_losses_beyond_the_replica_noise(runner):
     assert "every repeat" not in batch_sweep.table(once, ref)
 
 
-def test_batch_sweep_names_the_cells_where_a_cache_was_longer_than_ar_s(runner):
+def test_batch_sweep_names_the_cells_where_a_cache_was_longer_than_ar_s_and_the_lead_in(runner):
     """batch_sweep lists, per cell, the systems that decoded in a longer static cache than our fastest AR (the
     forty-seventh lease's summarize cells after chat's: 576 slots against 512); equal caches and runs without the
-    field (HF) say nothing."""
+    field (HF) say nothing. It also says whether the bench ran its lead-in before each timed call."""
     batch_sweep = runner.load("batch_sweep")
     ref = "ar-fused-overlap"
 
@@ -138,6 +138,10 @@ def test_batch_sweep_names_the_cells_where_a_cache_was_longer_than_ar_s(runner):
     assert "- summarize B=2: ar-fused-overlap 512, ngram 576" in batch_sweep.table(results, ref)
     even = {"runs": [r for r in results["runs"] if r["workload"] == "chat"]}
     assert batch_sweep.cache_lines(even, ref) == [] and "static KV cache" not in batch_sweep.table(even, ref)
+    # and whether the bench ran its lead-in (older results: no header field, no line)
+    assert "after 0.3 s of the same system's own" in batch_sweep.table(dict(even, header={"lead_in_s": 0.3}), ref)
+    assert "No lead-in" in batch_sweep.table(dict(even, header={"lead_in_s": 0}), ref)
+    assert "lead-in" not in batch_sweep.table(even, ref)
 
 
 def test_fused_tokens_thresholds_follow_the_measured_crossings(runner):

@@ -76,6 +76,11 @@ def table(results: dict, reference: str) -> str:
     captured = {(r["system"], r["workload"], r["batch_size"]): r.get("captures_while_timed")
                 for r in results["runs"] if r.get("captures_while_timed")}
     text = harness.bench_table(results, reference) + f"\n\nShapes captured while timed: {captured or 'none'}."
+    lead_in = (results.get("header") or {}).get("lead_in_s")
+    if lead_in is not None:  # (results before the forty-seventh lease have none: no lead-in)
+        text += (f"\n\nEach timed call on the GPU came after {lead_in:g} s of the same system's own untimed decoding "
+                 "(the bench's lead-in)." if lead_in > 0 else "\n\nNo lead-in (`--lead-in 0`): each timed call in "
+                 "the clocks the system before it left.")
     beyond = losses_beyond_noise(results, reference)
     if beyond is not None:
         text += (f"\n\nBelow 1.0x {reference} in every repeat (a loss beyond the replica noise, issue #20's bar): "
