@@ -97,13 +97,11 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
                       root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                      SKIP_DEAD: tl.constexpr, TREE: tl.constexpr, EXIT_PAST: tl.constexpr = True):
+                      SKIP_DEAD: tl.constexpr, TREE: tl.constexpr, MERGE: tl.constexpr):
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
-    same K/V tiles, from L2 after the first. A split past the token's position ends at once (EXIT_PAST), before the
-masked loads and the PDL wait: the grid covers the whole static cache, whose length moves with a recipe's draft
-length (the forty-seventh lease's controllers ran their AR-kind steps 2.4-4.8% over our AR's at summarize B = 1-4
-with 576 slots to its 512, level where both had 512; the cache as the cause is unproven, and these programs' share
-not yet timed: `benchmarks/run.py cache_length`, SPECPILOT_ATTENTION_EXIT_PAST=0 for the A/B). TREE: the token is a
+    same K/V tiles, from L2 after the first. The token's last split to finish merges the splits' partials MERGE at a
+    time (a power of two, at most N_SPLITS), over the splits the token used: the merge's work then follows the token's
+    position, not the cache's length. TREE: the token is a
     draft-tree node whose `positions` entry is its cache slot; of the slots from its tree's first (`root_ptr`) on it
     sees those whose bit, counted from that first slot, is set in its ancestor mask (`ancestors_ptr`, int64).
 
@@ -129,9 +127,6 @@ not yet timed: `benchmarks/run.py cache_length`, SPECPILOT_ATTENTION_EXIT_PAST=0
         ancestors = pos.to(tl.int64)
         fresh = pos - (n_tokens - 1)
     first = split * keys_per_split
-    if EXIT_PAST:
-        if first > pos:  # nothing to read, no partial to leave (the merge counts only splits up to the position)
-            return
     last = tl.minimum(first + keys_per_split, pos + 1)  # a query sees no slot past its position
     k_base = kv_ptr + tl.load(rows_ptr + m) * stride_b + (head // rep) * stride_h
     slots = first + tl.arange(0, BLOCK_S)
@@ -171,7 +166,14 @@ not yet timed: `benchmarks/run.py cache_length`, SPECPILOT_ATTENTION_EXIT_PAST=0
             # stores visible.
             tl.debug_barrier()
             if tl.atomic_add(count_ptr + mh, 1) == n_used - 1:
-                splits = tl.arange(0, N_SPLITS)
+                # The first MERGE splits, then (a token past them) the next MERGE at a time, rescaled to the running
+                # maximum as the splits themselves combine their tiles (`_attend`). Why not all N_SPLITS at once: on
+                # the H200 SmolLM2's AR step at B = 2 cost 3.6% more in caches of 576, 640 and 1,024 slots than in
+                # 512, alike, at the same position, and what those share against 512 is this merge over 32 lanes
+                # instead of 16 (forty-eighth lease, `benchmarks/run.py cache_length`; this change not yet timed).
+                # A token within the first MERGE splits gets the same sums in every cache of MERGE splits or more
+                # (SmolLM2's one-token steps: every cache).
+                splits = tl.arange(0, MERGE)
                 used = splits < n_used
                 s_max = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2, mask=used, other=float("-inf"))
                 s_sum = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2 + 1, mask=used, other=0.0)
@@ -179,8 +181,23 @@ not yet timed: `benchmarks/run.py cache_length`, SPECPILOT_ATTENTION_EXIT_PAST=0
                                 mask=used[:, None], other=0.0)
                 top = tl.max(s_max, axis=0)
                 weight = tl.exp(s_max - tl.where(top == float("-inf"), 0.0, top))  # 0 where no slot was seen
-                out = tl.sum(s_acc * weight[:, None], axis=0) / tl.sum(s_sum * weight, axis=0)
-                tl.store(out_ptr + mh * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+                num = tl.sum(s_acc * weight[:, None], axis=0)
+                den = tl.sum(s_sum * weight, axis=0)
+                for c0 in range(MERGE, n_used, MERGE):  # (names of their own: no loop-carried type changes)
+                    more = c0 + tl.arange(0, MERGE)
+                    more_used = more < n_used
+                    m_max = tl.load(stats_ptr + (mh * N_SPLITS + more) * 2, mask=more_used, other=float("-inf"))
+                    m_sum = tl.load(stats_ptr + (mh * N_SPLITS + more) * 2 + 1, mask=more_used, other=0.0)
+                    m_acc = tl.load(partial_ptr + (mh * N_SPLITS + more)[:, None] * HEAD_DIM + dims[None, :],
+                                    mask=more_used[:, None], other=0.0)
+                    new_top = tl.maximum(top, tl.max(m_max, axis=0))
+                    ref = tl.where(new_top == float("-inf"), 0.0, new_top)
+                    m_weight = tl.exp(m_max - ref)
+                    rescale = tl.exp(top - ref)
+                    num = num * rescale + tl.sum(m_acc * m_weight[:, None], axis=0)
+                    den = den * rescale + tl.sum(m_sum * m_weight, axis=0)
+                    top = new_top
+                tl.store(out_ptr + mh * HEAD_DIM + dims, (num / den).to(out_ptr.dtype.element_ty))
                 tl.atomic_xchg(count_ptr + mh, 0)  # ready for the next layer and step
 
 

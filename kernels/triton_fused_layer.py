@@ -182,12 +182,14 @@ PDL = os.environ.get("SPECPILOT_PDL", "1") != "0"
 # put them under it. SPECPILOT_DOT_PDL=0 turns it off (for A/B timing).
 DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 
-# The attention's programs of splits past their token's position end before the PDL wait (`_decode_attention`'s
-# EXIT_PAST): the grid covers the static cache, whose length a recipe's draft length moves (engine/decode.py,
-# cache_length), and every such program waited on its predecessor like the others (the forty-seventh lease's
-# controllers, with 576 slots to our AR's 512, ran AR steps 2.4-4.8% slower: whether for this, unproven).
-# SPECPILOT_ATTENTION_EXIT_PAST=0 turns it off (for A/B timing: `benchmarks/run.py cache_length`; not yet timed).
-ATTENTION_EXIT_PAST = os.environ.get("SPECPILOT_ATTENTION_EXIT_PAST", "1") != "0"
+# The attention's merge of a token's splits takes this many at a time (`_decode_attention`'s MERGE; at most the
+# cache's splits rounded up to a power of two): its work then follows the token's position, not the cache's length,
+# which a recipe's draft length moves (engine/decode.py, cache_length). On the H200 SmolLM2's AR step at B = 2 cost
+# 3.6% more in 576-1,024 slots than in 512, where the merge was as wide as the cache's splits (32 lanes against 16;
+# forty-eighth lease, `benchmarks/run.py cache_length`: the split programs past the position, ended early instead,
+# changed nothing at B = 2 and cost 17% at B = 8). Not yet timed; SPECPILOT_ATTENTION_MERGE_SPLITS=0 merges all at
+# once (for the A/B).
+ATTENTION_MERGE_SPLITS = int(os.environ.get("SPECPILOT_ATTENTION_MERGE_SPLITS", "16"))
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -635,6 +637,14 @@ def attention_splits(n_slots: int, n_tokens: int, device: torch.device) -> tuple
     return triton.cdiv(n_slots, per), per
 
 
+def merge_width(n_splits: int) -> int:
+    """The splits `_decode_attention`'s merge takes at a time: ATTENTION_MERGE_SPLITS (0: all), at most `n_splits`
+    (the partials' stride, a power of two)."""
+    if ATTENTION_MERGE_SPLITS <= 0:
+        return n_splits
+    return min(n_splits, triton.next_power_of_2(ATTENTION_MERGE_SPLITS))
+
+
 _PDL_DEVICES: dict = {}
 
 
@@ -873,7 +883,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
-        num_warps=setting["num_warps"], TREE=tree is not None, EXIT_PAST=ATTENTION_EXIT_PAST, **pdl,
+        num_warps=setting["num_warps"], TREE=tree is not None, MERGE=merge_width(n_splits), **pdl,
         **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection

@@ -241,6 +241,47 @@ def test_fused_layer_on_a_cache_that_is_not_a_power_of_two(tiny_model_dir):
                                     n_slots=640) < 2e-5
 
 
+
+def _fused_attention_outputs(model, cache, positions):
+    """The fused layer's and the modular layer's outputs (x, delta) for one token a row at `positions` over `cache`
+    (copied: each layer writes its token's slot)."""
+    cfg, B = model.cfg, positions.shape[0]
+    g = torch.Generator().manual_seed(5)
+    x, delta = (torch.randn(B, 1, cfg.hidden_size, generator=g) for _ in range(2))
+    n_slots = cache.shape[3]
+    model._ensure_rope(n_slots)
+    cos, sin = (t[positions].unsqueeze(2) for t in model._rope)
+    rows = torch.arange(B)[:, None].contiguous()
+    masks = triton_fused_layer.attention_masks(cfg, positions, n_slots)
+    block = model.layers[0]
+    fused = triton_fused_layer.fused_layer(block, x, delta, cos, sin, cache.clone(), rows, positions, masks,
+                                           model.default_ops)
+    modular = Block.forward(block, x, delta, cos, sin, cache.clone(), rows, positions, masks, model.default_ops)
+    return fused, modular
+
+
+def test_fused_attention_merges_a_few_splits_at_a_time(tiny_model_dir, monkeypatch):
+    """The merge of a token's attention splits, two at a time (ATTENTION_MERGE_SPLITS = 2; the GPU's 16): in a
+    1,280-slot cache (five splits of 256 in the interpreter, partials at a stride of 8) tokens in the first, third
+    and fifth split merge in one, two and three rounds and agree with the modular layer; and a token within the first
+    two splits gets bit for bit its output in a 512-slot cache (two splits, merged at once), whatever the slots past
+    them hold: the merge follows the position, not the cache's length."""
+    monkeypatch.setattr(triton_fused_layer, "ATTENTION_MERGE_SPLITS", 2)
+    assert triton_fused_layer.attention_splits(1280, 1, torch.device("cpu")) == (5, 256)
+    assert triton_fused_layer.merge_width(8) == 2 and triton_fused_layer.merge_width(1) == 1
+    model = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu").model
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(4)
+    long = torch.randn(2, 3, cfg.n_kv_heads, 1280, cfg.head_dim, generator=g)
+    fused, modular = _fused_attention_outputs(model, long, torch.tensor([[100], [700], [1200]]))
+    for got, want in zip(fused, modular):
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-5
+    positions = torch.tensor([[3], [300], [511]])
+    in_long, _ = _fused_attention_outputs(model, long, positions)
+    in_short, _ = _fused_attention_outputs(model, long[:, :, :, :512].contiguous(), positions)
+    for a, b in zip(in_long, in_short):
+        assert torch.equal(a, b)
+
 def test_attention_splits_cover_the_cache_and_no_more():
     """The fused layer's attention grid on the GPU: splits of the setting's keys (a multiple of them past
     MAX_SPLITS) whose last one starts inside the cache, for the cache lengths decode.cache_length gives."""

@@ -1,24 +1,26 @@
-"""What the static KV cache's length costs a decoding step, and the fused attention's early exit against it.
+"""What the static KV cache's length costs a decoding step, and the fused attention's merge of its splits.
 
 What it measures. A random-weight model of SmolLM2-135M's shapes (nothing staged), bf16, the fused layer: our
 fastest AR's step and the n-gram controller's blind step (AR's kernels in a speculative decoder) at each batch size,
 every row at the same position, in caches of several lengths (each system and length a decoder of its own, warmed,
 then grown to that length), replayed in turn, rounds of 20 replays, each cell the median of its rounds, and over our
-AR at the shortest cache. Then the same with the attention's splits past their token's position waiting on their
-predecessor before they return (`SPECPILOT_ATTENTION_EXIT_PAST=0`'s kernel), and with the early exit again: whether
-a longer cache costs the step, and whether the exit removes that.
+AR at the shortest cache. Then the same with the attention's merge taking all of a token's splits at once (the
+kernel before the forty-eighth lease: `SPECPILOT_ATTENTION_MERGE_SPLITS=0`), and with the merge of 16 at a time
+again: whether a longer cache costs the step, and whether the narrow merge removes that.
 
 Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
 overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
 and our AR 512, and at summarize's contexts their AR-kind steps ran 2.4-6.2% over AR's on the device (forty-seventh
-lease, M), where the fused layer's attention launches programs over the whole cache.
+lease, M). The forty-eighth lease's run (H200, 19189e9) found a step of +3.6% at B = 2 from 512 slots to 576, 640 and
+1,024 alike (16 splits merged over 16 lanes against 18-32 over 32), with the split programs past the position
+ending at once or waiting alike, and that early exit 17% slower at B = 8: the exit went, the merge narrowed.
 
 Backs docs/BENCHMARKS.md, "Speculative vs AR, by batch size" (the forty-seventh lease's summarize cells after chat's,
-docs/benchmarks/2026-12-07-forty-seventh-lease.md).
+docs/benchmarks/2026-12-07-forty-eighth-lease.md).
 
 Run it with `--target none` on a fresh machine: it stages no model (one call, no parts to carry).
 
-Device minutes: about 2 (six decoders' warm-ups, three rounds of timing).
+Device minutes: about 2 (six decoders' warm-ups, three rounds of timing; 100 s on a fresh H200 at --rounds 3).
 """
 from __future__ import annotations
 
@@ -80,15 +82,15 @@ def run(out_dir, args):
         decoders[(system, n)] = (eng.decoder, kind)
         print(f"cache_length: {system} in {eng.decoder.cache_slots} slots, warm in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
-    found, saved = {}, triton_fused_layer.ATTENTION_EXIT_PAST
+    found, saved = {}, triton_fused_layer.ATTENTION_MERGE_SPLITS
     try:
-        for label, exit_past in (("exit", True), ("wait", False), ("exit again", True)):
-            triton_fused_layer.ATTENTION_EXIT_PAST = exit_past
+        for label, merge in (("16", 16), ("all", 0), ("16 again", 16)):
+            triton_fused_layer.ATTENTION_MERGE_SPLITS = merge
             for dec, _ in decoders.values():
                 dec.forget_steps()  # (captured again with this kernel at their first replay)
             found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
     finally:
-        triton_fused_layer.ATTENTION_EXIT_PAST = saved
+        triton_fused_layer.ATTENTION_MERGE_SPLITS = saved
         torch.cuda.synchronize()
     rows = []
     for label, times in found.items():
@@ -96,7 +98,7 @@ def run(out_dir, args):
             base = times[("ar-fused-overlap", slots[0], B)]
             cells = [f"{times[(system, n, B)]:.4f} ({times[(system, n, B)] / base:.3f})" for system, _, n in plan]
             rows.append(f"| {label} | {B} | " + " | ".join(cells) + " |")
-    head = ("| splits past the position | B | " + " | ".join(f"{'AR' if k == 0 else 'n-gram blind'} {n}"
+    head = ("| splits merged at a time | B | " + " | ".join(f"{'AR' if k == 0 else 'n-gram blind'} {n}"
                                                         for _, k, n in plan) + " |\n|---|---:|"
             + "---:|" * len(plan))
     text = (f"Device ms a step (over our AR in {slots[0]} slots), rows at position {args.position}, by cache "
