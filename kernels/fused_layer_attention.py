@@ -93,6 +93,20 @@ def _attend(q, k, v, seen, run_max, run_sum, acc, scale, q_ptr):
 
 
 @triton.jit
+def _partials(stats_ptr, partial_ptr, mh, first, n_used, dims, N_SPLITS: tl.constexpr, MERGE: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """Splits first .. first + MERGE - 1 of (token, head) `mh`, those the token used: their (max, sum, unnormalized
+    output) as `_attend` left them, -inf / 0 / 0 for the others."""
+    splits = first + tl.arange(0, MERGE)
+    used = splits < n_used
+    at = mh * N_SPLITS + splits
+    s_max = tl.load(stats_ptr + at * 2, mask=used, other=float("-inf"))
+    s_sum = tl.load(stats_ptr + at * 2 + 1, mask=used, other=0.0)
+    s_acc = tl.load(partial_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
+    return s_max, s_sum, s_acc
+
+
+@triton.jit
 def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_ptr, stats_ptr, count_ptr, out_ptr,
                       root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
@@ -173,23 +187,14 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
                 # instead of 16 (forty-eighth lease, `benchmarks/run.py cache_length`; this change not yet timed).
                 # A token within the first MERGE splits gets the same sums in every cache of MERGE splits or more
                 # (SmolLM2's one-token steps: every cache).
-                splits = tl.arange(0, MERGE)
-                used = splits < n_used
-                s_max = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2, mask=used, other=float("-inf"))
-                s_sum = tl.load(stats_ptr + (mh * N_SPLITS + splits) * 2 + 1, mask=used, other=0.0)
-                s_acc = tl.load(partial_ptr + (mh * N_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-                                mask=used[:, None], other=0.0)
+                s_max, s_sum, s_acc = _partials(stats_ptr, partial_ptr, mh, 0, n_used, dims, N_SPLITS, MERGE, HEAD_DIM)
                 top = tl.max(s_max, axis=0)
                 weight = tl.exp(s_max - tl.where(top == float("-inf"), 0.0, top))  # 0 where no slot was seen
                 num = tl.sum(s_acc * weight[:, None], axis=0)
                 den = tl.sum(s_sum * weight, axis=0)
                 for c0 in range(MERGE, n_used, MERGE):  # (names of their own: no loop-carried type changes)
-                    more = c0 + tl.arange(0, MERGE)
-                    more_used = more < n_used
-                    m_max = tl.load(stats_ptr + (mh * N_SPLITS + more) * 2, mask=more_used, other=float("-inf"))
-                    m_sum = tl.load(stats_ptr + (mh * N_SPLITS + more) * 2 + 1, mask=more_used, other=0.0)
-                    m_acc = tl.load(partial_ptr + (mh * N_SPLITS + more)[:, None] * HEAD_DIM + dims[None, :],
-                                    mask=more_used[:, None], other=0.0)
+                    m_max, m_sum, m_acc = _partials(stats_ptr, partial_ptr, mh, c0, n_used, dims, N_SPLITS, MERGE,
+                                                    HEAD_DIM)
                     new_top = tl.maximum(top, tl.max(m_max, axis=0))
                     ref = tl.where(new_top == float("-inf"), 0.0, new_top)
                     m_weight = tl.exp(m_max - ref)
