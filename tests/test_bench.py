@@ -64,6 +64,7 @@ def check_consistent(results: dict) -> None:
             assert run["live_rows_per_step"] is None  # only an HF baseline has neither
         assert run["p50_token_ms"] <= run["p99_token_ms"]
         assert run["ttft_ms"] <= run["p99_request_ms"]
+        assert run["warmup_seconds"] > 0  # every measured system warmed up in its cell: at least one decode
     assert all(runs[("ar", w, b)]["identical_to_ar"] == 1.0 for _, w, b in runs)
 
 
@@ -448,7 +449,7 @@ def test_each_timed_call_follows_its_own_lead_in(monkeypatch, device, lead_in):
 
     measured = {}
     monkeypatch.setattr(bench_run.torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(bench_run.Bench, "_add_runs", lambda self, systems, w, b, runs, timed, repeated=0:
+    monkeypatch.setattr(bench_run.Bench, "_add_runs", lambda self, systems, w, b, runs, timed, repeated=0, warm=None:
                         measured.update(runs))
     args = SimpleNamespace(cell_requests=None, repeats=2, max_new_tokens=4, ignore_eos=False, waves=1,
                            batching="continuous", lead_in=lead_in)

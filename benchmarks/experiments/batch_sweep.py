@@ -96,6 +96,14 @@ def table(results: dict, reference: str) -> str:
     if occupancy:
         text += ("\n\nLive rows a step (a batch's occupancy):\n\n"
                  + "\n".join(f"- {wl} B={b}: {', '.join(v)}" for (wl, b), v in occupancy.items()))
+    warm = {}
+    for r in results["runs"]:
+        if r.get("warmup_seconds") is not None:
+            warm.setdefault((r["workload"], r["batch_size"]), []).append(f"{r['system']} {r['warmup_seconds']:.1f}")
+    if warm:
+        text += ("\n\nWarm-up seconds in each cell, before its timing (what a first request of that batch size "
+                 "costs each system, after the cells before it):\n\n"
+                 + "\n".join(f"- {wl} B={b}: {', '.join(v)}" for (wl, b), v in warm.items()))
     uneven = cache_lines(results, reference)
     if uneven:
         text += ("\n\nCells where a system's static KV cache was longer than " + reference + "'s (slots a row; the "

@@ -21,7 +21,7 @@ COLUMNS = (("system", "system", "{}"), ("B", "batch_size", "{}"), ("requests", "
            ("p50 req ms", "p50_request_ms", "{:.0f}"), ("p99 req ms", "p99_request_ms", "{:.0f}"),
            ("=AR", "identical_to_ar", "{:.0%}"), ("peak MiB", "peak_memory_bytes", "{:,.0f}"),
            ("live rows", "live_rows_per_step", "{:.1f}"), ("steady tok/s", "time_budget.steady_tokens_per_s",
-                                                             "{:,.0f}"))
+                                                             "{:,.0f}"), ("warm-up s", "warmup_seconds", "{:.1f}"))
 
 
 def _cell(run: dict, key: str, fmt: str) -> str:

@@ -244,12 +244,14 @@ class Bench:
         # the system's own preparation first (it fixes shapes, e.g. HF's static cache length, so that the decodes
         # after it compile nothing new), then a decode of each batch shape.
         warm = batches[:1] + (batches[-1:] if len(batches[-1]) != batch_size else [])
-        live = []
+        live, warmup_seconds = [], {}
         for s in systems:
             progress.set_postfix_str(f"{workload} B={batch_size} {s.name} warm-up")
+            t0 = time.perf_counter()
             if self._prepare(s, workload, batch_size, batches) and all(
                     self._try(s, workload, batch_size, b) is not None for b in warm):
                 live.append(s)
+                warmup_seconds[s.name] = time.perf_counter() - t0
             progress.update(1)
         measured: dict[str, list[list[BatchRun]]] = {s.name: [[] for _ in timed] for s in live}
         for i, batch in enumerate(timed):
@@ -266,10 +268,10 @@ class Bench:
                             measured[s.name][i].append(run)
                     progress.update(1)
         progress.update(units - (progress.n - done_before))
-        self._add_runs(systems, workload, batch_size, measured, timed, repeated)
+        self._add_runs(systems, workload, batch_size, measured, timed, repeated, warmup_seconds)
 
     def _add_runs(self, systems, workload, batch_size, measured: dict[str, list[list[BatchRun]]],
-                  batches: list[list[list[int]]], repeated: int = 0) -> None:
+                  batches: list[list[list[int]]], repeated: int = 0, warmup_seconds: dict | None = None) -> None:
         # Per batch, the repeat of median time (the lower median for an even count), so that every figure of a
         # run comes from one actual decode.
         chosen = {name: [sorted(reps, key=lambda r: r.seconds)[(len(reps) - 1) // 2] for reps in per_batch]
@@ -283,6 +285,9 @@ class Bench:
         for name, run in cell.items():
             compare_to_ar(run, chosen[name], cell.get("ar"), ar_runs)
             run["repeated_requests"] = repeated
+            # what this cell's new shapes cost the system before its timing (its preparation and warm decodes; the
+            # cells before it warmed theirs): a first request of this batch size and prompt width pays it
+            run["warmup_seconds"] = (warmup_seconds or {}).get(name)
             run["tokens_per_s_repeats"] = repeat_throughputs(measured[name])
             # What was timed, request by request: the optimize graph judges these tokens against the reference
             # (tools/gate/timed.py), so a candidate cannot behave only while it is being checked.
