@@ -437,6 +437,18 @@ def test_cache_length_times_each_decoder_in_its_own_cache_at_the_position_given(
     assert all(torch.equal(dec._use(2, 0).lengths, torch.full((2,), 40)) for dec, _ in decoders.values())
 
 
+def test_cache_length_kernel_table_sums_each_cache_s_kernels_in_the_base_s_order(runner):
+    """`--kernels`: per batch size, a row per kernel of at least 1 µs a step in some cache, the costliest in the base
+    cache first, and a total over every kernel (those below 1 µs included)."""
+    cache_length = runner.load("cache_length")
+    times = {(512, 8): {"_decode_attention": 120.0, "_qkv": 300.0, "tiny": 0.5},
+             (1024, 8): {"_decode_attention": 95.0, "_qkv": 301.0, "tiny": 0.5, "_merge": 2.0}}
+    text = cache_length.kernel_table(times, [512, 1024], [8])
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "kernel" not in line]
+    assert lines == ["| _qkv | 300.0 | 301.0 |", "| _decode_attention | 120.0 | 95.0 |", "| _merge | 0.0 | 2.0 |",
+                     "| all | 420.5 | 398.5 |"]
+
+
 def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_model_dir):
     """`--side-by-side ROUNDS`: each kept system's kinds of step replayed in turn, round after round, a median of the
     rounds for each (system, kind), and a table of them over the first system's first kind; the decoders' states are

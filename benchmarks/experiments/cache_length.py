@@ -6,7 +6,9 @@ every row at the same position, in caches of several lengths (each system and le
 then grown to that length), replayed in turn, rounds of 20 replays, each cell the median of its rounds, and over our
 AR at the shortest cache. Then the same with the attention's merge taking all of a token's splits at once (the
 kernel before the forty-eighth lease: `SPECPILOT_ATTENTION_MERGE_SPLITS=0`), and with the merge of 16 at a time
-again: whether a longer cache costs the step, and whether the narrow merge removes that.
+again: whether a longer cache costs the step, and whether the narrow merge removes that. With `--kernels`, each
+kernel's device µs a step of our AR in each cache (torch.profiler over replays of its graph): where a cache length's
+difference lies (the forty-eighth and forty-ninth leases: at B = 8, 1,024 slots 8-10% faster than 512).
 
 Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
 overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
@@ -41,6 +43,8 @@ def arguments(p) -> None:
     p.add_argument("--position", type=int, default=440, help="every row's position (below the shortest cache)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--kernels", action="store_true",
+                   help="also each kernel's device µs a step of our AR, by cache length (torch.profiler, merge of 16)")
 
 
 def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
@@ -53,6 +57,46 @@ def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
                 st.lengths.fill_(position)
                 times.setdefault((system, slots, B), []).append(dec._time_step(st, kind, 20) * 1e3)
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+def kernel_times(decoders: dict, batch_sizes, position: int, replays: int = 20) -> dict:
+    """{(slots, B): {kernel name: device µs a step}} of our AR's step in each cache, from torch.profiler over
+    `replays` replays of its graph (PDL on, as shipped: a kernel's span then starts at its early launch and holds its
+    wait on the one before)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for (system, slots), (dec, kind) in decoders.items():
+        if system != "ar-fused-overlap":
+            continue
+        for B in batch_sizes:
+            st = dec._use(B, 0)
+            st.lengths.fill_(position)
+            dec._time_step(st, kind, 3)  # (captured and warm before the profiler starts)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec._time_step(st, kind, replays)
+                torch.cuda.synchronize()
+            totals: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / replays
+            out[(slots, B)] = totals
+    return out
+
+
+def kernel_table(times: dict, slots: list[int], batch_sizes) -> str:
+    """Per B, the kernels that took at least 1 µs a step, µs in each cache length (the first column the base)."""
+    parts = []
+    for B in batch_sizes:
+        names = sorted({n for (s, b), t in times.items() if b == B for n, us in t.items() if us >= 1.0},
+                       key=lambda n: -times[(slots[0], B)].get(n, 0.0))
+        rows = [f"| {n[:60]} | " + " | ".join(f"{times[(s, B)].get(n, 0.0):.1f}" for s in slots) + " |" for n in names]
+        total = "| all | " + " | ".join(f"{sum(times[(s, B)].values()):.1f}" for s in slots) + " |"
+        parts.append(f"B = {B}, device µs a step (all layers) by cache slots:\n\n| kernel | "
+                     + " | ".join(str(s) for s in slots) + " |\n|---|" + "---:|" * len(slots) + "\n"
+                     + "\n".join(rows + [total]))
+    return "\n\n".join(parts)
 
 
 def run(out_dir, args):
@@ -89,6 +133,12 @@ def run(out_dir, args):
             for dec, _ in decoders.values():
                 dec.forget_steps()  # (captured again with this kernel at their first replay)
             found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
+        kernels = None
+        if args.kernels:
+            triton_fused_layer.ATTENTION_MERGE_SPLITS = 16
+            for dec, _ in decoders.values():
+                dec.forget_steps()
+            kernels = kernel_times(decoders, batch_sizes, args.position)
     finally:
         triton_fused_layer.ATTENTION_MERGE_SPLITS = saved
         torch.cuda.synchronize()
@@ -103,5 +153,9 @@ def run(out_dir, args):
             + "---:|" * len(plan))
     text = (f"Device ms a step (over our AR in {slots[0]} slots), rows at position {args.position}, by cache "
             f"length (slots a row):\n\n{head}\n" + "\n".join(rows))
-    return {label: {f"{system} {n} B={B}": ms for (system, n, B), ms in times.items()}
-            for label, times in found.items()}, text
+    found_json = {label: {f"{system} {n} B={B}": ms for (system, n, B), ms in times.items()}
+                  for label, times in found.items()}
+    if kernels is not None:
+        found_json["kernels_us"] = {f"{n} B={B}": t for (n, B), t in kernels.items()}
+        text += "\n\n" + kernel_table(kernels, slots, batch_sizes)
+    return found_json, text
