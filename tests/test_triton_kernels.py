@@ -282,6 +282,23 @@ def test_fused_attention_merges_a_few_splits_at_a_time(tiny_model_dir, monkeypat
     for a, b in zip(in_long, in_short):
         assert torch.equal(a, b)
 
+def test_fused_attention_grid_padded_past_the_cache_gives_the_same_output(tiny_model_dir, monkeypatch):
+    """A grid of more splits than the cache has (benchmarks/experiments/cache_length.py `--pad-splits`: whether the
+    grid's size is what a longer cache changes): the splits that start past the cache return at once, and every
+    token's output is bit for bit the shipped grid's."""
+    model = load(str(tiny_model_dir("llama", num_hidden_layers=1)), "fp32", "cpu").model
+    cfg = model.cfg
+    kv = torch.randn(2, 3, cfg.n_kv_heads, 512, cfg.head_dim, generator=torch.Generator().manual_seed(5))
+    positions = torch.tensor([[3], [300], [511]])
+    shipped, _ = _fused_attention_outputs(model, kv, positions)
+    splits = triton_fused_layer.attention_splits
+    assert splits(512, 1, torch.device("cpu")) == (2, 256)
+    monkeypatch.setattr(triton_fused_layer, "attention_splits", lambda n, t, d: (max(splits(n, t, d)[0], 4), 256))
+    padded, _ = _fused_attention_outputs(model, kv, positions)
+    for a, b in zip(padded, shipped):
+        assert torch.equal(a, b)
+
+
 def test_attention_splits_cover_the_cache_and_no_more():
     """The fused layer's attention grid on the GPU: splits of the setting's keys (a multiple of them past
     MAX_SPLITS) whose last one starts inside the cache, for the cache lengths decode.cache_length gives."""

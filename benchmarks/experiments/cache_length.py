@@ -8,7 +8,9 @@ AR at the shortest cache. Then the same with the attention's merge taking all of
 kernel before the forty-eighth lease: `SPECPILOT_ATTENTION_MERGE_SPLITS=0`), and with the merge of 16 at a time
 again: whether a longer cache costs the step, and whether the narrow merge removes that. With `--kernels`, each
 kernel's device µs a step of our AR in each cache (torch.profiler over replays of its graph): where a cache length's
-difference lies (the forty-eighth and forty-ninth leases: at B = 8, 1,024 slots 8-10% faster than 512).
+difference lies (the forty-eighth and forty-ninth leases: at B = 8, 1,024 slots 8-10% faster than 512). With
+`--pad-splits N`, the merge of 16 again with every attention grid padded to at least N splits (past the cache: they
+return at once): whether the grid's size, not the cache's layout, is what makes 1,024 slots faster there.
 
 Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
 overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
@@ -26,6 +28,7 @@ Device minutes: about 2 (six decoders' warm-ups, three rounds of timing; 100 s o
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -43,6 +46,10 @@ def arguments(p) -> None:
     p.add_argument("--position", type=int, default=440, help="every row's position (below the shortest cache)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--pad-splits", type=int, default=0,
+                   help="also the merge of 16 with every attention grid padded to at least this many splits (those past "
+                        "the cache return at once): whether the grid's size or the cache's layout is what 1,024 slots "
+                        "change at B = 8")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device µs a step of our AR, by cache length (torch.profiler, merge of 16)")
 
@@ -57,6 +64,22 @@ def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
                 st.lengths.fill_(position)
                 times.setdefault((system, slots, B), []).append(dec._time_step(st, kind, 20) * 1e3)
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+@contextlib.contextmanager
+def padded_grid(F, at_least: int):
+    """The fused attention's grid at least `at_least` splits a token (0: as shipped), the splits' length unchanged:
+    the extra splits start past the cache and return at once, as those past a token's position do."""
+    shipped = F.attention_splits
+    if at_least > 0:
+        def padded(n_slots, n_tokens, device):
+            splits, per = shipped(n_slots, n_tokens, device)
+            return max(splits, at_least), per
+        F.attention_splits = padded
+    try:
+        yield
+    finally:
+        F.attention_splits = shipped
 
 
 def kernel_times(decoders: dict, batch_sizes, position: int, replays: int = 20) -> dict:
@@ -128,11 +151,15 @@ def run(out_dir, args):
               file=sys.stderr, flush=True)
     found, saved = {}, triton_fused_layer.ATTENTION_MERGE_SPLITS
     try:
-        for label, merge in (("16", 16), ("all", 0), ("16 again", 16)):
+        runs = [("16", 16, 0), ("all", 0, 0), ("16 again", 16, 0)]
+        if args.pad_splits:
+            runs.append((f"16, grid of {args.pad_splits}+ splits", 16, args.pad_splits))
+        for label, merge, pad in runs:
             triton_fused_layer.ATTENTION_MERGE_SPLITS = merge
             for dec, _ in decoders.values():
                 dec.forget_steps()  # (captured again with this kernel at their first replay)
-            found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
+            with padded_grid(triton_fused_layer, pad):
+                found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
         kernels = None
         if args.kernels:
             triton_fused_layer.ATTENTION_MERGE_SPLITS = 16
