@@ -363,16 +363,18 @@ def finished_bench_cells(scratch: Path) -> dict[str, dict]:
     return found
 
 
-def partial_tables(partial: dict[str, dict]) -> str:
-    """`finished_bench_cells` as markdown: a table a bench (`bench_table`, against our fastest AR where it ran, else
-    `ar`), or a line saying no bench had finished a cell."""
+def partial_tables(partial: dict[str, dict], render=None) -> str:
+    """`finished_bench_cells` as markdown: a section a bench, as the experiment renders a bench's results
+    (`render(results, reference)`, its module's `partial_table`: all it would have reported of those cells) or the
+    bare table (`bench_table`), against our fastest AR where it ran, else `ar`; or a line saying no bench had
+    finished a cell."""
     if not partial:
         return "No bench had finished a cell."
     parts = []
     for label, results in partial.items():
         systems = {r["system"] for r in results.get("runs", [])}
-        parts.append(f"### {label}\n\n" + bench_table(results, "ar-fused-overlap" if "ar-fused-overlap" in systems
-                                                          else "ar"))
+        reference = "ar-fused-overlap" if "ar-fused-overlap" in systems else "ar"
+        parts.append(f"### {label}\n\n" + (render or bench_table)(results, reference))
     return "\n\n".join(parts)
 
 

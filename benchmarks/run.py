@@ -118,7 +118,8 @@ def run_experiment(name: str, argv: list[str]) -> int:
     except Stopped as e:  # what the stopped run's benches had finished still lands in NAME.json and NAME.md
         partial = harness.finished_bench_cells(scratch)
         results, status = {"error": str(e), "stopped": True, "partial": partial}, e.status
-        table = f"**stopped** ({e}); the cells its benches had finished:\n\n" + harness.partial_tables(partial)
+        table = (f"**stopped** ({e}); the cells its benches had finished:\n\n"
+                 + harness.partial_tables(partial, getattr(module, "partial_table", None)))
     except Exception as e:
         results, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, 1
         table = f"**failed**: {type(e).__name__}: {e}"

@@ -294,14 +294,13 @@ def test_fused_tokens_times_each_row_at_each_switch_setting(runner, tmp_path, mo
     assert "dot_pdl" in table
 
 
-def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monkeypatch):
-    """SIGTERM mid-experiment (a device call's `timeout`, `chain` past its budget): the run still writes NAME.json and
-    NAME.md, with the cells its `specpilot bench` had written to results.json (rewritten after every cell) and the
-    ratio to our fastest AR, and exits 128 + 15."""
+def _stopped_run(runner, tmp_path, monkeypatch, **module) -> tuple[dict, str]:
+    """A fake experiment (with `module`'s attributes) whose bench finished two cells of B = 1, then SIGTERM: its
+    NAME.json and NAME.md, after checking that the run exited 128 + 15."""
     import signal
     import types
 
-    def run(out_dir, args):  # a bench that finished two cells of B = 1, then the signal
+    def run(out_dir, args):
         bench = args.ctx.scratch / "sweep"
         bench.mkdir()
         runs = [{"system": s, "workload": "chat", "batch_size": 1, "tokens_per_s": tps}
@@ -313,7 +312,7 @@ def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monk
         time.sleep(30)
         raise AssertionError("not stopped")
 
-    fake = types.SimpleNamespace(__doc__="A fake sweep.", run=run)
+    fake = types.SimpleNamespace(__doc__="A fake sweep.", run=run, **module)
     monkeypatch.setattr(runner, "experiments", lambda: {"fake": {"description": "A fake sweep.", "minutes": 1,
                                                                   "cuda_only": False, "cpu": True, "path": None}})
     monkeypatch.setattr(runner, "load", lambda name: fake)
@@ -324,12 +323,28 @@ def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monk
         assert runner.run_experiment("fake", ["--out", str(tmp_path / "out"), "--target", str(model)]) == 143
     finally:
         signal.signal(signal.SIGTERM, before)
-    record = json.loads((tmp_path / "out" / "fake.json").read_text())
+    return json.loads((tmp_path / "out" / "fake.json").read_text()), (tmp_path / "out" / "fake.md").read_text()
+
+
+def test_a_stopped_run_keeps_the_cells_its_bench_finished(runner, tmp_path, monkeypatch):
+    """SIGTERM mid-experiment (a device call's `timeout`, `chain` past its budget): the run still writes NAME.json and
+    NAME.md, with the cells its `specpilot bench` had written to results.json (rewritten after every cell) and the
+    ratio to our fastest AR, and exits 128 + 15."""
+    record, md = _stopped_run(runner, tmp_path, monkeypatch)
     assert record["results"]["stopped"] and "SIGTERM" in record["results"]["error"]
     assert list(record["results"]["partial"]) == ["sweep"]
     assert len(record["results"]["partial"]["sweep"]["runs"]) == 3
-    md = (tmp_path / "out" / "fake.md").read_text()
     assert "**stopped**" in md and "### sweep" in md and "2,400 (1.20)" in md and "900 (0.45)" in md
+
+
+def test_a_stopped_run_reports_its_cells_as_the_experiment_renders_them(runner, tmp_path, monkeypatch):
+    """An experiment with a `partial_table` (batch_sweep's: its table and every list after it) renders the stopped
+    run's finished cells itself, against our fastest AR: a stopped sweep loses none of what its cells measured."""
+    batch_sweep = runner.load("batch_sweep")
+    assert batch_sweep.partial_table is batch_sweep.table
+    record, md = _stopped_run(runner, tmp_path, monkeypatch, partial_table=lambda results, reference: (
+        f"rendered {len(results['runs'])} runs over {reference}"))
+    assert "**stopped**" in md and "### sweep\n\nrendered 3 runs over ar-fused-overlap" in md
 
 
 def test_a_staged_model_gives_synthetic_targets_their_tokenizer(runner, tmp_path, monkeypatch):

@@ -133,6 +133,10 @@ def table(results: dict, reference: str) -> str:
     return text
 
 
+# A run stopped at its time limit (benchmarks/run.py) reports its finished cells as a finished run does: the lists too.
+partial_table = table
+
+
 def cache_lines(results: dict, reference: str) -> list[str]:
     """Per cell, the systems whose cache held more slots a row than the reference's (runs without `cache_slots`,
     HF's and older results, left out)."""
