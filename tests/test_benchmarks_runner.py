@@ -464,6 +464,29 @@ def test_cache_length_kernel_table_sums_each_cache_s_kernels_in_the_base_s_order
                      "| all | 420.5 | 398.5 |"]
 
 
+def test_cache_length_a_b_runs_from_its_arguments(runner):
+    """cache_length's runs: the merge's A/B (or the merge of 16 alone), then a padded grid and each multi-token
+    attention setting given, each over the shipped setting; a setting that is not a JSON object of its keys stops the
+    run with one line naming it."""
+    from types import SimpleNamespace
+
+    cache_length = runner.load("cache_length")
+    shipped = {"keys_per_split": 64, "block_s": 64, "num_warps": 4}
+    args = SimpleNamespace(no_merge_ab=True, pad_splits=16,
+                           multi_attention='{"keys_per_split": 32, "block_s": 32}; {"num_warps": 8}')
+    assert cache_length.ab_runs(args, shipped) == [
+        ("16", 16, 0, shipped), ("16, grid of 16+ splits", 16, 16, shipped),
+        ('16, multi-token attention {"keys_per_split": 32, "block_s": 32}', 16, 0,
+         {"keys_per_split": 32, "block_s": 32, "num_warps": 4}),
+        ('16, multi-token attention {"num_warps": 8}', 16, 0, {"keys_per_split": 64, "block_s": 64, "num_warps": 8})]
+    plain = SimpleNamespace(no_merge_ab=False, pad_splits=0, multi_attention="")
+    assert [(label, merge) for label, merge, _, _ in cache_length.ab_runs(plain, shipped)] == [
+        ("16", 16), ("all", 0), ("16 again", 16)]
+    for bad in ('{"warps": 8}', "keys=32", "[32]"):
+        with pytest.raises(SystemExit, match="--multi-attention"):
+            cache_length.ab_runs(SimpleNamespace(no_merge_ab=True, pad_splits=0, multi_attention=bad), shipped)
+
+
 def test_loop_overhead_replays_every_system_s_steps_side_by_side(runner, tiny_model_dir):
     """`--side-by-side ROUNDS`: each kept system's kinds of step replayed in turn, round after round, a median of the
     rounds for each (system, kind), and a table of them over the first system's first kind; the decoders' states are

@@ -10,7 +10,9 @@ again: whether a longer cache costs the step, and whether the narrow merge remov
 kernel's device µs a step of our AR in each cache (torch.profiler over replays of its graph): where a cache length's
 difference lies (the forty-eighth and forty-ninth leases: at B = 8, 1,024 slots 8-10% faster than 512). With
 `--pad-splits N`, the merge of 16 again with every attention grid padded to at least N splits (past the cache: they
-return at once): whether the grid's size, not the cache's layout, is what makes 1,024 slots faster there.
+return at once): whether the grid's size, not the cache's layout, is what makes 1,024 slots faster there. With
+`--multi-attention`, the merge of 16 with other settings of the multi-token attention (B rows of one token take it
+past FMA_MAX_TOKENS, with tiles tuned for one row of 8 tokens). `--no-merge-ab`: the merge of 16 only.
 
 Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
 overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
@@ -29,6 +31,7 @@ Device minutes: about 2 (six decoders' warm-ups, three rounds of timing; 100 s o
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -50,6 +53,12 @@ def arguments(p) -> None:
                    help="also the merge of 16 with every attention grid padded to at least this many splits (those past "
                         "the cache return at once): whether the grid's size or the cache's layout is what 1,024 slots "
                         "change at B = 8")
+    p.add_argument("--multi-attention", default="",
+                   help="also the merge of 16 with these settings of the multi-token attention (ATTENTION_MULTI), "
+                        "JSON objects separated by ';', e.g. '{\"keys_per_split\": 32, \"block_s\": 32}': a step of "
+                        "B rows of one token each takes that path past FMA_MAX_TOKENS, with the tiles tuned for one "
+                        "row of 8 tokens")
+    p.add_argument("--no-merge-ab", action="store_true", help="the merge of 16 only (not all at once, not again)")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device µs a step of our AR, by cache length (torch.profiler, merge of 16)")
 
@@ -64,6 +73,24 @@ def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
                 st.lengths.fill_(position)
                 times.setdefault((system, slots, B), []).append(dec._time_step(st, kind, 20) * 1e3)
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+def ab_runs(args, multi: dict) -> list[tuple[str, int, int, dict]]:
+    """What is timed, in order: (label, splits merged at a time, attention grid padded to at least, the multi-token
+    attention's setting), from the shipped multi-token setting `multi` and the arguments."""
+    runs = [("16", 16, 0, multi)] if args.no_merge_ab else [
+        ("16", 16, 0, multi), ("all", 0, 0, multi), ("16 again", 16, 0, multi)]
+    if args.pad_splits:
+        runs.append((f"16, grid of {args.pad_splits}+ splits", 16, args.pad_splits, multi))
+    for text in filter(None, (t.strip() for t in args.multi_attention.split(";"))):
+        try:
+            change = json.loads(text)
+        except ValueError as e:
+            raise SystemExit(f"--multi-attention: {text!r} is not a JSON object ({e})")
+        if not isinstance(change, dict) or set(change) - set(multi):
+            raise SystemExit(f"--multi-attention: {text!r} must be a JSON object of some of {', '.join(multi)}")
+        runs.append((f"16, multi-token attention {json.dumps(change)}", 16, 0, {**multi, **change}))
+    return runs
 
 
 @contextlib.contextmanager
@@ -149,17 +176,16 @@ def run(out_dir, args):
         decoders[(system, n)] = (eng.decoder, kind)
         print(f"cache_length: {system} in {eng.decoder.cache_slots} slots, warm in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
-    found, saved = {}, triton_fused_layer.ATTENTION_MERGE_SPLITS
+    found = {}
+    saved = triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI
     try:
-        runs = [("16", 16, 0), ("all", 0, 0), ("16 again", 16, 0)]
-        if args.pad_splits:
-            runs.append((f"16, grid of {args.pad_splits}+ splits", 16, args.pad_splits))
-        for label, merge, pad in runs:
-            triton_fused_layer.ATTENTION_MERGE_SPLITS = merge
+        for label, merge, pad, multi in ab_runs(args, saved[1]):
+            triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = merge, multi
             for dec, _ in decoders.values():
                 dec.forget_steps()  # (captured again with this kernel at their first replay)
             with padded_grid(triton_fused_layer, pad):
                 found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
+        triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = saved
         kernels = None
         if args.kernels:
             triton_fused_layer.ATTENTION_MERGE_SPLITS = 16
@@ -167,7 +193,7 @@ def run(out_dir, args):
                 dec.forget_steps()
             kernels = kernel_times(decoders, batch_sizes, args.position)
     finally:
-        triton_fused_layer.ATTENTION_MERGE_SPLITS = saved
+        triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = saved
         torch.cuda.synchronize()
     rows = []
     for label, times in found.items():
