@@ -390,9 +390,23 @@ def specpilot_bench(ctx, label: str, argv: list, timeout: float) -> dict:
     """One `specpilot bench` on the staged target and the run's device, out in the scratch folder: its results.json
     (the bench's report and plots can be drawn from it with tools/bench/report.write_report)."""
     out = ctx.scratch / label
+    path = out / "results.json"
+    before = file_identity(path)  # (a resumed bench's, from an earlier call)
     step = ctx.module(label, "specpilot.cli", ["bench", "--target", ctx.target, "--device", ctx.device,
                                                "--out", out, *argv], timeout=timeout)
-    return json.loads(ctx.need(out / "results.json", step).read_text())
+    if before is not None and file_identity(ctx.need(path, step)) == before:
+        raise RuntimeError(f"{label} did not write {path} (exit {step.rc}); last lines:\n" + "\n".join(step.tail[-15:]))
+    return json.loads(ctx.need(path, step).read_text())
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time in ns) of a file, None where there is none: the bench replaces its results.json
+    whole (a new file each time), so an unchanged identity means it did not write it."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def bench_b1(ctx, recipes: list, workloads: list[str], limit: int, tokens: int, timeout: float,

@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 from conftest import tiny_smol_vocab_dir
 from specpilot import cli
+from specpilot.engine.errors import SpecPilotError
 from specpilot.engine.workloads import Question
 from specpilot.tools.bench.metrics import accepted_histogram, token_latencies
 from specpilot.tools.bench.prompt_requests import build_requests, conversation, encode_conversation
@@ -472,3 +473,47 @@ def test_each_timed_call_follows_its_own_lead_in(monkeypatch, device, lead_in):
         assert lead and all(c[:2] == (name, 2) for c in lead)
         assert lead[-1][3] - lead[0][2] >= lead_in - 0.005  # the lead-in's seconds (less the bench's own µs around)
         assert len(lead) == 1 or lead[-2][3] - lead[0][2] < lead_in  # and not a decode more than they need
+
+
+@pytest.mark.parametrize("isolate", ["0", "1"])
+def test_a_resumed_bench_keeps_its_finished_cells_and_measures_the_rest(tiny_smol_dir, tmp_path, monkeypatch,
+                                                                        isolate):
+    """`--resume` (a bench stopped at a time limit, continued in a later call), its cells in this process and in a
+    worker (CUDA's default): the cells results.json had finished are kept as they were, not measured again; the
+    others are measured; an error entry of a cell that never finished goes; the header lists both runs' batch sizes
+    and names the cells carried. Settings that change how a cell is measured refuse to resume (one line naming the
+    setting); with every cell done nothing is loaded."""
+    from specpilot.tools.bench import run as bench_run
+
+    monkeypatch.setenv(bench_run.ISOLATE_ENV, isolate)
+
+    out = tmp_path / "out"
+    common = ["--target", str(tiny_smol_dir), "--workload", "code", "--limit", "2", "--max-new-tokens", "4"]
+    first = bench(out, *common, "--batch-sizes", "1")
+    # as a run stopped inside B = 2's cell leaves it: a system's error entry there, no run
+    stopped = {**first, "errors": [{"system": "stock", "workload": "code", "batch_size": 2, "message": "cut"}]}
+    (out / "results.json").write_text(json.dumps(stopped))
+    resumed = bench(out, *common, "--batch-sizes", "1,2", "--resume")
+    check_consistent(resumed)
+    one = [r for r in resumed["runs"] if r["batch_size"] == 1]
+    assert one == first["runs"]  # carried whole: the same seconds, the same tokens
+    assert {r["system"] for r in resumed["runs"] if r["batch_size"] == 2} == {"ar", "stock"}
+    assert not any(e["message"] == "cut" for e in resumed["errors"])
+    assert resumed["header"]["batch_sizes"] == [1, 2]
+    assert resumed["header"]["resumed"]["cells"] == [["code", 1]]
+    assert resumed["header"]["resumed"]["date"] == first["header"]["date"]
+    report = (out / "report.md").read_text()
+    assert "| ar | 2 |" in report and f"resumed: 1 cell kept from the run of {first['header']['date']}" in report
+
+    with pytest.raises(SpecPilotError, match="max_new_tokens 4.*this run has 5"):
+        bench_run.run_bench(bench_run.parse_args([*common[:-1], "5", "--batch-sizes", "1,2", "--resume",
+                                                  "--out", str(out)]))
+    with pytest.raises(SpecPilotError, match="--resume needs --out"):
+        bench_run.run_bench(bench_run.parse_args([*common, "--resume"]))
+
+    def no_load(*a, **kw):
+        raise AssertionError("loaded a model with nothing to measure")
+
+    monkeypatch.setattr(bench_run.loader, "load", no_load)
+    again = bench(out, *common, "--batch-sizes", "2,1", "--resume")
+    assert again["runs"] == resumed["runs"]

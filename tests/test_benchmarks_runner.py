@@ -586,6 +586,25 @@ def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monk
     assert run["identical_to_ar"] == 1.0  # (two requests of 8 tokens: no fp32 tie parts them)
 
 
+def test_batch_sweep_resume_never_reports_an_earlier_call_s_cells_as_its_own(runner, tmp_path, monkeypatch):
+    """`batch_sweep --resume DIR` runs its bench in DIR with `--resume`; a bench that refuses to continue DIR's
+    results.json (here: measured at another commit, with other settings) writes nothing, and the sweep reports that
+    failure, not DIR's old table as this call's."""
+    monkeypatch.setattr(runner.harness, "WORK", tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    old = tmp_path / "resume"
+    old.mkdir()
+    stale = {"schema": "specpilot-bench/1", "errors": [], "header": {"git_commit": "0" * 40, "limit": 99},
+             "runs": [{"system": "ar-fused-overlap", "workload": "chat", "batch_size": 1, "tokens_per_s": 1234.0}]}
+    (old / "results.json").write_text(json.dumps(stale))
+    assert runner.main(["batch_sweep", "--smoke", "--workloads", "chat", "--batch-sizes", "1",
+                        "--recipes", "ar-fused-overlap", "--resume", str(old), "--out", str(tmp_path / "out")]) == 1
+    record = json.loads((tmp_path / "out" / "batch_sweep.json").read_text())
+    assert "did not write" in record["results"]["error"]
+    assert "1,234" not in (tmp_path / "out" / "batch_sweep.md").read_text()
+    assert json.loads((old / "results.json").read_text()) == stale  # the earlier call's cells untouched
+
+
 def test_train_head_benches_a_continued_head_beside_its_start_at_a_batch_size(runner, tmp_path, monkeypatch):
     """train_head --bench-batch 8 --init HEAD: one bench at B = 8, continuously batched as batch_sweep's cells (8
     requests, 4 waves), our fastest AR and the chain of 3 under the batch controller of the new head and of HEAD, each

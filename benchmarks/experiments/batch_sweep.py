@@ -16,6 +16,11 @@ tools/bench/report.write_report draws report.md and speedup_vs_batch.png.
 carries its range over the repeats, and the table ends with the speculative cells below our fastest AR in every
 repeat (issue #20's bar reads a loss within that replica noise as none).
 
+`--resume DIR`: the sweep's bench writes to DIR and continues the results.json there (`specpilot bench --resume`):
+a sweep stopped at a call's time limit goes on in the next call with the same command (DIR under /tmp on a warm
+machine; on a fresh one, the stopped run's results.json carried in: benchmarks/README.md), one bench run whose cells
+came from several calls, each cell's systems still side by side in one process.
+
 `--crash-check` first reruns issue #20's crashing command verbatim (chat, B = 8 and 32, 32 requests a cell, the
 ar_after_miss recipe, `--baselines hf`), and records whether it finished and its HF figures.
 
@@ -27,6 +32,8 @@ Device minutes: about 4 for `--crash-check`; the sweep with HF, one workload a c
 summarize 3.0 (H100, thirtieth lease).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import harness
 
@@ -52,6 +59,8 @@ def arguments(p) -> None:
     p.add_argument("--lead-in", type=float, default=None,
                    help="the bench's --lead-in: seconds of a system's own untimed decoding before each timed call "
                         "(default: the bench's, 0.3; 0: none, as before the forty-seventh lease)")
+    p.add_argument("--resume", default="", metavar="DIR",
+                   help="the sweep's bench in DIR, continuing the results.json there (`specpilot bench --resume`)")
     p.add_argument("--crash-check", action="store_true", help="first rerun issue #20's crashing command")
     p.add_argument("--no-sweep", action="store_true", help="only the crash check")
     p.add_argument("--recipes", default=",".join(RECIPES),
@@ -245,6 +254,12 @@ def run(out_dir, args):
             argv += ["--baselines", args.baselines]
         if args.lead_in is not None:
             argv += ["--lead-in", args.lead_in]
+        if args.resume:
+            # the bench's folder in the scratch is DIR, so that a stopped run's cells are found there as ever
+            where = Path(args.resume).resolve()
+            where.mkdir(parents=True, exist_ok=True)
+            (ctx.scratch / "sweep").symlink_to(where, target_is_directory=True)
+            argv += ["--resume"]
         found["sweep"] = harness.specpilot_bench(ctx, "sweep", argv, timeout=570)
         text.append("## Every batch size\n\n" + table(found["sweep"], FASTEST_AR))
     return found, "\n\n".join(text)

@@ -74,6 +74,16 @@ def summary_text(results: dict) -> str:
     return "\n\n".join(parts) or "no runs measured"
 
 
+def resumed_lines(header: dict) -> list[str]:
+    """A line for a run that continued another (`--resume`): how many cells came from which run; none otherwise."""
+    resumed = header.get("resumed")
+    if not resumed:
+        return []
+    n = len(resumed["cells"])
+    return [f"- resumed: {n} cell{'s' * (n != 1)} kept from the run of {resumed['date']} on "
+            f"{resumed['device_name']} (`--resume`): each cell's systems side by side in one process"]
+
+
 def markdown(results: dict, no_plots: str | None = None) -> str:
     """The report; `no_plots` says why there are no plots (none: they are listed)."""
     h = results["header"]
@@ -94,6 +104,7 @@ def markdown(results: dict, no_plots: str | None = None) -> str:
          + (f", per cell the first max({h['cell_requests']}, B)" if h.get("cell_requests") else "")
          + (f", at least {h['waves']} x B" if (h.get("waves") or 1) > 1 else "")
          + (f"; batching: {h['batching']}" if h.get("batching") else "")),
+        *resumed_lines(h),
         ("- speedup and =AR (share of requests token-identical to AR) are against this engine's AR in the same cell; "
          "τ is the mean tokens per verification step; peak memory is "
          + (" / ".join(sorted(memory)) or "-") + " (see docs/BENCH.md)"), "",

@@ -52,7 +52,7 @@ from ...engine.recipe import Recipe, load_recipe, parse, reported_name, with_abs
 from ...engine.workloads import Question, absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import report as bench_report
-from .env import header
+from .env import git_commit, header
 from .metrics import compare_to_ar, summarize
 from .prompt_requests import BenchRequest, build_requests
 from .systems import BatchRun, BenchSkip, EngineSystem, System, memory_kind
@@ -107,6 +107,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--ignore-eos", action="store_true", help="always generate exactly --max-new-tokens tokens")
     add_device_arguments(b)
     b.add_argument("--out", default=None, help="output directory (default: runs/bench-<timestamp>)")
+    b.add_argument("--resume", action="store_true",
+                   help="continue the bench whose results.json is in --out (one stopped at a time limit, or this "
+                        "one with more batch sizes or workloads): its finished cells are kept, the others measured; "
+                        "the commit and every setting of how a cell is measured must be the same (none there: a "
+                        "fresh run)")
     b.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is no TTY")
     b.add_argument("--sandbox-timeout", type=positive_float, default=SANDBOX_TIMEOUT_S,
                    help="seconds before a bench of candidate kernel files, which runs in a sandboxed child, is killed")
@@ -378,6 +383,12 @@ def run_bench(args, sandbox=None) -> int:
     dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/bench-{stamp}")
+    resume = getattr(args, "resume", False)
+    if resume and not args.out:
+        raise SpecPilotError("--resume needs --out: the directory of the bench to continue")
+    if resume and any(candidate_files(r) for _, r in recipes):
+        raise SpecPilotError("--resume: a bench of candidate kernel files runs whole in its sandbox; run it again")
+    carried = carried_cells(out, measurement_settings(args, dtype, recipes)) if resume else None
 
     if any(candidate_files(r) for _, r in recipes):
         results = bench_in_sandbox(args, list(workloads), recipes, device, dtype, sandbox)
@@ -388,8 +399,15 @@ def run_bench(args, sandbox=None) -> int:
             print(f"specpilot: warning: {e['message']}", file=sys.stderr)
         bench.write()
         bench_report.write_report(out, results)
+    elif carried is not None and all((w, b) in carried.cells for w in workloads for b in batch_sizes):
+        print(f"specpilot: --resume: every cell asked for is in {out / 'results.json'}: nothing to measure",
+              file=sys.stderr)
+        bench = Bench(args, out, carried.header)
+        bench.results = json.loads((out / "results.json").read_text())
+        bench.write()
+        bench_report.write_report(out, bench.results)
     else:
-        bench = measure(args, batch_sizes, workloads, recipes, device, dtype, out)
+        bench = measure(args, batch_sizes, workloads, recipes, device, dtype, out, carried=carried)
     print(bench_report.summary_text(bench.results))
     plots = " and plots" if (out / bench_report.PLOTS[0]).is_file() else ""
     print(f"wrote {out / 'results.json'}, {out / 'report.md'}{plots}")
@@ -410,35 +428,105 @@ def isolation_wanted(device: str, isolate: bool | None = None) -> bool:
 
 
 def measure(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True,
-            isolate: bool | None = None) -> Bench:
-    """The bench: every cell measured, results.json rewritten after each, the report at the end (`report`). In worker
-    processes when isolation is on (isolation_wanted: by default on CUDA), else in this process."""
+            isolate: bool | None = None, carried: "Carried | None" = None) -> Bench:
+    """The bench: every cell measured (but those `carried` from the run it resumes), results.json rewritten after
+    each, the report at the end (`report`). In worker processes when isolation is on (isolation_wanted: by default
+    on CUDA), else in this process."""
     if isolation_wanted(device, isolate):
-        return measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out, report)
-    return measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out, report)
+        return measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out, report, carried)
+    return measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out, report, carried)
 
 
-def measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
-    """The bench in this process: load, measure every cell, results.json after each (and the report at the end)."""
+# -- resuming a bench ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Carried:
+    """What a resumed bench keeps of the results.json it continues: its finished cells (the bench writes a cell's
+    runs together, after its last system), their runs and error entries, and that run's header."""
+
+    cells: set[tuple[str, int]]
+    runs: list[dict]
+    errors: list[dict]
+    header: dict
+
+    def into(self, bench: "Bench") -> None:
+        """The carried cells into a new run's results, first; its header names the run it continues and lists the
+        workloads and batch sizes of both."""
+        head = bench.results["header"]
+        head["workloads"] = list(dict.fromkeys([*self.header.get("workloads", []), *head["workloads"]]))
+        head["batch_sizes"] = list(dict.fromkeys([*self.header.get("batch_sizes", []), *head["batch_sizes"]]))
+        head["resumed"] = {"date": self.header.get("date"), "device_name": self.header.get("device_name"),
+                           "cells": [[w, b] for w, b in sorted(self.cells)]}
+        bench.results["runs"] = self.runs + bench.results["runs"]
+        bench.results["errors"] = self.errors + bench.results["errors"]
+
+
+def measurement_settings(args, dtype: str, recipes) -> dict:
+    """The header's fields that say how a cell is measured (env.header's names and values): a resumed bench must
+    match the run it continues in each, its commit included; which cells it has may differ."""
+    commit, dirty = git_commit()
+    return json.loads(json.dumps({
+        "git_commit": commit, "git_dirty": dirty, "target": args.target, "dtype": dtype,
+        "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "repeats": args.repeats,
+        "limit": args.limit, "cell_requests": getattr(args, "cell_requests", None), "waves": waves(args),
+        "batching": getattr(args, "batching", "continuous"), "lead_in_s": lead_in_seconds(args),
+        "recipes": {name: dataclasses.asdict(r) for name, r in recipes}}))
+
+
+def carried_cells(out: Path, settings: dict) -> "Carried | None":
+    """The finished cells of `out`/results.json, for a bench with these `measurement_settings`; None where there is
+    no such file (the run starts fresh); SpecPilotError naming the first setting that differs."""
+    path = out / "results.json"
+    if not path.is_file():
+        print(f"specpilot: --resume: no {path} yet: a fresh run", file=sys.stderr)
+        return None
+    try:
+        previous = json.loads(path.read_text())
+        head, runs, errors = previous["header"], previous["runs"], previous["errors"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecPilotError(f"--resume: {path} is not a bench's results ({type(e).__name__}: {e})") from None
+    for key, value in settings.items():
+        if head.get(key) != value:
+            if key == "recipes":
+                names = sorted(n for n in {*value, *head.get(key, {})} if value.get(n) != head.get(key, {}).get(n))
+                raise SpecPilotError(f"--resume: {path} measured other recipes (differing: {', '.join(names)}); "
+                                     "give another --out")
+            raise SpecPilotError(f"--resume: {path} was measured with {key} {head.get(key)!r}, this run has "
+                                 f"{value!r}; give another --out")
+    cells = {(r["workload"], r["batch_size"]) for r in runs}
+    kept = [e for e in errors if (e.get("workload"), e.get("batch_size")) in cells]
+    print(f"specpilot: --resume: {len(cells)} finished cells kept from {path}", file=sys.stderr)
+    return Carried(cells, runs, kept, head)
+
+
+def measure_in_process(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True,
+                       carried: Carried | None = None) -> Bench:
+    """The bench in this process: load, measure every cell (but the `carried` ones), results.json after each (and the
+    report at the end)."""
     from tqdm import tqdm
 
+    done = carried.cells if carried else set()
+    workloads = {w: qs for w, qs in workloads.items() if any((w, b) not in done for b in batch_sizes)}
     target = loader.load(args.target, dtype, device)
     out.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, out, header(args, target.model.device, dtype, list(workloads), batch_sizes, recipes))
+    if carried:
+        carried.into(bench)
     systems = build_systems(bench, target, recipes, args.baselines)
     reference = systems[0]  # ar: its greedy first answers go into the multi-turn prompts
     requests = {w: build_requests(qs, target.tokenizer, lambda p: reference.answer(p, args.max_new_tokens))
                 for w, qs in workloads.items()}
     total = sum(cell_units(len(systems), len(rs), b, args.cell_requests, args.repeats, waves(args),
                            continuous(args))
-                for rs in requests.values() for b in batch_sizes)
+                for w, rs in requests.items() for b in batch_sizes if (w, b) not in done)
     bench.write()
     try:
         with tqdm(total=total, desc="bench", unit="decode", file=sys.stderr,
                   disable=not (args.progress or sys.stderr.isatty())) as progress:
             for workload, reqs in requests.items():
                 for b in batch_sizes:
-                    bench.measure_cell(systems, workload, b, reqs, progress)
+                    if (workload, b) not in done:
+                        bench.measure_cell(systems, workload, b, reqs, progress)
     finally:
         bench.write()
         if report:
@@ -489,10 +577,14 @@ class WorkerRun:
     leaves one more system out of one cell, leaves a cell or a system out of the run, or stops it, so there are
     finitely many."""
 
-    def __init__(self, args, batch_sizes, workloads, recipes, device, dtype, out: Path, progress):
+    def __init__(self, args, batch_sizes, workloads, recipes, device, dtype, out: Path, progress,
+                 carried: Carried | None = None):
+        self.carried = carried
+        done = carried.cells if carried else set()
+        self.cells = [(w, b) for w in workloads for b in batch_sizes if (w, b) not in done]
+        workloads = {w: qs for w, qs in workloads.items() if any(w == c for c, _ in self.cells)}
         self.args, self.batch_sizes, self.workloads, self.recipes = args, batch_sizes, workloads, recipes
         self.device, self.dtype, self.out, self.progress = device, dtype, out, progress
-        self.cells = [(w, b) for w in workloads for b in batch_sizes]
         self.next_cell = 0  # the first cell no worker has finished
         self.skip: dict[int, set[str]] = {}  # cell -> the systems left out of it: each faulted there once
         self.left_out: set[str] = set()  # systems left out of the run: building them killed a worker
@@ -630,6 +722,8 @@ class WorkerRun:
             self.bench = Bench(self.args, self.out, head)
             # the worker printed its own errors (an HF baseline that cannot be built); later workers repeat them
             self.bench.results["errors"] = self.early_errors + event["errors"]
+            if self.carried:
+                self.carried.into(self.bench)
         if self.requests is None:
             self.requests = event["requests"]
         self.progress.total = self.units_done + event["units"]
@@ -663,16 +757,19 @@ class WorkerRun:
                         cuda=torch.version.cuda)
         self.bench = Bench(self.args, self.out, head)
         self.bench.results["errors"] = self.early_errors
+        if self.carried:
+            self.carried.into(self.bench)
 
 
-def measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True) -> Bench:
+def measure_in_workers(args, batch_sizes, workloads, recipes, device, dtype, out: Path, report: bool = True,
+                       carried: Carried | None = None) -> Bench:
     """The bench with its cells in worker processes (WorkerRun): results.json after each cell, the report at the end,
     as measure_in_process writes them."""
     from tqdm import tqdm
 
     with tqdm(total=0, desc="bench", unit="decode", file=sys.stderr,
               disable=not (getattr(args, "progress", False) or sys.stderr.isatty())) as progress:
-        run = WorkerRun(args, batch_sizes, workloads, recipes, device, dtype, out, progress)
+        run = WorkerRun(args, batch_sizes, workloads, recipes, device, dtype, out, progress, carried)
         try:
             run.run()
             run.finish_without_header()
