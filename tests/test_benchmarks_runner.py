@@ -605,6 +605,33 @@ def test_batch_sweep_resume_never_reports_an_earlier_call_s_cells_as_its_own(run
     assert json.loads((old / "results.json").read_text()) == stale  # the earlier call's cells untouched
 
 
+def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(runner, tmp_path, monkeypatch):
+    """head_vocab (CPU = True; --smoke: one prompt of 8 tokens a workload, on the packaged SmolLM2 and its head): a
+    widened head drafts from its own ids and the lowest others, its LM head the target's rows of them; the shipped
+    vocabulary's acceptance never exceeds the share of the target's tokens it holds (a token outside it is never
+    drafted), and every acceptance is a share of the positions counted."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(runner.harness, "WORK", tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    head_vocab = runner.load("head_vocab")
+    assert runner.experiments()["head_vocab"]["cpu"]
+    head = types.SimpleNamespace(draft_to_target=torch.tensor([1, 5, 7]), device=torch.device("cpu"),
+                                 lm_head=torch.zeros(3, 2))
+    lm = torch.arange(20.0).view(10, 2)
+    wide = head_vocab.widened(head, lm, 5)
+    assert wide.draft_to_target.tolist() == [0, 1, 2, 5, 7] and torch.equal(wide.lm_head, lm[[0, 1, 2, 5, 7]])
+    assert head_vocab.widened(head, lm, 0).draft_to_target.tolist() == list(range(10))
+    assert head.draft_to_target.tolist() == [1, 5, 7]  # (a copy: the shipped head unchanged)
+    assert runner.main(["head_vocab", "--smoke", "--workloads", "code,summarize", "--out", str(tmp_path / "out")]) == 0
+    found = json.loads((tmp_path / "out" / "head_vocab.json").read_text())["results"]["workloads"]
+    for result in found.values():
+        shipped, *_, whole = result["acceptance"].values()
+        assert result["positions"] > 0 and 0 <= shipped <= result["coverage"] <= 1 and 0 <= whole <= 1
+
+
 def test_train_head_benches_a_continued_head_beside_its_start_at_a_batch_size(runner, tmp_path, monkeypatch):
     """train_head --bench-batch 8 --init HEAD: one bench at B = 8, continuously batched as batch_sweep's cells (8
     requests, 4 waves), our fastest AR and the chain of 3 under the batch controller of the new head and of HEAD, each
