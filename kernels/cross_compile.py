@@ -151,7 +151,7 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
 
     out = []
     names = ["_norm_pair_gemv", "_qk_norm_rope", "_decode_attention", "_gemv", "_add_rmsnorm"]
-    saved, tiles = F._pdl, F.DOT_TILES
+    saved, tiles, late = F._pdl, F.DOT_TILES, F.ATTENTION_LATE_TRIGGER
     try:
         F._pdl = lambda device: True
         for shape, dims in SHAPES.items():
@@ -201,8 +201,19 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
         with record(F, names) as calls:
             _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None))
         out += [("smollm2-135m B=8 T=2 split K", call) for call in calls]
+        # the attention letting the o projection launch late (ATTENTION_LATE_TRIGGER, an A/B), one token and eight
+        F.DOT_TILES, F.ATTENTION_LATE_TRIGGER = tiles, True
+        for B in (1, 8):
+            x = torch.empty(B, 1, dims[0], dtype=torch.bfloat16, device="meta")
+            cos = torch.empty(B, 1, 1, dims[3], dtype=torch.bfloat16, device="meta")
+            cache = torch.empty(2, B, dims[2], 512, dims[3], dtype=torch.bfloat16, device="meta")
+            rows = torch.empty(B, 1, dtype=torch.long, device="meta")
+            with record(F, names) as calls:
+                _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None))
+            out += [(f"smollm2-135m B={B} T=1 late trigger", call) for call in calls
+                    if call[0].__name__ == "_decode_attention"]
     finally:
-        F._pdl, F.DOT_TILES = saved, tiles
+        F._pdl, F.DOT_TILES, F.ATTENTION_LATE_TRIGGER = saved, tiles, late
     return out
 
 

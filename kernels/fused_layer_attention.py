@@ -111,7 +111,8 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
                       root_ptr, ancestors_ptr, n_heads, rep, window, scale, keys_per_split, grid_splits, n_tokens,
                       stride_kv, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, PDL: tl.constexpr,
-                      SKIP_DEAD: tl.constexpr, TREE: tl.constexpr, MERGE: tl.constexpr):
+                      SKIP_DEAD: tl.constexpr, TREE: tl.constexpr, MERGE: tl.constexpr,
+                      LATE_TRIGGER: tl.constexpr = False):
     """Program (token m * n_heads + head, split): one query over one range of cache slots. A row's T tokens read the
     same K/V tiles, from L2 after the first. The token's last split to finish merges the splits' partials MERGE at a
     time (a power of two, at most N_SPLITS), over the splits the token used: the merge's work then follows the token's
@@ -122,8 +123,13 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
     The split's first tile of K/V is loaded before the PDL wait, all but the slots this step may have written: those
     from the tree's first on, or in a chain step the last `n_tokens` up to the token's own (a row's tokens in a step
     are consecutive positions, at most all the step's tokens). The earlier slots were written by earlier steps, so
-    their DRAM round trip overlaps the q/k/v kernel's tail; the others are read after the wait."""
-    if PDL:
+    their DRAM round trip overlaps the q/k/v kernel's tail; the others are read after the wait.
+
+    PDL: the next kernel (the o projection) may launch once every program has called `gdc_launch_dependents` or
+    ended: at the program's start, or with LATE_TRIGGER once its split's tiles are attended (a split past the
+    position never calls it: its end counts), so that the next kernel's programs, which load their weights before
+    their own wait, neither hold an SM's registers nor compete for its bandwidth while splits still attend."""
+    if PDL and not LATE_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     mh, split = tl.program_id(0), tl.program_id(1)
     m, head = mh // n_heads, mh % n_heads
@@ -165,6 +171,8 @@ def _decode_attention(q_ptr, kv_ptr, positions_ptr, rows_ptr, live_ptr, partial_
             tile_k = tl.load(k_base + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
             tile_v = tl.load(k_base + stride_kv + tile_at, mask=tile_seen[:, None], other=0.0).to(tl.float32)
             run_max, run_sum, acc = _attend(q, tile_k, tile_v, tile_seen, run_max, run_sum, acc, scale, q_ptr)
+        if PDL and LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         # The splits that run for this token; clamped to the grid's, so that a position past the cache cannot hang
         # the merge. (N_SPLITS, the partials' stride, is their count rounded up to a power of two.)
         n_used = tl.minimum(pos // keys_per_split + 1, grid_splits)

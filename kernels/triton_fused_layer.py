@@ -190,6 +190,13 @@ DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 # changed nothing at B = 2 and cost 17% at B = 8). Not yet timed; SPECPILOT_ATTENTION_MERGE_SPLITS=0 merges all at
 # once (for the A/B).
 ATTENTION_MERGE_SPLITS = int(os.environ.get("SPECPILOT_ATTENTION_MERGE_SPLITS", "16"))
+# With PDL, when the attention lets the o projection launch: at each split program's start (0, as shipped), or once
+# its split's tiles are attended (1; `_decode_attention`'s LATE_TRIGGER). At B = 8 SmolLM2's AR step ran 8-10%
+# faster in a 1,024-slot cache than in 512 (H200 and H100, forty-eighth and forty-ninth leases), where 648 split
+# programs past the position, against 72, are dispatched after the live ones and so hold the o projection's launch
+# back until about their end: suspected, the early-launched o projection slows the attention's last wave. Untimed;
+# SPECPILOT_ATTENTION_LATE_TRIGGER=1 for the A/B (`benchmarks/run.py cache_length --late-trigger`).
+ATTENTION_LATE_TRIGGER = os.environ.get("SPECPILOT_ATTENTION_LATE_TRIGGER", "0") == "1"
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -883,8 +890,8 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         q, kv_cache, pos, token_rows, live, partial, stats, _split_counters(M * H, dev), attn, root, ancestors,
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
-        num_warps=setting["num_warps"], TREE=tree is not None, MERGE=merge_width(n_splits), **pdl,
-        **skip)  # (the same tokens as every GEMV)
+        num_warps=setting["num_warps"], TREE=tree is not None, MERGE=merge_width(n_splits),
+        LATE_TRIGGER=ATTENTION_LATE_TRIGGER, **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)

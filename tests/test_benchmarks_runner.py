@@ -472,16 +472,18 @@ def test_cache_length_a_b_runs_from_its_arguments(runner):
 
     cache_length = runner.load("cache_length")
     shipped = {"keys_per_split": 64, "block_s": 64, "num_warps": 4}
-    args = SimpleNamespace(no_merge_ab=True, pad_splits=16,
+    args = SimpleNamespace(no_merge_ab=True, pad_splits=16, late_trigger=True,
                            multi_attention='{"keys_per_split": 32, "block_s": 32}; {"num_warps": 8}')
     assert cache_length.ab_runs(args, shipped) == [
-        ("16", 16, 0, shipped), ("16, grid of 16+ splits", 16, 16, shipped),
+        ("16", 16, 0, shipped, False), ("16, grid of 16+ splits", 16, 16, shipped, False),
+        ("16, o projection launched after the splits' tiles", 16, 0, shipped, True),
         ('16, multi-token attention {"keys_per_split": 32, "block_s": 32}', 16, 0,
-         {"keys_per_split": 32, "block_s": 32, "num_warps": 4}),
-        ('16, multi-token attention {"num_warps": 8}', 16, 0, {"keys_per_split": 64, "block_s": 64, "num_warps": 8})]
+         {"keys_per_split": 32, "block_s": 32, "num_warps": 4}, False),
+        ('16, multi-token attention {"num_warps": 8}', 16, 0, {"keys_per_split": 64, "block_s": 64, "num_warps": 8},
+         False)]
     plain = SimpleNamespace(no_merge_ab=False, pad_splits=0, multi_attention="")
-    assert [(label, merge) for label, merge, _, _ in cache_length.ab_runs(plain, shipped)] == [
-        ("16", 16), ("all", 0), ("16 again", 16)]
+    assert [(label, merge, late) for label, merge, _, _, late in cache_length.ab_runs(plain, shipped)] == [
+        ("16", 16, False), ("all", 0, False), ("16 again", 16, False)]
     for bad in ('{"warps": 8}', "keys=32", "[32]"):
         with pytest.raises(SystemExit, match="--multi-attention"):
             cache_length.ab_runs(SimpleNamespace(no_merge_ab=True, pad_splits=0, multi_attention=bad), shipped)

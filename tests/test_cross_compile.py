@@ -44,6 +44,9 @@ def test_every_fused_layer_kernel_compiles_for_hopper():
     stores = {(x["constexprs"]["DOT"], x["constexprs"].get("W12", False)) for x in report
               if x["kernel"] == "_norm_pair_gemv" and x["constexprs"].get("AUX")}
     assert stores >= {(False, False), (True, False), (False, True)}, stores
+    # the attention's late PDL trigger (an A/B setting) on both attention paths
+    late = [x for x in report if x["kernel"] == "_decode_attention" and x["constexprs"].get("LATE_TRIGGER")]
+    assert {x["constexprs"]["BLOCK_S"] for x in late} == {32, 64}, late
     # SmolLM2's one-token path (its AR steps and short verifications, the engine's hottest kernels) spills nothing;
     # the tensor-core path's attention and some of its GEMVs do (255 registers: docs/benchmarks, forty-seventh lease)
     fma = [x for x in report if x["case"].startswith("smollm2-135m B=1 T=1")]

@@ -12,7 +12,10 @@ difference lies (the forty-eighth and forty-ninth leases: at B = 8, 1,024 slots 
 `--pad-splits N`, the merge of 16 again with every attention grid padded to at least N splits (past the cache: they
 return at once): whether the grid's size, not the cache's layout, is what makes 1,024 slots faster there. With
 `--multi-attention`, the merge of 16 with other settings of the multi-token attention (B rows of one token take it
-past FMA_MAX_TOKENS, with tiles tuned for one row of 8 tokens). `--no-merge-ab`: the merge of 16 only.
+past FMA_MAX_TOKENS, with tiles tuned for one row of 8 tokens). With `--late-trigger`, the attention letting the o
+projection launch (PDL) once each split's tiles are attended: whether the early-launched o projection is what a
+512-slot grid (its split programs past the position dispatched early) pays at B = 8. `--no-merge-ab`: the merge of
+16 only.
 
 Why: a decoder's cache only grows, and a recipe that verifies k drafts needs 2(k + 1) slots more than AR with
 overlap (engine/decode.py, `cache_length`): after chat's longest prompt (380 tokens) the controllers held 576 slots
@@ -59,6 +62,9 @@ def arguments(p) -> None:
                         "B rows of one token each takes that path past FMA_MAX_TOKENS, with the tiles tuned for one "
                         "row of 8 tokens")
     p.add_argument("--no-merge-ab", action="store_true", help="the merge of 16 only (not all at once, not again)")
+    p.add_argument("--late-trigger", action="store_true",
+                   help="also the merge of 16 with the attention letting the o projection launch once each split's "
+                        "tiles are attended, not at its start (SPECPILOT_ATTENTION_LATE_TRIGGER)")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device µs a step of our AR, by cache length (torch.profiler, merge of 16)")
 
@@ -75,13 +81,16 @@ def timed(decoders: dict, batch_sizes, position: int, rounds: int) -> dict:
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def ab_runs(args, multi: dict) -> list[tuple[str, int, int, dict]]:
+def ab_runs(args, multi: dict) -> list[tuple[str, int, int, dict, bool]]:
     """What is timed, in order: (label, splits merged at a time, attention grid padded to at least, the multi-token
-    attention's setting), from the shipped multi-token setting `multi` and the arguments."""
-    runs = [("16", 16, 0, multi)] if args.no_merge_ab else [
-        ("16", 16, 0, multi), ("all", 0, 0, multi), ("16 again", 16, 0, multi)]
+    attention's setting, whether the attention lets the next kernel launch late), from the shipped multi-token
+    setting `multi` and the arguments."""
+    runs = [("16", 16, 0, multi, False)] if args.no_merge_ab else [
+        ("16", 16, 0, multi, False), ("all", 0, 0, multi, False), ("16 again", 16, 0, multi, False)]
     if args.pad_splits:
-        runs.append((f"16, grid of {args.pad_splits}+ splits", 16, args.pad_splits, multi))
+        runs.append((f"16, grid of {args.pad_splits}+ splits", 16, args.pad_splits, multi, False))
+    if getattr(args, "late_trigger", False):
+        runs.append(("16, o projection launched after the splits' tiles", 16, 0, multi, True))
     for text in filter(None, (t.strip() for t in args.multi_attention.split(";"))):
         try:
             change = json.loads(text)
@@ -89,7 +98,7 @@ def ab_runs(args, multi: dict) -> list[tuple[str, int, int, dict]]:
             raise SystemExit(f"--multi-attention: {text!r} is not a JSON object ({e})")
         if not isinstance(change, dict) or set(change) - set(multi):
             raise SystemExit(f"--multi-attention: {text!r} must be a JSON object of some of {', '.join(multi)}")
-        runs.append((f"16, multi-token attention {json.dumps(change)}", 16, 0, {**multi, **change}))
+        runs.append((f"16, multi-token attention {json.dumps(change)}", 16, 0, {**multi, **change}, False))
     return runs
 
 
@@ -177,15 +186,16 @@ def run(out_dir, args):
         print(f"cache_length: {system} in {eng.decoder.cache_slots} slots, warm in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
     found = {}
-    saved = triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI
+    F = triton_fused_layer
+    saved = F.ATTENTION_MERGE_SPLITS, F.ATTENTION_MULTI, F.ATTENTION_LATE_TRIGGER
     try:
-        for label, merge, pad, multi in ab_runs(args, saved[1]):
-            triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = merge, multi
+        for label, merge, pad, multi, late in ab_runs(args, saved[1]):
+            F.ATTENTION_MERGE_SPLITS, F.ATTENTION_MULTI, F.ATTENTION_LATE_TRIGGER = merge, multi, late
             for dec, _ in decoders.values():
                 dec.forget_steps()  # (captured again with this kernel at their first replay)
             with padded_grid(triton_fused_layer, pad):
                 found[label] = timed(decoders, batch_sizes, args.position, 1 if ctx.smoke else args.rounds)
-        triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = saved
+        F.ATTENTION_MERGE_SPLITS, F.ATTENTION_MULTI, F.ATTENTION_LATE_TRIGGER = saved
         kernels = None
         if args.kernels:
             triton_fused_layer.ATTENTION_MERGE_SPLITS = 16
@@ -193,7 +203,7 @@ def run(out_dir, args):
                 dec.forget_steps()
             kernels = kernel_times(decoders, batch_sizes, args.position)
     finally:
-        triton_fused_layer.ATTENTION_MERGE_SPLITS, triton_fused_layer.ATTENTION_MULTI = saved
+        F.ATTENTION_MERGE_SPLITS, F.ATTENTION_MULTI, F.ATTENTION_LATE_TRIGGER = saved
         torch.cuda.synchronize()
     rows = []
     for label, times in found.items():
