@@ -103,9 +103,12 @@ import torch.nn.functional as F
 
 from ..kernels import resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
-from .drafters import Drafter, Proposal, rows_of
+from .drafters import Drafter, NgramDrafter, Proposal, rows_of
 from .errors import SpecPilotError
 from .model import KVCache, Transformer, compiled, rope_inv_freq, rope_tables, rotate
+# (prompt lookup's longest context tail: a longer tail that occurred before is the surer copy, and the search costs
+# about the same for any length, one kernel over the history: kernels/triton_ngram.py)
+from .recipe import LOOKUP_MAX_NGRAM
 from .sampling import categorical, probabilities
 from .tree import DynamicTree, TreeShape, grow_dynamic_tree, tree_mask, tree_positions
 
@@ -558,16 +561,28 @@ def tree_levels(shape: TreeShape, draft_vocab: int, device) -> list[TreeLevel]:
 
 class Eagle3Drafter(Drafter):
     """Chain drafting with an EAGLE-3 head: k tokens a row, each the head's argmax mapped to its target id (sampled:
-    drawn from the head's warped distribution, returned as q over the target vocabulary)."""
+    drawn from the head's warped distribution, returned as q over the target vocabulary).
+
+    With prompt lookup (`lookup` n > 0): a row whose context's last n or more tokens (up to LOOKUP_MAX_NGRAM, the
+    longest first) occurred earlier, with a whole chain's tokens after that occurrence, drafts those tokens instead
+    of the head's (a one-hot q where sampled). Where a model copies from its context (code, retrieved passages,
+    summaries), a long match is the surer draft: on SmolLM2-135M's greedy answers to the workloads' prompts, a match
+    of 6 tokens was the target's next token 79-92% of the time against the head's 63-79% there (CPU, forty-ninth
+    session). The head still reads every row's new pairs each step (its cache must hold them), so its chain runs
+    for all rows; the search adds one kernel a step. Chains only (a tree's nodes are the head's)."""
 
     name = "eagle3"
     refills = True  # a row's head cache and pending pair are set up anew for a request started in it (start_rows)
     backlog = BLIND_BACKLOG
 
-    def __init__(self, head: Eagle3Head, k: int):
+    def __init__(self, head: Eagle3Head, k: int, lookup: int = 0):
         if k < 1:
             raise ValueError(f"an EAGLE-3 drafter needs k >= 1, got {k}")
+        if not 0 <= lookup <= LOOKUP_MAX_NGRAM:
+            raise ValueError(f"an EAGLE-3 drafter's prompt lookup needs 0 <= lookup <= {LOOKUP_MAX_NGRAM}, "
+                             f"got {lookup}")
         self.head, self.k = head, k
+        self.lookup = NgramDrafter(LOOKUP_MAX_NGRAM, lookup) if lookup else None
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
         self.draft_layer = self.draft_supports = None
@@ -591,6 +606,8 @@ class Eagle3Drafter(Drafter):
 
     def prepare(self, ops, layer_fn, compile):
         self.ops = ops
+        if self.lookup is not None:
+            self.lookup.prepare(ops, layer_fn, compile)
         # the fused layer's (`layer: fused`): chain steps on its kernels where they run them (`draft_supports`: asked
         # before the step's inputs are made, so that a step the kernels cannot run costs nothing extra)
         self.draft_layer = getattr(layer_fn, "draft_layer", None)
@@ -727,7 +744,21 @@ class Eagle3Drafter(Drafter):
             if i + 1 < k:
                 last, logits = self._draft_next(tok, last, (lengths - 2 + i + 1)[:, None])
         valid = torch.full_like(lengths, k)
-        return Proposal(torch.stack(tokens, 1), valid, torch.stack(probs, 1) if probs else None)
+        tokens, probs = torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
+        if self.lookup is not None:
+            tokens, probs = self._looked_up(history, lengths, tokens, probs)
+        return Proposal(tokens, valid, probs)
+
+    def _looked_up(self, history, lengths, tokens, probs):
+        """The head's chain `tokens` [B, k] (and q `probs`), each row's replaced by prompt lookup's where the lookup
+        found a whole chain (class docstring)."""
+        found = self.lookup.propose(history, lengths, tokens.shape[1], None, None)
+        copy = found.valid >= tokens.shape[1]
+        tokens = torch.where(copy[:, None], found.tokens, tokens)
+        if probs is not None:
+            one_hot = F.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
+            probs = torch.where(copy[:, None, None], one_hot, probs)
+        return tokens, probs
 
     def propose_tree(self, history, lengths, shape: TreeShape):
         """Greedy draft-tree nodes 1..N-1 of a static tree (engine/tree.py) for every row: tokens [B, N - 1], all

@@ -28,6 +28,10 @@ LAYER_KINDS = ("modular", "fused")
 CONTROLLERS = ("none", "cost")
 
 
+# An EAGLE-3 head's prompt lookup (drafter.lookup) tries context tails of up to this many tokens, the longest first
+LOOKUP_MAX_NGRAM = 6
+
+
 class RecipeError(SpecPilotError):
     pass
 
@@ -42,6 +46,9 @@ class DrafterSpec:
     dtype: str = ""  # model: its dtype ("" = the target's)
     adaptive: bool = False  # per-row draft length 1..k: +2 after a fully accepted draft, -1 after a rejection
     ar_after_miss: bool = False  # an AR step (no verification) after a step whose drafter found nothing
+    # eagle3: prompt lookup beside the head, the shortest context tail (in tokens) whose earlier occurrence a row's
+    # chain copies instead of the head's drafts (engine/eagle3.py, Eagle3Drafter); 0: the head alone
+    lookup: int = 0
     acceptance: list = field(default_factory=list)  # replay: a_i, the chance a step accepts >= i drafts, i = 1..k
     # replay on a tree: per depth i, the chances that the target's token is the drafter's 2nd, 3rd, ... candidate
     # there (its 1st is acceptance's a_i / a_{i-1}), given that the path to it was right
@@ -189,6 +196,15 @@ def _check(r: Recipe) -> Recipe:
         bad("drafter.ranks", "is a replay drafter's profile (drafter.kind 'replay')")
     if r.drafter.kind == "eagle3" and r.drafter.dtype:
         bad("drafter.dtype", "an eagle3 head runs in the target's dtype (it reads the target's hidden states)")
+    if r.drafter.lookup:
+        if r.drafter.kind != "eagle3":
+            bad("drafter.lookup", "is an EAGLE-3 head's prompt lookup (drafter.kind 'eagle3'); prompt lookup alone "
+                                  "is drafter.kind 'ngram'")
+        if not 1 <= r.drafter.lookup <= LOOKUP_MAX_NGRAM:
+            bad("drafter.lookup", f"the shortest context tail that prompt lookup copies after: 1 to "
+                                  f"{LOOKUP_MAX_NGRAM} tokens (0: none), got {r.drafter.lookup}")
+        if r.verification == "tree":
+            bad("drafter.lookup", "replaces a chain's drafts: verification 'chain'")
     for slot, impl in r.kernels.items():
         why = check_kernel(slot, impl)
         if why:

@@ -611,7 +611,8 @@ def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(r
     """head_vocab (CPU = True; --smoke: one prompt of 8 tokens a workload, on the packaged SmolLM2 and its head): a
     widened head drafts from its own ids and the lowest others, its LM head the target's rows of them; the shipped
     vocabulary's acceptance never exceeds the share of the target's tokens it holds (a token outside it is never
-    drafted), and every acceptance is a share of the positions counted."""
+    drafted), and every acceptance is a share of the positions counted; with prompt lookup, the head's first drafts
+    (trainer.first_drafts) give its acceptance where lookup did not match."""
     import types
 
     import torch
@@ -632,6 +633,13 @@ def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(r
     for result in found.values():
         shipped, *_, whole = result["acceptance"].values()
         assert result["positions"] > 0 and 0 <= shipped <= result["coverage"] <= 1 and 0 <= whole <= 1
+        # prompt lookup takes the matched positions: the head's count there out, lookup's in
+        look = result["lookup"]
+        assert look["acceptance"] == pytest.approx(
+            shipped + look["matched"] * (look["lookup_right"] - look["head_right"]))
+        counts = look["by_length"].values()
+        assert sum(c[0] for c in counts) == pytest.approx(look["matched"] * result["positions"])
+        assert all(0 <= c[1] <= c[0] and 0 <= c[2] <= c[0] for c in counts)
 
 
 def test_train_head_benches_a_continued_head_beside_its_start_at_a_batch_size(runner, tmp_path, monkeypatch):

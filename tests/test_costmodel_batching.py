@@ -237,6 +237,11 @@ def test_eagle3_head_is_priced_as_its_layer_plus_fc_and_the_wider_qkv():
         plain, eagle = draft_cost(dev, dep), draft_cost(dev, replace(dep, drafter_kind="eagle3"))
         assert eagle.bytes - plain.bytes == 4 * (3 * 64 * 64 + k * 64 * head.qkv_out)
         assert eagle.kernels == plain.kernels + 1 + k and eagle.time_s > plain.time_s
+        # with prompt lookup beside the head (drafter.lookup 3: tails of 3-6 tokens, four orders): one search
+        # kernel more, reading the history three times an order (int64 tokens, 512 slots a row)
+        looked = draft_cost(dev, replace(dep, drafter_kind="eagle3", lookup_orders=4))
+        assert looked.kernels == eagle.kernels + 1 and looked.bytes - eagle.bytes == 3 * 2 * 512 * 8 * 4
+        assert looked.time_s > eagle.time_s
 
 
 def test_tree_step_is_priced_as_a_forward_over_its_nodes():

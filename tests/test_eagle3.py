@@ -266,6 +266,32 @@ def test_eagle3_proposals_are_the_reference_heads(tiny, tiny_reference, head_dir
     assert checked >= 3 * 4
 
 
+def test_eagle3_with_prompt_lookup_copies_where_the_context_repeats(tiny, tiny_reference, head_dir):
+    """`drafter.lookup`: a row whose context's last 1-6 tokens (here from one: the tiny vocabulary's random text
+    repeats few longer tails) occurred before, with a whole chain after them, drafts that chain (the n-gram
+    drafter's proposal); every other row drafts the reference head's chain. Greedy fp32: HF's tokens still; both
+    kinds of rows occur."""
+    from specpilot.engine.drafters import NgramDrafter
+
+    k = 3
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": "eagle3", "model": str(head_dir), "lookup": 1}, "k": k,
+                                     "cuda_graphs": False}))
+    assert eng.decoder.drafter.lookup.min_ngram == 1 and eng.decoder.drafter.lookup.max_ngram == 6
+    calls = record_proposals(eng)
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference
+    search, copied = NgramDrafter(6, 1), []
+
+    def expected(ref, states, context, drafts):
+        found = search._search(torch.tensor([context]), torch.tensor([len(context)]), drafts.shape[1])
+        copied.append(int(found[1][0]) == drafts.shape[1])
+        return found[0][0].tolist() if copied[-1] else ref.propose(states, context, drafts.shape[1])
+
+    checked = check_rows(calls, tiny.hf, head_dir, tiny.loaded.model.embed.detach(),
+                         eng.decoder.drafter.needs_hidden_states, expected)
+    assert checked >= 3 * 3 and any(copied) and not all(copied), copied
+
+
 def test_eagle3_continuous_batching_proposals_are_the_reference_heads(tiny, head_dir):
     """Six requests two rows at a time: each request after the first two starts in a row another finished, its
     head cache rows and pending pair set up anew (`start_rows`), and the last ones move to a smaller bucket with
@@ -453,6 +479,31 @@ def test_eagle3_sampling(llama_target, head_dir_llama):
         assert p.probs is not None and p.probs.shape == (3, 3, 256)
         torch.testing.assert_close(p.probs.sum(-1), torch.ones(3, 3))
         assert (p.probs[..., ~in_draft] == 0).all() and in_draft[p.tokens].all()
+
+
+def test_eagle3_sampling_with_prompt_lookup(llama_target, head_dir_llama):
+    """Sampled, a copied chain's q is one-hot on its tokens (a deterministic draft, as the n-gram drafter's), the
+    head's rows keep the head's q: each draft has its q's mass, every q sums to 1, and both kinds occur."""
+    loaded, _ = llama_target
+    eng = Engine(loaded, parse({"drafter": {"kind": "eagle3", "model": str(head_dir_llama), "lookup": 1}, "k": 3,
+                                "cuda_graphs": False}))
+    drafter, seen, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
+
+    def propose(*args):
+        out = real(*args)
+        seen.append(out)
+        return out
+
+    drafter.propose = propose
+    rows = eng.generate(tiny_prompts(), 16, SamplingParams(temperature=0.8, top_k=50), seed=1, ignore_eos=True)
+    assert all(len(r.tokens) == 16 for r in rows)
+    kinds = set()
+    for p in seen:
+        torch.testing.assert_close(p.probs.sum(-1), torch.ones(3, 3))
+        at_draft = p.probs.gather(-1, p.tokens[..., None])[..., 0]
+        assert (at_draft > 0).all()
+        kinds |= {bool((at_draft[b] == 1).all()) for b in range(3)}
+    assert kinds == {True, False}
 
 
 @pytest.fixture(scope="session")
@@ -651,6 +702,14 @@ def test_recipe_keys(tmp_path):
         parse({"drafter": {"kind": "eagle3"}, "k": 4})
     with pytest.raises(RecipeError, match="drafter.dtype"):
         parse({"drafter": {"kind": "eagle3", "model": "h", "dtype": "bf16"}, "k": 4})
+    assert parse({"drafter": {"kind": "eagle3", "model": "h", "lookup": 3}, "k": 4}).drafter.lookup == 3
+    for drafter, says in (({"kind": "ngram", "lookup": 3}, "prompt lookup alone"),
+                          ({"kind": "eagle3", "model": "h", "lookup": 7}, "1 to 6 tokens")):
+        with pytest.raises(RecipeError, match=f"drafter.lookup.*{says}"):
+            parse({"drafter": drafter, "k": 4})
+    with pytest.raises(RecipeError, match="drafter.lookup.*'chain'"):
+        parse({"drafter": {"kind": "eagle3", "model": "h", "lookup": 2}, "k": 2, "verification": "tree",
+               "tree": {"kind": "static", "paths": [[0], [0, 0]]}})
 
 
 def test_fraction_steps_of_a_head_draft_one_token(tiny, tiny_reference, head_dir):

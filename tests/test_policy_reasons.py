@@ -231,6 +231,14 @@ def test_a_recipe_drafting_with_a_head_is_tuned_by_length_and_tree():
             assert tree.kind == "dynamic" and tree.depth == 3 and tree.topk == HEAD_TREE_TOPK
             assert 3 + 1 < tree.tokens <= 16
         assert trees or any("EAGLE-2 dynamic tree" in why for why in skipped)
+        # prompt lookup beside the chain: priced (one search more a step), its acceptance left to the evaluation
+        [lookup] = [o for o in options if o.patch.get("drafter", {}).get("lookup")]
+        looked = apply_patch(asdict(recipe), lookup.patch)
+        assert looked.drafter.kind == "eagle3" and looked.drafter.model == "smollm2-135m-eagle3"
+        assert looked.drafter.lookup == 3 and "+" in lookup.reason and "evaluation's to measure" in lookup.reason
+        with_lookup = apply_patch(asdict(recipe), {"drafter": {"lookup": 3}})
+        assert not [o for o in algorithm_options(with_lookup, CostView.from_context(deployment, prof), Skips())
+                    if "lookup" in o.patch.get("drafter", {})]  # (proposed once)
 
 
 def test_a_replayed_profile_with_ranks_brings_the_best_static_trees():

@@ -12,14 +12,18 @@ and for each answer position
   equal to that token, with the shipped vocabulary and with wider ones (`--widths`): the same head, its LM head the
   target's rows of the shipped ids and of the lowest others (BPE merges the commonest pairs first), up to the whole
   vocabulary. The head was trained on its vocabulary alone, so a wider one shows what it would draft of the others
-  untrained, not what a head trained on them would.
+  untrained, not what a head trained on them would;
+- with prompt lookup beside the head (`--lookup n`, the recipe's `drafter.lookup`): where the context so far ends in
+  n to 6 tokens that occurred before, the token that followed them instead of the head's draft: the positions where
+  lookup matched, how often its token and the head's were right there, and the first draft's agreement with lookup
+  taking the matched positions (the engine asks for a whole chain after the match; a first draft, for one token).
 
 Acceptance is a count, not a time: any machine gives the same figures for the same fp32 computation (up to
 summation order). CPU = True.
 
 Backs docs/BENCHMARKS.md's line on the head's acceptance by workload (forty-ninth session).
 
-Device minutes: none (CPU: about a minute for the default 12 prompts of three workloads).
+Device minutes: none (CPU: about two minutes for the default 12 prompts of four workloads).
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ HEAD = "smollm2-135m-eagle3"
 
 
 def arguments(p) -> None:
-    p.add_argument("--workloads", default="code,chat,summarize")
+    p.add_argument("--workloads", default="code,chat,summarize,rag")
     p.add_argument("--limit", type=int, default=12, help="prompts a workload")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--widths", default="16384,32768,0", help="wider draft vocabularies (0: the whole vocabulary)")
     p.add_argument("--head", default=HEAD, help="an alias or a directory")
+    p.add_argument("--lookup", type=int, default=3, help="prompt lookup's shortest tail (drafter.lookup; 0: none)")
 
 
 def widened(head, target_lm_head, width: int):
@@ -75,6 +80,38 @@ def coverage(draft_ids, vocab_size: int, samples) -> float:
     return hits / max(total, 1)
 
 
+def with_lookup(samples, drafts, shortest: int) -> dict:
+    """The head's first drafts `drafts` (trainer.first_drafts) against prompt lookup's at the same positions:
+    matched (share of positions where the context's last `shortest`-6 tokens occurred before), lookup_right and
+    head_right (on those positions), acceptance (lookup's token where it matched, else the head's), and by_length:
+    per length of the longest tail that matched, [positions, lookup right, head right]."""
+    import torch
+
+    from specpilot.engine.drafters import NgramDrafter
+    from specpilot.engine.recipe import LOOKUP_MAX_NGRAM
+
+    lengths = range(LOOKUP_MAX_NGRAM, shortest - 1, -1)
+    searches = {n: NgramDrafter(n, n) for n in lengths}  # the longest that matches: NgramDrafter(6, shortest)'s
+    by_length = {n: [0, 0, 0] for n in lengths}
+    hits = total = 0
+    for s, d in zip(samples, drafts):
+        tokens = s.tokens
+        for t in range(max(s.prompt_len - 2, 0), len(tokens) - 2):  # draft t: token t + 2 (trainer's count)
+            want, head_ok = int(s.greedy[t + 1]), int(d[t]) == int(s.greedy[t + 1])
+            ok = head_ok
+            for n, search in searches.items():
+                found = search.propose(tokens[None, : t + 2], torch.tensor([t + 2]), 1, None, None)
+                if int(found.valid[0]):
+                    ok = int(found.tokens[0, 0]) == want
+                    by_length[n] = [by_length[n][0] + 1, by_length[n][1] + ok, by_length[n][2] + head_ok]
+                    break
+            hits, total = hits + ok, total + 1
+    matched, lookup_right, head_right = (sum(c[i] for c in by_length.values()) for i in range(3))
+    return {"matched": matched / max(total, 1), "lookup_right": lookup_right / max(matched, 1),
+            "head_right": head_right / max(matched, 1), "acceptance": hits / max(total, 1),
+            "by_length": {str(n): c for n, c in by_length.items()}}
+
+
 def run(out_dir, args):
     from specpilot.engine.eagle3 import Eagle3Head
     from specpilot.engine.engine import Engine
@@ -82,7 +119,7 @@ def run(out_dir, args):
     from specpilot.engine.recipe import parse
     from specpilot.engine.workloads import load_workload
     from specpilot.tools.train.data import capture_group
-    from specpilot.tools.train.trainer import first_draft_acceptance
+    from specpilot.tools.train.trainer import first_draft_acceptance, first_drafts
 
     workloads, limit, tokens = harness.smoke_sized(args, args.workloads, args.limit, args.max_new_tokens)
     widths = [int(w) for w in args.widths.split(",") if w.strip()]
@@ -103,13 +140,27 @@ def run(out_dir, args):
                    for s in capture_group(model, pairs[i: i + 4], head.cfg.aux_layers)]
         result = {"prompts": len(samples), "positions": sum(len(a) for a in answers),
                   "coverage": coverage(head.draft_to_target, model.cfg.vocab_size, samples),
-                  "acceptance": {name: first_draft_acceptance(h, samples, 4) for name, h in heads.items()},
-                  "seconds": round(time.perf_counter() - t0, 1)}
+                  "acceptance": {name: first_draft_acceptance(h, samples, 4) for name, h in heads.items()}}
+        if args.lookup:
+            result["lookup"] = with_lookup(samples, first_drafts(head, samples, 4), args.lookup)
+        result["seconds"] = round(time.perf_counter() - t0, 1)
         found[wl] = result
+        look = result.get("lookup")
         rows.append([wl, result["prompts"], result["positions"], f"{result['coverage']:.3f}"]
-                    + [f"{a:.3f}" for a in result["acceptance"].values()])
+                    + [f"{a:.3f}" for a in result["acceptance"].values()]
+                    + ([f"{look['matched']:.3f}", f"{look['lookup_right']:.3f} / {look['head_right']:.3f}",
+                        f"{look['acceptance']:.3f}"] if look else []))
+    lookup_heads = ([f"lookup {args.lookup}-6 matched", "there: lookup / head right", "acceptance, head + lookup"]
+                    if args.lookup else [])
     table = ("The head's first draft (teacher-forced) equal to the target's greedy next token, by draft vocabulary "
-             "(ids), and the share of those tokens the shipped vocabulary holds:\n\n"
+             "(ids), and the share of those tokens the shipped vocabulary holds"
+             + (f"; with prompt lookup (the context's last {args.lookup}-6 tokens seen before) taking the positions "
+                "where it matched" if args.lookup else "") + ":\n\n"
              + harness.md_table(["workload", "prompts", "answer positions", "in the shipped vocabulary"]
-                                + [f"acceptance, {name}" for name in heads], rows))
-    return {"head": args.head, "max_new_tokens": tokens, "workloads": found}, table
+                                + [f"acceptance, {name}" for name in heads] + lookup_heads, rows))
+    if args.lookup:
+        table += ("\n\nBy the longest tail that matched (tokens): positions, lookup right, the head right, there:\n\n"
+                  + "\n".join(f"- {wl}: " + "; ".join(
+                      f"{n}: {c[0]}, {c[1] / c[0]:.3f} / {c[2] / c[0]:.3f}" for n, c in r["lookup"]["by_length"].items()
+                      if c[0]) for wl, r in found.items()))
+    return {"head": args.head, "max_new_tokens": tokens, "lookup": args.lookup, "workloads": found}, table

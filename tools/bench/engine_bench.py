@@ -108,6 +108,12 @@ SYSTEMS = {
                                            "overlap": True, "batch": {"controller": "cost"},
                                            "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3"}}
        for k in (3, 4)},
+    # ... with prompt lookup beside the head: a row whose last 3-6 tokens occurred before copies what followed
+    # (drafter.lookup; engine/eagle3.py), chains of 3 and 4
+    **{f"eagle3-k{k}-lookup3-cost-fused-overlap": {
+        "name": f"eagle3-k{k}-lookup3-cost-fused-overlap", "k": k, "layer": "fused", "overlap": True,
+        "batch": {"controller": "cost"}, "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3", "lookup": 3}}
+       for k in (3, 4)},
     **{f"eagle3-k{k}-cost-frac-fused-overlap": {"name": f"eagle3-k{k}-cost-frac-fused-overlap", "k": k,
                                                 "layer": "fused", "overlap": True,
                                                 "batch": {"controller": "cost", "fractions": [0.25, 0.5]},

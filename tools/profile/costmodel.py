@@ -188,6 +188,9 @@ class Deployment:
     drafter_layers: int = 0  # drafter_kind "layerskip": the target's first layers
     drafter_bytes_per_param: float | None = None  # None: bytes_per_param
     ngram_orders: int = 3  # drafter_kind "ngram": max_ngram - min_ngram + 1
+    # drafter_kind "eagle3" with prompt lookup (drafter.lookup): its search's orders, LOOKUP_MAX_NGRAM - lookup + 1;
+    # 0: the head alone
+    lookup_orders: int = 0
     context_len: int = 512  # key slots every attention reads: our engine attends over the whole static cache
     kernels_per_target_forward: int | None = None  # None: estimated from the structure
     kernels_per_draft_forward: int | None = None  # ngram: its whole search; layerskip/model: one draft forward
@@ -317,14 +320,8 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) 
     B, k, d = dep.batch, dep.k if drafts is None else drafts, dep.dtype_bytes
     if dep.drafter_kind == "none":
         return Cost()
-    if dep.drafter_kind == "ngram":  # compare the history's windows with its tail: a few passes over int64 tokens
-        # Unmeasured, the torch search's kernel count; on CUDA the drafter runs one Triton kernel instead
-        # (kernels/triton_ngram.py), which a profile's measured count (kernels_per_draft_forward) carries.
-        n = dep.kernels_per_draft_forward or KERNELS_PER_NGRAM_ORDER * dep.ngram_orders + KERNELS_NGRAM_FIXED
-        bytes_ = 3 * B * dep.context_len * 8 * dep.ngram_orders
-        floor = dev.kernel_floor(dep.cuda_graphs)
-        bw = dev.copy_bytes_per_s
-        return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
+    if dep.drafter_kind == "ngram":
+        return ngram_search_cost(dev, dep, dep.ngram_orders, dep.kernels_per_draft_forward)
     if dep.drafter_kind == "layerskip":
         shape, layers, bpp = dep.model, dep.drafter_layers, dep.bytes_per_param
     else:
@@ -346,7 +343,20 @@ def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) 
         h = shape.hidden
         extra.append((3 * h * h * bpp, 2 * 2 * B * 3 * h * h, True, 2 * B))
         extra += [(h * shape.qkv_out * bpp, 2 * B * w * h * shape.qkv_out, True, B * w) for w in [1] + widths]
+        if dep.lookup_orders:  # prompt lookup beside the head: its search over the history too (one Triton kernel
+            fwd += ngram_search_cost(dev, dep, dep.lookup_orders, kernels=1)  # on CUDA: kernels/triton_ngram.py)
     return fwd + _kernels(dev, dep.cuda_graphs, extra)
+
+
+def ngram_search_cost(dev: DeviceCeilings, dep: Deployment, orders: int, kernels: int | None = None) -> Cost:
+    """Prompt lookup's search over each row's history for `orders` tail lengths: compare the history's windows with
+    its tail, a few passes over int64 tokens. Unmeasured (`kernels` None), the torch search's kernel count; on CUDA
+    the drafters run one Triton kernel instead (kernels/triton_ngram.py), which a profile's measured count carries."""
+    n = kernels or KERNELS_PER_NGRAM_ORDER * orders + KERNELS_NGRAM_FIXED
+    bytes_ = 3 * dep.batch * dep.context_len * 8 * orders
+    floor = dev.kernel_floor(dep.cuda_graphs)
+    bw = dev.copy_bytes_per_s
+    return Cost(max(n * floor, bytes_ / bw), bytes_ / bw, 0.0, n * floor, bytes_, 0.0, n)
 
 
 def tree_draft_widths(tree) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from ...engine.decode import StopCondition
 from ...engine.engine import Engine
 from ...engine.loader import LoadedModel
 from ...engine.errors import SpecPilotError
-from ...engine.recipe import Recipe, load_recipe, parse, with_absolute_paths
+from ...engine.recipe import LOOKUP_MAX_NGRAM, Recipe, load_recipe, parse, with_absolute_paths
 from ...engine.workloads import absolute_spec, load_workload
 from ...kernels import is_candidate_path
 from . import calibrate
@@ -127,6 +127,7 @@ def _deployment(target: LoadedModel, engine: Engine, recipe: Recipe, batch: int,
                       k=recipe.k, drafter_kind=kind, drafter_model=drafter_model,
                       drafter_layers=recipe.drafter.layers,
                       ngram_orders=recipe.drafter.max_ngram - recipe.drafter.min_ngram + 1,
+                      lookup_orders=LOOKUP_MAX_NGRAM - recipe.drafter.lookup + 1 if recipe.drafter.lookup else 0,
                       context_len=dec._cache.max_len,
                       kernels_per_target_forward=round(kernels["verify"]) if kernels.get("verify") else None,
                       kernels_per_draft_forward=round(draft_kernels) if draft_kernels else None,
