@@ -567,8 +567,8 @@ class Eagle3Drafter(Drafter):
     longest first) occurred earlier, with a whole chain's tokens after that occurrence, drafts those tokens instead
     of the head's (a one-hot q where sampled). Where a model copies from its context (code, retrieved passages,
     summaries), a long match is the surer draft: on SmolLM2-135M's greedy answers to the workloads' prompts, a match
-    of 6 tokens was the target's next token 79-92% of the time against the head's 63-79% there (CPU, forty-ninth
-    session). The head still reads every row's new pairs each step (its cache must hold them), so its chain runs
+    of 6 tokens was the target's next token 84-94% of the time against the head's 63-79% there (teacher-forced,
+    `benchmarks/run.py head_vocab`, forty-ninth session). The head still reads every row's new pairs each step (its cache must hold them), so its chain runs
     for all rows; the search adds one kernel a step. Chains only (a tree's nodes are the head's)."""
 
     name = "eagle3"
