@@ -458,11 +458,10 @@ def test_eagle3_narrow_head_with_its_own_embeddings(llama_target, tmp_path):
     assert check_proposals(calls, hf, head, loaded.model.embed.detach(), (0, 1, 1)) > 0
 
 
-def test_eagle3_sampling(llama_target, head_dir_llama):
-    """Sampled decoding runs with the head's q: each step's proposal distribution over the target vocabulary sums
-    to 1, lives on the draft vocabulary's target ids, and each draft is one of them."""
-    loaded, _ = llama_target
-    eng = Engine(loaded, eagle3_recipe(head_dir_llama, 3))
+def sampled_proposals(loaded, recipe):
+    """The tiny prompts decoded sampled (16 tokens each, temperature 0.8, top-k 50) with `recipe`: its drafter and
+    every proposal it made."""
+    eng = Engine(loaded, recipe)
     drafter, seen, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
 
     def propose(*args):
@@ -473,6 +472,13 @@ def test_eagle3_sampling(llama_target, head_dir_llama):
     drafter.propose = propose
     rows = eng.generate(tiny_prompts(), 16, SamplingParams(temperature=0.8, top_k=50), seed=1, ignore_eos=True)
     assert all(len(r.tokens) == 16 for r in rows)
+    return drafter, seen
+
+
+def test_eagle3_sampling(llama_target, head_dir_llama):
+    """Sampled decoding runs with the head's q: each step's proposal distribution over the target vocabulary sums
+    to 1, lives on the draft vocabulary's target ids, and each draft is one of them."""
+    drafter, seen = sampled_proposals(llama_target[0], eagle3_recipe(head_dir_llama, 3))
     in_draft = torch.zeros(256, dtype=torch.bool)
     in_draft[drafter.head.draft_to_target] = True
     for p in seen:
@@ -484,19 +490,8 @@ def test_eagle3_sampling(llama_target, head_dir_llama):
 def test_eagle3_sampling_with_prompt_lookup(llama_target, head_dir_llama):
     """Sampled, a copied chain's q is one-hot on its tokens (a deterministic draft, as the n-gram drafter's), the
     head's rows keep the head's q: each draft has its q's mass, every q sums to 1, and both kinds occur."""
-    loaded, _ = llama_target
-    eng = Engine(loaded, parse({"drafter": {"kind": "eagle3", "model": str(head_dir_llama), "lookup": 1}, "k": 3,
-                                "cuda_graphs": False}))
-    drafter, seen, real = eng.decoder.drafter, [], eng.decoder.drafter.propose
-
-    def propose(*args):
-        out = real(*args)
-        seen.append(out)
-        return out
-
-    drafter.propose = propose
-    rows = eng.generate(tiny_prompts(), 16, SamplingParams(temperature=0.8, top_k=50), seed=1, ignore_eos=True)
-    assert all(len(r.tokens) == 16 for r in rows)
+    _, seen = sampled_proposals(llama_target[0], parse({
+        "drafter": {"kind": "eagle3", "model": str(head_dir_llama), "lookup": 1}, "k": 3, "cuda_graphs": False}))
     kinds = set()
     for p in seen:
         torch.testing.assert_close(p.probs.sum(-1), torch.ones(3, 3))
