@@ -637,6 +637,8 @@ def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(r
         look = result["lookup"]
         assert look["acceptance"] == pytest.approx(
             shipped + look["matched"] * (look["lookup_right"] - look["head_right"]))
+        chain = result["chain"]  # (τ of a chain of 3: 1 to 4 tokens a step)
+        assert chain["positions"] > 0 and 1 <= chain["tau"] <= 4 and 1 <= chain["tau_with_lookup"] <= 4
         counts = look["by_length"].values()
         assert sum(c[0] for c in counts) == pytest.approx(look["matched"] * result["positions"])
         assert all(0 <= c[1] <= c[0] and 0 <= c[2] <= c[0] for c in counts)

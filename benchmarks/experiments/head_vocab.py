@@ -16,14 +16,19 @@ and for each answer position
 - with prompt lookup beside the head (`--lookup n`, the recipe's `drafter.lookup`): where the context so far ends in
   n to 6 tokens that occurred before, the token that followed them instead of the head's draft: the positions where
   lookup matched, how often its token and the head's were right there, and the first draft's agreement with lookup
-  taking the matched positions (the engine asks for a whole chain after the match; a first draft, for one token).
+  taking the matched positions (the engine asks for a whole chain after the match; a first draft, for one token);
+- a chain's τ (`--chain k`): at each answer position with k tokens after it, the tokens a verification step of the
+  head's k-draft chain would emit (1 + the drafts that match the answer's next tokens up to the first that does not;
+  the head unrolled on the answer's tokens, as the trainer's test unrolls it: where its drafts were right, its own),
+  alone and with prompt lookup's whole chain where it found one. Every position counts once: a mean over positions,
+  not a decode's sequence of steps.
 
 Acceptance is a count, not a time: any machine gives the same figures for the same fp32 computation (up to
 summation order). CPU = True.
 
 Backs docs/BENCHMARKS.md's line on the head's acceptance by workload (forty-ninth session).
 
-Device minutes: none (CPU: about two minutes for the default 12 prompts of four workloads).
+Device minutes: none (CPU: about five minutes for the default 12 prompts of four workloads).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ def arguments(p) -> None:
     p.add_argument("--widths", default="16384,32768,0", help="wider draft vocabularies (0: the whole vocabulary)")
     p.add_argument("--head", default=HEAD, help="an alias or a directory")
     p.add_argument("--lookup", type=int, default=3, help="prompt lookup's shortest tail (drafter.lookup; 0: none)")
+    p.add_argument("--chain", type=int, default=3, help="a chain's drafts for its τ (0: none)")
 
 
 def widened(head, target_lm_head, width: int):
@@ -112,6 +118,39 @@ def with_lookup(samples, drafts, shortest: int) -> dict:
             "by_length": {str(n): c for n, c in by_length.items()}}
 
 
+def chain_tau(head, samples, k: int, shortest: int) -> dict:
+    """τ of the head's k-draft chain at each answer position with k tokens after it, alone and with prompt lookup
+    (tails of `shortest`-6 tokens; 0: none) drafting where it found a whole chain (module docstring)."""
+    import torch
+
+    from specpilot.engine.drafters import NgramDrafter
+    from specpilot.engine.recipe import LOOKUP_MAX_NGRAM
+    from specpilot.tools.train.trainer import collate, unrolled_logits
+
+    search = NgramDrafter(LOOKUP_MAX_NGRAM, shortest) if shortest else None
+
+    def accepted(drafts, truth) -> int:
+        hits = (drafts == truth).int()
+        return int(hits.cumprod(0).sum())
+
+    head_total = look_total = steps = 0
+    for s in samples:
+        with torch.no_grad():
+            logits = unrolled_logits(head, collate([s], k, head.device), k)
+        drafts = torch.stack([head.draft_to_target[x[0].argmax(-1)].cpu() for x in logits], 1)  # [n, k]
+        tokens = s.tokens
+        for t in range(max(s.prompt_len - 2, 0), len(tokens) - 1 - k):  # drafts of tokens t + 2 .. t + 1 + k
+            truth = tokens[t + 2: t + 2 + k]
+            own = accepted(drafts[t], truth)
+            head_total, look_total, steps = head_total + own, look_total + own, steps + 1
+            if search is not None:
+                found = search.propose(tokens[None, : t + 2], torch.tensor([t + 2]), k, None, None)
+                if int(found.valid[0]) >= k:
+                    look_total += accepted(found.tokens[0], truth) - own
+    return {"positions": steps, "tau": 1 + head_total / max(steps, 1),
+            "tau_with_lookup": 1 + look_total / max(steps, 1) if search is not None else None}
+
+
 def run(out_dir, args):
     from specpilot.engine.eagle3 import Eagle3Head
     from specpilot.engine.engine import Engine
@@ -143,6 +182,8 @@ def run(out_dir, args):
                   "acceptance": {name: first_draft_acceptance(h, samples, 4) for name, h in heads.items()}}
         if args.lookup:
             result["lookup"] = with_lookup(samples, first_drafts(head, samples, 4), args.lookup)
+        if args.chain:
+            result["chain"] = chain_tau(head, samples, args.chain, args.lookup)
         result["seconds"] = round(time.perf_counter() - t0, 1)
         found[wl] = result
         look = result.get("lookup")
@@ -163,4 +204,12 @@ def run(out_dir, args):
                   + "\n".join(f"- {wl}: " + "; ".join(
                       f"{n}: {c[0]}, {c[1] / c[0]:.3f} / {c[2] / c[0]:.3f}" for n, c in r["lookup"]["by_length"].items()
                       if c[0]) for wl, r in found.items()))
-    return {"head": args.head, "max_new_tokens": tokens, "lookup": args.lookup, "workloads": found}, table
+    if args.chain:
+        table += (f"\n\nτ of a chain of {args.chain} drafts a step, teacher-forced, at every answer position with "
+                  f"{args.chain} tokens after it: the head alone"
+                  + (f"; with prompt lookup ({args.lookup}-6)" if args.lookup else "") + ":\n\n"
+                  + "\n".join(f"- {wl}: {r['chain']['positions']} positions, {r['chain']['tau']:.3f}"
+                               + (f"; {r['chain']['tau_with_lookup']:.3f}" if args.lookup else "")
+                               for wl, r in found.items()))
+    return {"head": args.head, "max_new_tokens": tokens, "lookup": args.lookup, "chain": args.chain,
+            "workloads": found}, table
