@@ -517,7 +517,9 @@ class Decoder:
         if drafts_k != int(drafts_k) and not ragged:
             raise ValueError(f"a step of {drafts_k} drafts a row packs them: greedy steps only")
         drafts = proposed = prop = side = None
-        found = torch.zeros_like(st.lengths)
+        # a drafter that reports what each row would draft (`Drafter.reports_found`) and always has some: k where
+        # it did not search (a blind AR step), so that the controller does not take the skipped search for none
+        found = torch.full_like(st.lengths, k if self.drafter is not None and self.drafter.reports_found else 0)
         if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
             # how many drafts each row has; a ragged step verifies up to k a row, but one below a draft a row of a
@@ -531,7 +533,7 @@ class Decoder:
                     prop = self.drafter.propose(st.history, st.lengths, width, sampling, generator)
             else:
                 prop = self.drafter.propose(st.history, st.lengths, width, sampling, generator)
-            found = prop.valid
+            found = prop.valid if prop.found is None else prop.found
             if drafts_k:
                 keep = k if ragged else drafts_k
                 drafts, proposed = prop.tokens[:, :keep], prop.valid.clamp(max=keep)
@@ -1196,7 +1198,8 @@ class Decoder:
                 stats.step_log.append(StepRecord(interval, stats.draft_lengths[index], rows, len(stepped),
                                                  emitted, waited, queue_empty))
                 if controller is not None:
-                    found = [out[b][-1] if self.drafter.variable_drafts else self.k for b in stepped]
+                    found = [out[b][-1] if self.drafter.variable_drafts or self.drafter.reports_found else self.k
+                             for b in stepped]
                     controller.observe([out[b][-2] for b in stepped], [out[b][0] for b in stepped], found,
                                        [kept[b] for b in stepped])
                 idle += finished

@@ -31,6 +31,9 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] long; entries at or past `valid` are filler
     valid: torch.Tensor  # [B] long, 0..k
     probs: torch.Tensor | None = None  # [B, k, V] proposal distribution q when sampled
+    # [B]: the drafts each row would have in a step as wide as the drafter's widest, where that is not `valid` (which
+    # a narrower step asked for caps): what the batch controller plans with (`Drafter.reports_found`). None: valid.
+    found: torch.Tensor | None = None
 
 
 class Drafter(ABC):
@@ -40,6 +43,10 @@ class Drafter(ABC):
     # True when the drafter finds a different number of drafts for each row (valid < k), at the same cost for any k:
     # the decoder then always asks for k, and what it found tells the batch controller which rows have drafts.
     variable_drafts = False
+    # True when a row's drafts may differ from the others' although the decoder asks for a step's width only (not
+    # variable_drafts: each draft has a cost): the proposal's `found` then tells the batch controller what each row
+    # would have in the widest step (an EAGLE-3 head with prompt lookup deeper than its chain, engine/eagle3.py).
+    reports_found = False
     # The target layers (0-based) whose outputs the drafter reads (an EAGLE-3 head: three of them). None: none. When
     # set, the target's forwards also return those hidden states (Transformer.forward's `aux_layers`), and the
     # decoder hands them over: the prompt's to `prefill` (hidden=, lengths=), each step's to `update` (hidden=).

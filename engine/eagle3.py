@@ -569,20 +569,31 @@ class Eagle3Drafter(Drafter):
     summaries), a long match is the surer draft: on SmolLM2-135M's greedy answers to the workloads' prompts, a match
     of 6 tokens was the target's next token 84-94% of the time against the head's 63-79% there (teacher-forced,
     `benchmarks/run.py head_vocab`, forty-ninth session). The head still reads every row's new pairs each step (its cache must hold them), so its chain runs
-    for all rows; the search adds one kernel a step. Chains only (a tree's nodes are the head's)."""
+    for all rows; the search adds one kernel a step. Chains only (a tree's nodes are the head's).
+
+    A copied chain may be longer than the head's (`head_k` < k): the head drafts at most head_k a step, a row with
+    a lookup match up to k, for the price of verifying them alone (a head's draft costs a forward, a copied one
+    nothing). On those answers, teacher-forced, lookup's chain of up to 5 where it matched and the head's 3 elsewhere
+    had τ 3.9 on code and 3.3 on rag against 3.1 and 2.7 with both 3 (`head_vocab`, fiftieth session). Each
+    proposal's `found` tells the batch controller what a row would draft in a step of k: max(lookup's, head_k)."""
 
     name = "eagle3"
     refills = True  # a row's head cache and pending pair are set up anew for a request started in it (start_rows)
     backlog = BLIND_BACKLOG
 
-    def __init__(self, head: Eagle3Head, k: int, lookup: int = 0):
+    def __init__(self, head: Eagle3Head, k: int, lookup: int = 0, head_k: int | None = None):
         if k < 1:
             raise ValueError(f"an EAGLE-3 drafter needs k >= 1, got {k}")
         if not 0 <= lookup <= LOOKUP_MAX_NGRAM:
             raise ValueError(f"an EAGLE-3 drafter's prompt lookup needs 0 <= lookup <= {LOOKUP_MAX_NGRAM}, "
                              f"got {lookup}")
-        self.head, self.k = head, k
+        head_k = k if head_k is None else head_k
+        if not 1 <= head_k <= k or head_k < k and not lookup:
+            raise ValueError(f"an EAGLE-3 drafter's chain needs 1 <= head_k <= k ({k}), below k only with prompt "
+                             f"lookup (which alone drafts past the head's chain), got {head_k}")
+        self.head, self.k, self.head_k = head, k, head_k
         self.lookup = NgramDrafter(LOOKUP_MAX_NGRAM, lookup) if lookup else None
+        self.reports_found = self.lookup is not None
         self.needs_hidden_states = head.cfg.aux_layers
         self.ops = resolve_kernels()
         self.draft_layer = self.draft_supports = None
@@ -732,6 +743,7 @@ class Eagle3Drafter(Drafter):
         head = self.head
         last, logits = self._draft_first(history, lengths)
         tokens, probs = [], []
+        k = min(k, self.head_k)
         for i in range(k):
             if sampling.greedy:
                 tok = head.draft_to_target[logits.argmax(-1)]
@@ -743,22 +755,24 @@ class Eagle3Drafter(Drafter):
             tokens.append(tok)
             if i + 1 < k:
                 last, logits = self._draft_next(tok, last, (lengths - 2 + i + 1)[:, None])
-        valid = torch.full_like(lengths, k)
         tokens, probs = torch.stack(tokens, 1), (torch.stack(probs, 1) if probs else None)
         if self.lookup is not None:
-            tokens, probs = self._looked_up(history, lengths, tokens, probs)
-        return Proposal(tokens, valid, probs)
+            return self._looked_up(history, lengths, tokens, probs)
+        return Proposal(tokens, torch.full_like(lengths, k), probs)
 
-    def _looked_up(self, history, lengths, tokens, probs):
-        """The head's chain `tokens` [B, k] (and q `probs`), each row's replaced by prompt lookup's where the lookup
-        found a whole chain (class docstring)."""
-        found = self.lookup.propose(history, lengths, tokens.shape[1], None, None)
-        copy = found.valid >= tokens.shape[1]
-        tokens = torch.where(copy[:, None], found.tokens, tokens)
+    def _looked_up(self, history, lengths, tokens, probs) -> Proposal:
+        """The head's chain `tokens` [B, h] (and q `probs`), each row's replaced by prompt lookup's where the lookup
+        found at least h drafts (class docstring): then up to k of them (the search costs the same for any length;
+        the decoder verifies as many as its step is wide). Tokens [B, k], the head's rows filler past h."""
+        h = tokens.shape[1]
+        found = self.lookup.propose(history, lengths, self.k, None, None)
+        copy = found.valid >= h
+        tokens = torch.where(copy[:, None], found.tokens, F.pad(tokens, (0, self.k - h)))
         if probs is not None:
             one_hot = F.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
-            probs = torch.where(copy[:, None, None], one_hot, probs)
-        return tokens, probs
+            probs = torch.where(copy[:, None, None], one_hot, torch.cat([probs, one_hot[:, h:]], 1))
+        valid = torch.where(copy, found.valid, h)
+        return Proposal(tokens, valid, probs, found=found.valid.clamp(min=self.head_k))
 
     def propose_tree(self, history, lengths, shape: TreeShape):
         """Greedy draft-tree nodes 1..N-1 of a static tree (engine/tree.py) for every row: tokens [B, N - 1], all

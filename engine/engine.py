@@ -39,7 +39,7 @@ def build_drafter(target: LoadedModel, recipe: Recipe, draft: LoadedModel | None
             raise SpecPilotError(f"recipe key 'drafter.layers': {spec.layers} must be below the target's {n} layers")
         return ModelDrafter(target.model, n_layers=spec.layers, name="layerskip")
     if spec.kind == "eagle3":
-        return Eagle3Drafter(load_head(spec.model, target.model), recipe.k, spec.lookup)
+        return Eagle3Drafter(load_head(spec.model, target.model), recipe.k, spec.lookup, spec.head_k or recipe.k)
     if spec.kind == "replay":  # its cost: a head's drafting, when drafter.model names one
         cost = Eagle3Drafter(load_head(spec.model, target.model), recipe.k) if spec.model else None
         return ReplayDrafter(spec.acceptance, target.model.cfg.vocab_size, target.model.device, cost,

@@ -49,6 +49,9 @@ class DrafterSpec:
     # eagle3: prompt lookup beside the head, the shortest context tail (in tokens) whose earlier occurrence a row's
     # chain copies instead of the head's drafts (engine/eagle3.py, Eagle3Drafter); 0: the head alone
     lookup: int = 0
+    # eagle3 with lookup: the head's chain a step when it is shorter than k (0: k); a row whose lookup matched
+    # drafts up to k copied tokens, one whose lookup did not the head's head_k
+    head_k: int = 0
     acceptance: list = field(default_factory=list)  # replay: a_i, the chance a step accepts >= i drafts, i = 1..k
     # replay on a tree: per depth i, the chances that the target's token is the drafter's 2nd, 3rd, ... candidate
     # there (its 1st is acceptance's a_i / a_{i-1}), given that the path to it was right
@@ -205,6 +208,12 @@ def _check(r: Recipe) -> Recipe:
                                   f"{LOOKUP_MAX_NGRAM} tokens (0: none), got {r.drafter.lookup}")
         if r.verification == "tree":
             bad("drafter.lookup", "replaces a chain's drafts: verification 'chain'")
+    if r.drafter.head_k:
+        if not r.drafter.lookup:
+            bad("drafter.head_k", "caps an EAGLE-3 head's chain below k for prompt lookup's longer one: it needs "
+                                  "drafter.lookup (without it, set k)")
+        if not 1 <= r.drafter.head_k <= r.k:
+            bad("drafter.head_k", f"the head's drafts a step: 1 to k ({r.k}), got {r.drafter.head_k}")
     for slot, impl in r.kernels.items():
         why = check_kernel(slot, impl)
         if why:

@@ -242,6 +242,10 @@ def test_eagle3_head_is_priced_as_its_layer_plus_fc_and_the_wider_qkv():
         looked = draft_cost(dev, replace(dep, drafter_kind="eagle3", lookup_orders=4))
         assert looked.kernels == eagle.kernels + 1 and looked.bytes - eagle.bytes == 3 * 2 * 512 * 8 * 4
         assert looked.time_s > eagle.time_s
+        # a copied chain deeper than the head's (drafter.head_k): the head's forwards are its k, not the step's
+        deep = replace(dep, drafter_kind="eagle3", lookup_orders=4, k=k + 2, head_k=k)
+        assert draft_cost(dev, deep) == looked and draft_cost(dev, deep, k + 1) == looked
+        assert draft_cost(dev, replace(deep, head_k=None)).time_s > looked.time_s
 
 
 def test_tree_step_is_priced_as_a_forward_over_its_nodes():

@@ -292,6 +292,61 @@ def test_eagle3_with_prompt_lookup_copies_where_the_context_repeats(tiny, tiny_r
     assert checked >= 3 * 3 and any(copied) and not all(copied), copied
 
 
+def test_eagle3_lookup_deeper_than_the_heads_chain(tiny, tiny_reference, head_dir):
+    """`drafter.head_k` below k: the head drafts head_k a step (its forwards: head_k, never k), a row whose lookup
+    found at least that many drafts up to k copied ones, and each proposal's `found` (what the batch controller plans
+    with) is what the row would draft in a step of k. Greedy fp32: HF's tokens; both kinds of rows occur, and copied
+    chains longer than the head's are verified."""
+    from specpilot.engine.drafters import NgramDrafter
+
+    k, head_k = 5, 2
+    eng = Engine(tiny.loaded, parse({"drafter": {"kind": "eagle3", "model": str(head_dir), "lookup": 1,
+                                                 "head_k": head_k}, "k": k, "cuda_graphs": False}))
+    drafter = eng.decoder.drafter
+    assert (drafter.k, drafter.head_k, drafter.reports_found) == (k, head_k, True)
+    calls, forwards, real, real_next = [], [], drafter.propose, drafter._draft_next
+
+    def propose(history, lengths, width, sampling, generator):
+        forwards.append(0)
+        out = real(history, lengths, width, sampling, generator)
+        calls.append((history.clone(), lengths.clone(), eng.decoder._state.active.clone(), out, width))
+        return out
+
+    def draft_next(*args):
+        forwards[-1] += 1
+        return real_next(*args)
+
+    verified, real_forward = [], eng.decoder._forward
+
+    def forward(tokens, positions, **kw):  # each row's tokens the step verifies (its live ones)
+        if kw.get("live") is not None:
+            verified.extend(kw["live"].view(tokens.shape).sum(1).tolist())
+        return real_forward(tokens, positions, **kw)
+
+    drafter.propose, drafter._draft_next, eng.decoder._forward = propose, draft_next, forward
+    rows = eng.generate(tiny_prompts(), TINY_NEW, ignore_eos=True)
+    assert [r.tokens for r in rows] == tiny_reference
+    assert forwards and all(n == head_k - 1 for n in forwards)  # the first draft, then head_k - 1 more
+    ref, search, copied = ReferenceHead(head_dir, tiny.loaded.model.embed.detach()), NgramDrafter(6, 1), []
+    for history, lengths, active, out, width in calls:
+        assert width == k and out.tokens.shape[1] == k
+        for b in range(history.shape[0]):
+            if not active[b]:
+                continue
+            context = history[b, : int(lengths[b])].tolist()
+            tokens, n = search._search(torch.tensor([context]), torch.tensor([len(context)]), k)
+            n, valid = int(n[0]), int(out.valid[b])
+            copied.append(n >= head_k)
+            assert int(out.found[b]) == max(n, head_k)
+            if copied[-1]:
+                assert valid == n and out.tokens[b, :n].tolist() == tokens[0, :n].tolist()
+            else:
+                states = hf_layer_outputs(tiny.hf, context[:-1], drafter.needs_hidden_states)
+                assert valid == head_k and out.tokens[b, :head_k].tolist() == ref.propose(states, context, head_k)
+    assert any(copied) and not all(copied), copied
+    assert max(verified) > head_k + 1  # a copied chain's drafts past the head's were verified
+
+
 def test_eagle3_continuous_batching_proposals_are_the_reference_heads(tiny, head_dir):
     """Six requests two rows at a time: each request after the first two starts in a row another finished, its
     head cache rows and pending pair set up anew (`start_rows`), and the last ones move to a smaller bucket with
@@ -487,11 +542,14 @@ def test_eagle3_sampling(llama_target, head_dir_llama):
         assert (p.probs[..., ~in_draft] == 0).all() and in_draft[p.tokens].all()
 
 
-def test_eagle3_sampling_with_prompt_lookup(llama_target, head_dir_llama):
+@pytest.mark.parametrize("head_k", (0, 2))
+def test_eagle3_sampling_with_prompt_lookup(llama_target, head_dir_llama, head_k):
     """Sampled, a copied chain's q is one-hot on its tokens (a deterministic draft, as the n-gram drafter's), the
-    head's rows keep the head's q: each draft has its q's mass, every q sums to 1, and both kinds occur."""
+    head's rows keep the head's q: each draft has its q's mass, every q sums to 1, and both kinds occur. With the
+    head's chain shorter than k (head_k 2), its rows' q past it is one-hot on the filler (never verified)."""
     _, seen = sampled_proposals(llama_target[0], parse({
-        "drafter": {"kind": "eagle3", "model": str(head_dir_llama), "lookup": 1}, "k": 3, "cuda_graphs": False}))
+        "drafter": {"kind": "eagle3", "model": str(head_dir_llama), "lookup": 1, "head_k": head_k}, "k": 3,
+        "cuda_graphs": False}))
     kinds = set()
     for p in seen:
         torch.testing.assert_close(p.probs.sum(-1), torch.ones(3, 3))
@@ -705,6 +763,11 @@ def test_recipe_keys(tmp_path):
     with pytest.raises(RecipeError, match="drafter.lookup.*'chain'"):
         parse({"drafter": {"kind": "eagle3", "model": "h", "lookup": 2}, "k": 2, "verification": "tree",
                "tree": {"kind": "static", "paths": [[0], [0, 0]]}})
+    assert parse({"drafter": {"kind": "eagle3", "model": "h", "lookup": 3, "head_k": 3}, "k": 5}).drafter.head_k == 3
+    for drafter, k, says in (({"kind": "eagle3", "model": "h", "head_k": 2}, 4, "needs drafter.lookup"),
+                             ({"kind": "eagle3", "model": "h", "lookup": 3, "head_k": 5}, 4, "1 to k \\(4\\)")):
+        with pytest.raises(RecipeError, match=f"drafter.head_k.*{says}"):
+            parse({"drafter": drafter, "k": k})
 
 
 def test_fraction_steps_of_a_head_draft_one_token(tiny, tiny_reference, head_dir):

@@ -237,8 +237,18 @@ def test_a_recipe_drafting_with_a_head_is_tuned_by_length_and_tree():
         assert looked.drafter.kind == "eagle3" and looked.drafter.model == "smollm2-135m-eagle3"
         assert looked.drafter.lookup == 3 and "+" in lookup.reason and "evaluation's to measure" in lookup.reason
         with_lookup = apply_patch(asdict(recipe), {"drafter": {"lookup": 3}})
-        assert not [o for o in algorithm_options(with_lookup, CostView.from_context(deployment, prof), Skips())
-                    if "lookup" in o.patch.get("drafter", {})]  # (proposed once)
+        skipped = Skips()
+        again = algorithm_options(with_lookup, CostView.from_context(deployment, prof), skipped)
+        assert not [o for o in again if "lookup" in o.patch.get("drafter", {})]  # (proposed once)
+        # ... then its copied chain deeper than the head's: up to 5 where lookup matched, the head's 3 (a step of 6
+        # tokens, the FMA path's), priced; no tree beside lookup (a tree's drafts are the head's)
+        [deeper] = [o for o in again if "head_k" in o.patch.get("drafter", {})]
+        deep = apply_patch(asdict(with_lookup), deeper.patch)
+        assert (deep.k, deep.drafter.head_k, deep.drafter.lookup) == (5, 3, 3) and "evaluation" in deeper.reason
+        assert not [o for o in again if o.patch.get("verification") == "tree"]
+        assert any("prompt lookup (drafter.lookup) replaces" in why for why in skipped)
+        assert not [o for o in algorithm_options(deep, CostView.from_context(deployment, prof), Skips())
+                    if "head_k" in o.patch.get("drafter", {}) or set(o.patch) == {"k"} and o.patch["k"] < 3]
 
 
 def test_a_replayed_profile_with_ranks_brings_the_best_static_trees():

@@ -20,7 +20,8 @@ and for each answer position
 - a chain's τ (`--chain k`): at each answer position with k tokens after it, the tokens a verification step of the
   head's k-draft chain would emit (1 + the drafts that match the answer's next tokens up to the first that does not;
   the head unrolled on the answer's tokens, as the trainer's test unrolls it: where its drafts were right, its own),
-  alone and with prompt lookup's whole chain where it found one. Every position counts once: a mean over positions,
+  alone, with prompt lookup's whole chain where it found one, and with lookup's tokens (however many it found) as the
+  chain's first drafts and the head's after them. Every position counts once: a mean over positions,
   not a decode's sequence of steps.
 
 Acceptance is a count, not a time: any machine gives the same figures for the same fp32 computation (up to
@@ -133,7 +134,7 @@ def chain_tau(head, samples, k: int, shortest: int) -> dict:
         hits = (drafts == truth).int()
         return int(hits.cumprod(0).sum())
 
-    head_total = look_total = steps = 0
+    head_total = look_total = prefix_total = steps = 0
     for s in samples:
         with torch.no_grad():
             logits = unrolled_logits(head, collate([s], k, head.device), k)
@@ -142,13 +143,20 @@ def chain_tau(head, samples, k: int, shortest: int) -> dict:
         for t in range(max(s.prompt_len - 2, 0), len(tokens) - 1 - k):  # drafts of tokens t + 2 .. t + 1 + k
             truth = tokens[t + 2: t + 2 + k]
             own = accepted(drafts[t], truth)
-            head_total, look_total, steps = head_total + own, look_total + own, steps + 1
+            head_total, look_total, prefix_total, steps = (head_total + own, look_total + own, prefix_total + own,
+                                                           steps + 1)
             if search is not None:
                 found = search.propose(tokens[None, : t + 2], torch.tensor([t + 2]), k, None, None)
-                if int(found.valid[0]) >= k:
+                valid = int(found.valid[0])
+                if valid >= k:
                     look_total += accepted(found.tokens[0], truth) - own
+                if valid:  # lookup's tokens first, the head's after them (conditioned on them: the truth's if right)
+                    mixed = torch.cat([found.tokens[0, :valid], drafts[t, valid:]])
+                    prefix_total += accepted(mixed, truth) - own
+    lookup = search is not None
     return {"positions": steps, "tau": 1 + head_total / max(steps, 1),
-            "tau_with_lookup": 1 + look_total / max(steps, 1) if search is not None else None}
+            "tau_with_lookup": 1 + look_total / max(steps, 1) if lookup else None,
+            "tau_with_lookup_prefix": 1 + prefix_total / max(steps, 1) if lookup else None}
 
 
 def run(out_dir, args):
@@ -209,7 +217,8 @@ def run(out_dir, args):
                   f"{args.chain} tokens after it: the head alone"
                   + (f"; with prompt lookup ({args.lookup}-6)" if args.lookup else "") + ":\n\n"
                   + "\n".join(f"- {wl}: {r['chain']['positions']} positions, {r['chain']['tau']:.3f}"
-                               + (f"; {r['chain']['tau_with_lookup']:.3f}" if args.lookup else "")
+                               + (f"; {r['chain']['tau_with_lookup']:.3f}; lookup's tokens as a prefix, the head's "
+                                  f"after: {r['chain']['tau_with_lookup_prefix']:.3f}" if args.lookup else "")
                                for wl, r in found.items()))
     return {"head": args.head, "max_new_tokens": tokens, "lookup": args.lookup, "chain": args.chain,
             "workloads": found}, table

@@ -114,6 +114,13 @@ SYSTEMS = {
         "name": f"eagle3-k{k}-lookup3-cost-fused-overlap", "k": k, "layer": "fused", "overlap": True,
         "batch": {"controller": "cost"}, "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3", "lookup": 3}}
        for k in (3, 4)},
+    # ... copying up to k where lookup matched, the head drafting 3 elsewhere (drafter.head_k): k = 5 is a step of 6
+    # tokens a row, the fused layer's FMA path at B = 1; 7, past it
+    **{f"eagle3-k{k}-head3-lookup3-cost-fused-overlap": {
+        "name": f"eagle3-k{k}-head3-lookup3-cost-fused-overlap", "k": k, "layer": "fused", "overlap": True,
+        "batch": {"controller": "cost"},
+        "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3", "lookup": 3, "head_k": 3}}
+       for k in (5, 7)},
     **{f"eagle3-k{k}-cost-frac-fused-overlap": {"name": f"eagle3-k{k}-cost-frac-fused-overlap", "k": k,
                                                 "layer": "fused", "overlap": True,
                                                 "batch": {"controller": "cost", "fractions": [0.25, 0.5]},

@@ -191,6 +191,9 @@ class Deployment:
     # drafter_kind "eagle3" with prompt lookup (drafter.lookup): its search's orders, LOOKUP_MAX_NGRAM - lookup + 1;
     # 0: the head alone
     lookup_orders: int = 0
+    # drafter_kind "eagle3" with prompt lookup deeper than the head's chain (drafter.head_k): the head's drafts a step
+    # (its forwards), k the step's width (a copied chain's); None: k
+    head_k: int | None = None
     context_len: int = 512  # key slots every attention reads: our engine attends over the whole static cache
     kernels_per_target_forward: int | None = None  # None: estimated from the structure
     kernels_per_draft_forward: int | None = None  # ngram: its whole search; layerskip/model: one draft forward
@@ -226,6 +229,9 @@ class Deployment:
                                               or len(self.draft_widths) != self.k - 1
                                               or min(self.draft_widths, default=1) < 1):
             raise ValueError("draft_widths: an EAGLE-3 tree's k - 1 head forwards after the first, >= 1 token each")
+        if self.head_k is not None and (self.drafter_kind != "eagle3" or not self.lookup_orders or self.head_k < 1):
+            # (a step narrower than head_k, a kind the controller prices, drafts no deeper than the step: `draft_cost`)
+            raise ValueError("head_k: an EAGLE-3 head's chain (>= 1) beside prompt lookup (lookup_orders)")
 
 
 @dataclass(frozen=True)
@@ -318,6 +324,8 @@ def forward_cost(dev: DeviceCeilings, dep: Deployment, tokens: int, shape: Model
 def draft_cost(dev: DeviceCeilings, dep: Deployment, drafts: int | None = None) -> Cost:
     """The drafter proposing `drafts` drafts a row (None: k)."""
     B, k, d = dep.batch, dep.k if drafts is None else drafts, dep.dtype_bytes
+    if dep.drafter_kind == "eagle3" and dep.head_k is not None:  # the head drafts no deeper (a copied chain is free)
+        k = min(k, dep.head_k)
     if dep.drafter_kind == "none":
         return Cost()
     if dep.drafter_kind == "ngram":
@@ -516,7 +524,7 @@ class Prediction:
 
 def ar_deployment(dep: Deployment) -> Deployment:
     return replace(dep, k=0, drafter_kind="none", drafter_model=None, kernels_per_draft_forward=None,
-                   controller="none", ragged=False, fractions=(), tree_nodes=None, draft_widths=None)
+                   controller="none", ragged=False, fractions=(), tree_nodes=None, draft_widths=None, head_k=None)
 
 
 def step_prediction(dep: Deployment, dev: DeviceCeilings, acceptance: float | Sequence[float], drafts: float,

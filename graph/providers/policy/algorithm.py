@@ -40,6 +40,11 @@ HEAD_TREE_TOKENS = 16
 # before (on SmolLM2's answers 3-token tails were right 61-78% of the time, about the head's 47-78% there; 6-token
 # ones 84-94% against 63-79%: benchmarks/run.py head_vocab, forty-ninth session)
 HEAD_LOOKUP = 3
+# ... and its copied chain deeper than the head's (drafter.head_k the head's k): up to this many drafts where lookup
+# matched. Teacher-forced on SmolLM2's answers, copying up to 5 beside the head's 3 had τ 3.9 / 3.3 / 2.5 on code,
+# rag, summarize against 3.1 / 2.7 / 2.1 copying 3 (head_vocab-style counts, fiftieth session); 5 keeps a step of
+# one row on the fused layer's FMA path (6 tokens).
+LOOKUP_DEEP_K = 5
 # With a replayed acceptance that places the target's token among the drafter's candidates (optimize --acceptance
 # FILE with ranks), the best static trees of these many drafts for that profile (engine.replay.best_static_tree):
 # at 8B, B = 1, at the packaged head's first version's measured profile, the one of 31 drafts ran 1.93x our fastest
@@ -406,6 +411,26 @@ def _head_lookup_option(view: CostView, cur: Prediction, now: str, dep: Deployme
         f"evaluation's to measure"), (2, 1))
 
 
+def _lookup_depth_option(recipe: Recipe, view: CostView, cur: Prediction, now: str, dep: Deployment,
+                         fma: int | None) -> Option | None:
+    """Prompt lookup beside a head's chain, its copied chain up to LOOKUP_DEEP_K drafts and the head's k as it is
+    (drafter.head_k): the head's forwards stay, a verify step grows by the copied drafts. Proposed where a step of
+    LOOKUP_DEEP_K a row stays on the fused layer's FMA path (or the layer is not fused); what it adds is acceptance
+    where the answer copies its context, which only the evaluation measures."""
+    if recipe.k >= LOOKUP_DEEP_K or recipe.drafter.head_k or fma and (LOOKUP_DEEP_K + 1) * dep.batch > fma:
+        return None
+    ddep = replace(dep, k=LOOKUP_DEEP_K, head_k=recipe.k,
+                   lookup_orders=dep.lookup_orders or LOOKUP_MAX_NGRAM - recipe.drafter.lookup + 1)
+    p = view.predict(ddep, view.acceptance(LOOKUP_DEEP_K))
+    cost = p.step_s / cur.step_s - 1.0
+    return Option({"k": LOOKUP_DEEP_K, "drafter": {"head_k": recipe.k}}, (
+        f"prompt lookup's copied chain up to {LOOKUP_DEEP_K} drafts, the head's still {recipe.k} (drafter.head_k) "
+        f"for {now}: a copied draft costs no head forward, only its place in the verify step, which the calibrated "
+        f"cost model puts at {ms(p.step_s)} against {ms(cur.step_s)} ({cost:+.0%}) if every row verified "
+        f"{LOOKUP_DEEP_K}; where the answer copies its context (code, retrieved passages) the longer chains are "
+        f"accepted, which the evaluation measures"), (2, 1))
+
+
 def _fma_length_option(patch: dict, name: str, k: int, now_k: int, p: Prediction, now_tps: float,
                        measured_note: str) -> Option:
     """Another draft length on the fused layer's FMA path, unpriced: the cost model reads a layer's weights once a
@@ -433,7 +458,7 @@ def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: s
     out, dep, fma = [], view.dep, fused_fma_tokens(recipe, view)
     head = recipe.drafter.model
     for k in (recipe.k - 1, recipe.k + 1):
-        if not 1 <= k <= HEAD_K_MAX:
+        if not 1 <= k <= HEAD_K_MAX or k < recipe.drafter.head_k:
             continue
         patch = {"k": k}
         name = f"EAGLE-3 head {head}, k={k}"
@@ -457,6 +482,12 @@ def _head_tuning_options(recipe: Recipe, view: CostView, cur: Prediction, now: s
         return out
     if not recipe.drafter.lookup:
         out.append(_head_lookup_option(view, cur, now, dep))
+    else:
+        deeper = _lookup_depth_option(recipe, view, cur, now, dep, fma)
+        if deeper is not None:
+            out.append(deeper)
+        skipped.add("an EAGLE-2 dynamic tree of the head: prompt lookup (drafter.lookup) replaces a chain's drafts")
+        return out
     tokens = min(HEAD_TREE_TOKENS, FUSED_LAYER_MAX_TOKENS // max(1, dep.batch),
                  1 + DynamicTree(recipe.k, HEAD_TREE_TOPK, 2).candidates)  # (the root and every draft it scores)
     if recipe.k < 2 or tokens <= recipe.k + 1:
