@@ -201,7 +201,8 @@ def fused_layer_launches(steps=((1, 1), (1, 5), (4, 2), (8, 2))) -> list[tuple[s
         with record(F, names) as calls:
             _gpu_programs(F, lambda: F.fused_layer(block, x, x, cos, cos, cache, rows, rows, {}, None))
         out += [("smollm2-135m B=8 T=2 split K", call) for call in calls]
-        # the attention letting the o projection launch late (ATTENTION_LATE_TRIGGER, an A/B), one token and eight
+        # the attention letting the o projection launch late at any size (ATTENTION_LATE_TRIGGER forced), one
+        # token and eight
         F.DOT_TILES, F.ATTENTION_LATE_TRIGGER = tiles, True
         for B in (1, 8):
             x = torch.empty(B, 1, dims[0], dtype=torch.bfloat16, device="meta")

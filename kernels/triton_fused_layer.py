@@ -190,13 +190,23 @@ DOT_PDL = os.environ.get("SPECPILOT_DOT_PDL", "1") != "0"
 # changed nothing at B = 2 and cost 17% at B = 8). Not yet timed; SPECPILOT_ATTENTION_MERGE_SPLITS=0 merges all at
 # once (for the A/B).
 ATTENTION_MERGE_SPLITS = int(os.environ.get("SPECPILOT_ATTENTION_MERGE_SPLITS", "16"))
-# With PDL, when the attention lets the o projection launch: at each split program's start (0, as shipped), or once
-# its split's tiles are attended (1; `_decode_attention`'s LATE_TRIGGER). At B = 8 SmolLM2's AR step ran 8-10%
-# faster in a 1,024-slot cache than in 512 (H200 and H100, forty-eighth and forty-ninth leases), where 648 split
-# programs past the position, against 72, are dispatched after the live ones and so hold the o projection's launch
-# back until about their end: suspected, the early-launched o projection slows the attention's last wave. Untimed;
-# SPECPILOT_ATTENTION_LATE_TRIGGER=1 for the A/B (`benchmarks/run.py cache_length --late-trigger`).
-ATTENTION_LATE_TRIGGER = os.environ.get("SPECPILOT_ATTENTION_LATE_TRIGGER", "0") == "1"
+# With PDL, when the attention lets the o projection launch: at each split program's start, or once its split's
+# tiles are attended (`_decode_attention`'s LATE_TRIGGER). At B = 8 SmolLM2's AR step ran 8-10% faster in a 1,024-slot
+# cache than in 512 (H200 and H100, forty-eighth and forty-ninth leases), where 648 split programs past the position,
+# against 72, are dispatched after the live ones and so hold the o projection's launch back until about their end.
+# Triggered late instead (H100, fiftieth lease, `benchmarks/run.py cache_length --late-trigger`, random weights of
+# SmolLM2's shapes, position 440, 512 slots): the AR step at B = 8 0.896 -> 0.809 ms, at B = 32 1.203 -> 1.129; a grid
+# padded to 16 splits gave 0.831 / 1.108 (the lead at 1,024 slots, at 512). So: late from LATE_TRIGGER_MIN_TOKENS
+# tokens a step (a grid of several waves), at each program's start below it (a one-token step at B = 1 runs one wave
+# of 72 programs, where the early launch hides the o projection's; not timed late). SPECPILOT_ATTENTION_LATE_TRIGGER
+# =1 / 0: always / never (for A/B timing).
+LATE_TRIGGER_MIN_TOKENS = 8
+ATTENTION_LATE_TRIGGER = {"1": True, "0": False}.get(os.environ.get("SPECPILOT_ATTENTION_LATE_TRIGGER", ""))
+
+
+def late_trigger(n_tokens: int) -> bool:
+    """Whether the attention of a step of `n_tokens` tokens (all rows) lets the o projection launch late."""
+    return n_tokens >= LATE_TRIGGER_MIN_TOKENS if ATTENTION_LATE_TRIGGER is None else ATTENTION_LATE_TRIGGER
 
 # Where a GEMV program on the FMA path reads whether its token is live: first (a dead token's program then loads no
 # weight tile; a live one loads its tile one round trip later, before the PDL wait), or after its constant loads.
@@ -891,7 +901,7 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
         H, H // Hkv, block.window or n_slots + 1, D ** -0.5, per_split, splits, M, *kv_strides, HEAD_DIM=D,
         BLOCK_S=min(triton.next_power_of_2(per_split), setting["block_s"]), N_SPLITS=n_splits,
         num_warps=setting["num_warps"], TREE=tree is not None, MERGE=merge_width(n_splits),
-        LATE_TRIGGER=ATTENTION_LATE_TRIGGER, **pdl, **skip)  # (the same tokens as every GEMV)
+        LATE_TRIGGER=late_trigger(M), **pdl, **skip)  # (the same tokens as every GEMV)
 
     # 3. o projection
     attn_delta = torch.empty_like(x)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,6 +48,12 @@ def test_every_fused_layer_kernel_compiles_for_hopper():
     # the attention's late PDL trigger (an A/B setting) on both attention paths
     late = [x for x in report if x["kernel"] == "_decode_attention" and x["constexprs"].get("LATE_TRIGGER")]
     assert {x["constexprs"]["BLOCK_S"] for x in late} == {32, 64}, late
+    # ... as shipped, from LATE_TRIGGER_MIN_TOKENS tokens a step (8), at each program's start below it
+    shipped = {(int(m[1]) * int(m[2]), bool(x["constexprs"].get("LATE_TRIGGER"))) for x in report
+               if x["kernel"] == "_decode_attention" and "late trigger" not in x["case"]
+               for m in [re.search(r"B=(\d+) T=(\d+)", x["case"])]}
+    assert {late for _, late in shipped} == {False, True}
+    assert all(late == (tokens >= 8) for tokens, late in shipped), sorted(shipped)
     # SmolLM2's one-token path (its AR steps and short verifications, the engine's hottest kernels) spills nothing;
     # the tensor-core path's attention and some of its GEMVs do (255 registers: docs/benchmarks, forty-seventh lease)
     fma = [x for x in report if x["case"].startswith("smollm2-135m B=1 T=1")]
