@@ -628,7 +628,8 @@ def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(r
     assert wide.draft_to_target.tolist() == [0, 1, 2, 5, 7] and torch.equal(wide.lm_head, lm[[0, 1, 2, 5, 7]])
     assert head_vocab.widened(head, lm, 0).draft_to_target.tolist() == list(range(10))
     assert head.draft_to_target.tolist() == [1, 5, 7]  # (a copy: the shipped head unchanged)
-    assert runner.main(["head_vocab", "--smoke", "--workloads", "code,summarize", "--out", str(tmp_path / "out")]) == 0
+    assert runner.main(["head_vocab", "--smoke", "--workloads", "code,summarize", "--lookup-k", "5",
+                        "--out", str(tmp_path / "out")]) == 0
     found = json.loads((tmp_path / "out" / "head_vocab.json").read_text())["results"]["workloads"]
     for result in found.values():
         shipped, *_, whole = result["acceptance"].values()
@@ -639,6 +640,8 @@ def test_head_vocab_counts_the_head_s_drafts_against_its_vocabulary_on_the_cpu(r
             shipped + look["matched"] * (look["lookup_right"] - look["head_right"]))
         chain = result["chain"]  # (τ of a chain of 3: 1 to 4 tokens a step)
         assert chain["positions"] > 0 and 1 <= chain["tau"] <= 4 and 1 <= chain["tau_with_lookup"] <= 4
+        # copying up to 5 where lookup found at least the chain's 3: those 3 and more, so never fewer accepted
+        assert chain["lookup_k"] == 5 and chain["tau_with_lookup"] <= chain["tau_with_lookup_deep"] <= 6
         counts = look["by_length"].values()
         assert sum(c[0] for c in counts) == pytest.approx(look["matched"] * result["positions"])
         assert all(0 <= c[1] <= c[0] and 0 <= c[2] <= c[0] for c in counts)

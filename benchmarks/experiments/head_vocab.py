@@ -20,8 +20,9 @@ and for each answer position
 - a chain's τ (`--chain k`): at each answer position with k tokens after it, the tokens a verification step of the
   head's k-draft chain would emit (1 + the drafts that match the answer's next tokens up to the first that does not;
   the head unrolled on the answer's tokens, as the trainer's test unrolls it: where its drafts were right, its own),
-  alone, with prompt lookup's whole chain where it found one, and with lookup's tokens (however many it found) as the
-  chain's first drafts and the head's after them. Every position counts once: a mean over positions,
+  alone, with prompt lookup's whole chain where it found one, with lookup's tokens (however many it found) as the
+  chain's first drafts and the head's after them, and (`--lookup-k L`) with lookup copying up to L where it found at
+  least k (`drafter.head_k`). Every position counts once: a mean over positions,
   not a decode's sequence of steps.
 
 Acceptance is a count, not a time: any machine gives the same figures for the same fp32 computation (up to
@@ -51,6 +52,8 @@ def arguments(p) -> None:
     p.add_argument("--head", default=HEAD, help="an alias or a directory")
     p.add_argument("--lookup", type=int, default=3, help="prompt lookup's shortest tail (drafter.lookup; 0: none)")
     p.add_argument("--chain", type=int, default=3, help="a chain's drafts for its τ (0: none)")
+    p.add_argument("--lookup-k", type=int, default=0,
+                   help="with --chain: lookup's copied chain up to this many drafts, the head's --chain (0: none)")
 
 
 def widened(head, target_lm_head, width: int):
@@ -119,9 +122,11 @@ def with_lookup(samples, drafts, shortest: int) -> dict:
             "by_length": {str(n): c for n, c in by_length.items()}}
 
 
-def chain_tau(head, samples, k: int, shortest: int) -> dict:
-    """τ of the head's k-draft chain at each answer position with k tokens after it, alone and with prompt lookup
-    (tails of `shortest`-6 tokens; 0: none) drafting where it found a whole chain (module docstring)."""
+def chain_tau(head, samples, k: int, shortest: int, lookup_k: int = 0) -> dict:
+    """τ of the head's k-draft chain at each answer position with max(k, lookup_k) tokens after it: alone, and with
+    prompt lookup (tails of `shortest`-6 tokens; 0: none) drafting where it found a whole chain (k), its tokens as a
+    prefix of the head's, and copying up to `lookup_k` where it found at least k (drafter.head_k = k, the recipe's
+    k = lookup_k; module docstring)."""
     import torch
 
     from specpilot.engine.drafters import NgramDrafter
@@ -129,34 +134,38 @@ def chain_tau(head, samples, k: int, shortest: int) -> dict:
     from specpilot.tools.train.trainer import collate, unrolled_logits
 
     search = NgramDrafter(LOOKUP_MAX_NGRAM, shortest) if shortest else None
+    width = max(k, lookup_k)
 
     def accepted(drafts, truth) -> int:
-        hits = (drafts == truth).int()
+        hits = (drafts == truth[: len(drafts)]).int()
         return int(hits.cumprod(0).sum())
 
-    head_total = look_total = prefix_total = steps = 0
+    totals = dict.fromkeys(("head", "lookup", "prefix", "deep"), 0)
+    steps = 0
     for s in samples:
         with torch.no_grad():
             logits = unrolled_logits(head, collate([s], k, head.device), k)
         drafts = torch.stack([head.draft_to_target[x[0].argmax(-1)].cpu() for x in logits], 1)  # [n, k]
         tokens = s.tokens
-        for t in range(max(s.prompt_len - 2, 0), len(tokens) - 1 - k):  # drafts of tokens t + 2 .. t + 1 + k
-            truth = tokens[t + 2: t + 2 + k]
+        for t in range(max(s.prompt_len - 2, 0), len(tokens) - 1 - width):  # drafts of tokens t + 2 .. t + 1 + k
+            truth = tokens[t + 2: t + 2 + width]
             own = accepted(drafts[t], truth)
-            head_total, look_total, prefix_total, steps = (head_total + own, look_total + own, prefix_total + own,
-                                                           steps + 1)
+            got = dict.fromkeys(totals, own)
             if search is not None:
-                found = search.propose(tokens[None, : t + 2], torch.tensor([t + 2]), k, None, None)
+                found = search.propose(tokens[None, : t + 2], torch.tensor([t + 2]), width, None, None)
                 valid = int(found.valid[0])
                 if valid >= k:
-                    look_total += accepted(found.tokens[0], truth) - own
+                    got["lookup"] = accepted(found.tokens[0, :k], truth)
+                    got["deep"] = accepted(found.tokens[0, :min(valid, lookup_k or k)], truth)
                 if valid:  # lookup's tokens first, the head's after them (conditioned on them: the truth's if right)
-                    mixed = torch.cat([found.tokens[0, :valid], drafts[t, valid:]])
-                    prefix_total += accepted(mixed, truth) - own
+                    got["prefix"] = accepted(torch.cat([found.tokens[0, :min(valid, k)], drafts[t, valid:]]), truth)
+            totals = {name: totals[name] + got[name] for name in totals}
+            steps += 1
+    tau = {name: 1 + total / max(steps, 1) for name, total in totals.items()}
     lookup = search is not None
-    return {"positions": steps, "tau": 1 + head_total / max(steps, 1),
-            "tau_with_lookup": 1 + look_total / max(steps, 1) if lookup else None,
-            "tau_with_lookup_prefix": 1 + prefix_total / max(steps, 1) if lookup else None}
+    return {"positions": steps, "tau": tau["head"], "tau_with_lookup": tau["lookup"] if lookup else None,
+            "tau_with_lookup_prefix": tau["prefix"] if lookup else None,
+            "tau_with_lookup_deep": tau["deep"] if lookup and lookup_k else None, "lookup_k": lookup_k}
 
 
 def run(out_dir, args):
@@ -191,7 +200,7 @@ def run(out_dir, args):
         if args.lookup:
             result["lookup"] = with_lookup(samples, first_drafts(head, samples, 4), args.lookup)
         if args.chain:
-            result["chain"] = chain_tau(head, samples, args.chain, args.lookup)
+            result["chain"] = chain_tau(head, samples, args.chain, args.lookup, args.lookup_k)
         result["seconds"] = round(time.perf_counter() - t0, 1)
         found[wl] = result
         look = result.get("lookup")
@@ -219,6 +228,9 @@ def run(out_dir, args):
                   + "\n".join(f"- {wl}: {r['chain']['positions']} positions, {r['chain']['tau']:.3f}"
                                + (f"; {r['chain']['tau_with_lookup']:.3f}; lookup's tokens as a prefix, the head's "
                                   f"after: {r['chain']['tau_with_lookup_prefix']:.3f}" if args.lookup else "")
+                               + (f"; lookup copying up to {args.lookup_k}: {r['chain']['tau_with_lookup_deep']:.3f}"
+                                  if args.lookup and args.lookup_k else "")
                                for wl, r in found.items()))
     return {"head": args.head, "max_new_tokens": tokens, "lookup": args.lookup, "chain": args.chain,
+            "lookup_k": args.lookup_k,
             "workloads": found}, table
