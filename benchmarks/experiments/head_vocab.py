@@ -223,7 +223,7 @@ def run(out_dir, args):
                       if c[0]) for wl, r in found.items()))
     if args.chain:
         table += (f"\n\nτ of a chain of {args.chain} drafts a step, teacher-forced, at every answer position with "
-                  f"{args.chain} tokens after it: the head alone"
+                  f"{max(args.chain, args.lookup_k)} tokens after it: the head alone"
                   + (f"; with prompt lookup ({args.lookup}-6)" if args.lookup else "") + ":\n\n"
                   + "\n".join(f"- {wl}: {r['chain']['positions']} positions, {r['chain']['tau']:.3f}"
                                + (f"; {r['chain']['tau_with_lookup']:.3f}; lookup's tokens as a prefix, the head's "

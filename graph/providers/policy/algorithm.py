@@ -41,9 +41,10 @@ HEAD_TREE_TOKENS = 16
 # ones 84-94% against 63-79%: benchmarks/run.py head_vocab, forty-ninth session)
 HEAD_LOOKUP = 3
 # ... and its copied chain deeper than the head's (drafter.head_k the head's k): up to this many drafts where lookup
-# matched. Teacher-forced on SmolLM2's answers, copying up to 5 beside the head's 3 had τ 3.9 / 3.3 / 2.5 on code,
-# rag, summarize against 3.1 / 2.7 / 2.1 copying 3 (head_vocab-style counts, fiftieth session); 5 keeps a step of
-# one row on the fused layer's FMA path (6 tokens).
+# matched. Teacher-forced on SmolLM2's answers, copying up to 5 beside the head's 3 had τ 3.87 / 3.32 / 2.44 on code,
+# rag, summarize against 3.10 / 2.69 / 2.09 copying 3 (`head_vocab --lookup-k 5`, fiftieth session); 5 keeps a step
+# of one row on the fused layer's FMA path (6 tokens). Timed (H100, fiftieth lease, L): +2-3% at B = 8 over copying
+# 3, -2% to -5% at B = 1 (its steps of 5 drafts cost a fifth more in the loop than replayed, not yet known why).
 LOOKUP_DEEP_K = 5
 # With a replayed acceptance that places the target's token among the drafter's candidates (optimize --acceptance
 # FILE with ranks), the best static trees of these many drafts for that profile (engine.replay.best_static_tree):
