@@ -121,6 +121,12 @@ SYSTEMS = {
         "batch": {"controller": "cost"},
         "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3", "lookup": 3, "head_k": 3}}
        for k in (5, 7)},
+    # ... without the controller (B = 1: a step of k's width whose dead tokens the fused layer skips, so a row without
+    # a copied chain pays about a step of 3 drafts; the controller's kinds follow the last step's chain instead)
+    **{f"eagle3-k{k}-head3-lookup3-fused-overlap": {
+        "name": f"eagle3-k{k}-head3-lookup3-fused-overlap", "k": k, "layer": "fused", "overlap": True,
+        "drafter": {"kind": "eagle3", "model": "smollm2-135m-eagle3", "lookup": 3, "head_k": 3}}
+       for k in (4, 5)},
     **{f"eagle3-k{k}-cost-frac-fused-overlap": {"name": f"eagle3-k{k}-cost-frac-fused-overlap", "k": k,
                                                 "layer": "fused", "overlap": True,
                                                 "batch": {"controller": "cost", "fractions": [0.25, 0.5]},
