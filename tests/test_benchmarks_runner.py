@@ -577,7 +577,8 @@ def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monk
     monkeypatch.setattr(runner.harness, "WORK", tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert runner.experiments()["controller_replay"]["cpu"]
-    prices = json.dumps({"-1": 0.6, "0": 0.62, "1": 0.97, "2": 0.98, "3": 0.97, "4": 1.0})
+    # (prices of kinds past the recipe's k = 4 too: given for other recipes, never run by this one)
+    prices = json.dumps({"-1": 0.6, "0": 0.62, "1": 0.97, "2": 0.98, "3": 0.97, "4": 1.0, "5": 0.5, "6": 0.5})
     assert runner.main(["controller_replay", "--smoke", "--prices", prices, "--batch", '{"probe_every": 2}',
                         "--out", str(tmp_path / "out")]) == 0
     results = json.loads((tmp_path / "out" / "controller_replay.json").read_text())["results"]
@@ -586,6 +587,7 @@ def test_controller_replay_runs_on_the_cpu_of_any_machine(runner, tmp_path, monk
                                                                            "controller_replay.md").read_text()
     assert run["modeled_speedup"] > 0 and sum(run["kinds"].values()) == run["steps"] > 0 and run["ar_steps"] > 0
     assert run["identical_to_ar"] == 1.0  # (two requests of 8 tokens: no fp32 tie parts them)
+    assert max(float(kind) for kind in run["kinds"]) <= 4
 
 
 def test_batch_sweep_resume_never_reports_an_earlier_call_s_cells_as_its_own(runner, tmp_path, monkeypatch):

@@ -109,7 +109,10 @@ def run(out_dir, args):
         spec = {k: v for k, v in SYSTEMS[name].items() if k != "name"}
         spec["batch"] = {**spec["batch"], **batch}
         eng = Engine(loaded, parse({**spec, **on_cpu}))
-        eng.decoder.prices = {b: dict(prices) for b in range(1, rows + 1)}  # (the rows' prices as the batch drains)
+        # the rows' prices as the batch drains; of the kinds this recipe has (up to its k: a price of a wider kind
+        # would have the controller probe a step its decoder never captures)
+        own = {kind: ms for kind, ms in prices.items() if kind <= eng.decoder.k}
+        eng.decoder.prices = {b: dict(own) for b in range(1, rows + 1)}
         eng.decoder.controller.observe_time = lambda kind, seconds: None  # (the CPU's loop times price nothing)
         out = eng.generate(prompts, tokens, max_batch=rows)
         kinds = eng.decoder.last_stats.draft_lengths
