@@ -48,7 +48,7 @@ CUDA_ONLY = True
 def arguments(p) -> None:
     p.add_argument("--batch-sizes", default="2,8")
     p.add_argument("--slots", default="512,576,640,1024", help="cache lengths our AR is timed in (the first: the base)")
-    p.add_argument("--controller-slots", default="512,576", help="cache lengths the n-gram controller is timed in")
+    p.add_argument("--controller-slots", default="512,576", help="cache lengths the n-gram controller is timed in ('': none, AR alone)")
     p.add_argument("--position", type=int, default=440, help="every row's position (below the shortest cache)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layers", type=int, default=30)
@@ -169,7 +169,7 @@ def run(out_dir, args):
     ctx = args.ctx
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")][: 1 if ctx.smoke else None]
     slots = [int(s) for s in args.slots.split(",")][: 2 if ctx.smoke else None]
-    controller_slots = [int(s) for s in args.controller_slots.split(",")][: 1 if ctx.smoke else None]
+    controller_slots = [int(s) for s in args.controller_slots.split(",") if s.strip()][: 1 if ctx.smoke else None]
     if args.position + 2 * 5 >= min(slots + controller_slots):
         raise SystemExit(f"--position {args.position}: leave room for a step below the shortest cache")
     target = harness.random_smollm2(2 if ctx.smoke else args.layers, "cuda", ctx.scratch)
