@@ -43,6 +43,11 @@ PROBE_BACKOFF = int(os.environ.get("SPECPILOT_PROBE_BACKOFF", "8"))
 # 1.07x was there. Upward probes (above) already time the kind above a choice below k. (SPECPILOT_PROBE_DOWN=0 turns
 # these probes off, for A/B timing.)
 PROBE_DOWN = os.environ.get("SPECPILOT_PROBE_DOWN", "1") == "1"
+# The kind of the probe after AR steps: k (0, as shipped), or this many drafts a row (at most k). At B = 1 the choice
+# between AR and speculation near break-even rests on a handful of first-draft samples, and a probe of k samples the
+# first draft at the price of the longest step (summarize, the head copying up to 5: docs/benchmarks/2026-12-07-
+# fiftieth-lease.md). SPECPILOT_AR_PROBE_KIND=1 probes with one draft a row (for A/B timing; not yet timed).
+AR_PROBE_KIND = int(os.environ.get("SPECPILOT_AR_PROBE_KIND", "0"))
 # The kind of step the batch controller runs when no draft could pay (even with k drafts for every row, an AR step
 # would be faster): an AR step that does not search for drafts either (the search costs a few percent of a step)
 BLIND_AR = -1
@@ -388,8 +393,11 @@ class DraftLengthController:
             self.predictions.append((choice, self.allocation(self.found if self.found is not None
                                                              else [self.k] * self.bucket, choice), None))
             return choice
-        if probe:  # k after AR steps; after shorter verifying steps, the next kind up (a step that costs little more)
-            choice = self.k if self.latest <= 0 else min((kind for kind in kinds if kind > self.latest), default=self.k)
+        if probe:  # k after AR steps (AR_PROBE_KIND); after shorter verifying steps, the next kind up (a step that
+            # costs little more)
+            after_ar = min(AR_PROBE_KIND, self.k) if AR_PROBE_KIND > 0 and AR_PROBE_KIND in kinds else self.k
+            choice = after_ar if self.latest <= 0 else min((kind for kind in kinds if kind > self.latest),
+                                                            default=self.k)
         else:
             ratios = self.calibrations()
             expected = self._tokens(self.found if self.found is not None else [self.k] * self.bucket, ratios, kinds)

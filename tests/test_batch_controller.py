@@ -159,6 +159,27 @@ def test_probes_back_off_while_speculation_stays_hopeless_and_return_when_it_pay
     assert paying[-50:].count(4) == 50 and c.probe_gap == c.probe_every
 
 
+def test_the_probe_after_ar_steps_verifies_ar_probe_kind_drafts_when_set(monkeypatch):
+    """SPECPILOT_AR_PROBE_KIND (AR_PROBE_KIND, an A/B setting): the probe after a run of AR steps verifies that many
+    drafts a row instead of k, the cheapest sample of the first draft's acceptance; unset (0), k as before."""
+    import specpilot.engine.batch_controller as bc
+
+    prices = {BLIND_AR: 0.95, 0: 1.0, 1: 1.6, 2: 1.7, 3: 1.8, 4: 1.9}
+
+    def probes(kind_setting: int) -> set:
+        monkeypatch.setattr(bc, "AR_PROBE_KIND", kind_setting)
+        c, chosen = DraftLengthController(4, probe_every=4, bucket=2), []
+        for _ in range(60):  # drafts never accepted: AR, and a probe now and then
+            kind = c.choose(prices)
+            chosen.append(kind)
+            c.observe([max(kind, 0)] * 2, [0] * 2, [4] * 2)
+        after_ar = {b for a, b in zip(chosen, chosen[1:]) if a == BLIND_AR and b != BLIND_AR}
+        assert after_ar and chosen.count(BLIND_AR) > 40
+        return after_ar
+
+    assert probes(0) == {4} and probes(1) == {1} and probes(9) == {4}  # (past k: k)
+
+
 def test_a_probe_at_a_tie_backs_off_unless_it_beats_ar_by_the_margin():
     """Every verifying step accepts exactly one draft a row: a probe of k yields 4 tokens for 1.9 AR steps' time,
     2.1 a unit against AR's 2.0, which the model never runs at a 10% margin (nor k' = 1 at 1.85). Judged with that
