@@ -450,25 +450,54 @@ def first_pairs(head: Eagle3Head, pending: torch.Tensor, n_new: torch.Tensor, hi
     return tokens, fuse(head, pending, ops), positions
 
 
+def token_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's row, [B, T] int64 (b at [b, t]): what the fused layer's kernels index the cache by."""
+    B, T = tokens.shape
+    return torch.arange(B, device=tokens.device)[:, None].expand(B, T).contiguous()
+
+
 def first_fused_inputs(head: Eagle3Head, pending, n_new, history, lengths, kv, ops):
-    """first_draft's pairs as the fused layer's kernels take them (`pair_inputs`), and their positions."""
+    """first_draft's pairs as the fused layer's kernels take them (`pair_inputs`), their positions and rows."""
     tokens, hidden, positions = first_pairs(head, pending, n_new, history, lengths, kv, ops)
-    return (*pair_inputs(head, tokens, hidden, positions, ops), positions)
+    return (*pair_inputs(head, tokens, hidden, positions, ops), positions, token_rows(tokens))
 
 
 def next_fused_inputs(head: Eagle3Head, token, last, position, kv, ops):
-    """next_draft's pair as the fused layer's kernels take it (`pair_inputs`), and its position."""
+    """next_draft's pair as the fused layer's kernels take it (`pair_inputs`), its position and row."""
     position = position.clamp(max=kv.shape[3] - 1)
-    return (*pair_inputs(head, token[:, None], last, position, ops), position)
+    return (*pair_inputs(head, token[:, None], last, position, ops), position, token_rows(position))
 
 
 def fused_step(head: Eagle3Head, inputs: tuple, kv: torch.Tensor, draft_layer):
     """`midlayer` and `draft_logits` of a chain step's pairs on the fused layer's kernels (`draft_layer`,
-    kernels/triton_fused_layer.py: six kernels where the modular forward runs some fifteen), from `pair_inputs` and
-    the pairs' positions: (pre-norm outputs, logits [B, T, Vd]), or None where the kernels cannot run the step. Never
-    inside torch.compile (Dynamo does not trace these launches); `inputs` may come from compiled code."""
-    x, residual, cos, sin, positions = inputs
-    return draft_layer(head.block, x, residual, cos, sin, kv, positions, head.norm, head.lm_head, head.cfg.rms_eps)
+    kernels/triton_fused_layer.py: six kernels where the modular forward runs some fifteen), from `pair_inputs`, the
+    pairs' positions and (optionally) their rows: (pre-norm outputs, logits [B, T, Vd]), or None where the kernels
+    cannot run the step. Never inside torch.compile (Dynamo does not trace these launches); `inputs` may come from
+    compiled code."""
+    x, residual, cos, sin, positions, *rows = inputs
+    return draft_layer(head.block, x, residual, cos, sin, kv, positions, head.norm, head.lm_head, head.cfg.rms_eps,
+                       *rows)
+
+
+def greedy_draft(head: Eagle3Head, out: torch.Tensor, logits: torch.Tensor, new: torch.Tensor | None,
+                 lengths: torch.Tensor, i: int, kv: torch.Tensor, ops, earlier: list | None):
+    """Draft i of a greedy chain on the fused layer's kernels, from the forward that drafts it (out [B, T, H], logits
+    [B, T, Vd]; the chain's first forward, `new` given: at each row's last new pair, slot `new`; later ones: T = 1):
+    with `earlier` None, its target id [B] and the next draft step's fused inputs (`next_fused_inputs`: the pair of
+    this draft and the head's output, at position lengths - 1 + i); with `earlier`, the chain's drafts before it,
+    the chain's tokens [B, i + 1] and their count a row. Compiled, one call a draft: the gathers, the argmax, the d2t
+    map and the next pair's inputs are two or three kernels, where eagerly they were some eight (a draft step of
+    ~16 kernels in the captured steps: at B = 1 on the H100 each of the head's forwards added ~0.08 ms to a step of
+    0.45, its verification ~0.024 a token; fiftieth lease, L)."""
+    if new is not None:
+        at = new[:, None, None]
+        out = out.gather(1, at.expand(-1, 1, out.shape[-1]))
+        logits = logits.gather(1, at.expand(-1, 1, logits.shape[-1]))
+    token = head.draft_to_target[logits[:, 0].argmax(-1)]
+    if earlier is not None:
+        tokens = torch.stack([*earlier, token], 1)
+        return tokens, torch.full_like(lengths, tokens.shape[1])
+    return token, next_fused_inputs(head, token, out, (lengths + (i - 1))[:, None], kv, ops)
 
 
 def pend_pair(pending: torch.Tensor, new: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -601,6 +630,7 @@ class Eagle3Drafter(Drafter):
         self._first, self._next, self._nodes, self._absorb = first_draft, next_draft, draft_nodes, absorb_pairs
         self._pend, self._keep = pend_pair, keep_pairs
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
+        self._greedy_draft = greedy_draft
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
         self.cache: KVCache | None = None  # the current batch's rows of `_base`
@@ -629,6 +659,7 @@ class Eagle3Drafter(Drafter):
             self._nodes, self._absorb = compiled(draft_nodes), compiled(absorb_pairs)
             self._pend, self._keep = compiled(pend_pair), compiled(keep_pairs)
             self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
+            self._greedy_draft = compiled(greedy_draft)
 
     def reserve(self, rows, max_len):
         head = self.head
@@ -740,11 +771,39 @@ class Eagle3Drafter(Drafter):
                 return fused[0], fused[1][:, 0]
         return self._next(head, token, last, position, kv, ops)
 
+    def _greedy_fused_chain(self, history, lengths, k: int):
+        """A greedy chain of k drafts on the fused layer's kernels, each draft's glue one compiled call
+        (`greedy_draft`): (tokens [B, k], their count a row), or None where the kernels cannot run its steps (then
+        `propose` goes step by step, each on the modular layer where the kernels cannot run it)."""
+        head, kv, ops = self.head, self.cache.kv[:, 0], self.ops
+        pending = self._pending[:, : self.k + 1]  # (a backlog, if any, was absorbed before: `absorb`)
+        B = history.shape[0]
+        if not self._fused(B * pending.shape[1], history.device) or k > 1 and not self._fused(B, history.device):
+            return None
+        inputs = self._first_inputs(head, pending, self._new, history, lengths, kv, ops)
+        new, tokens = self._new, []
+        for i in range(k):
+            step = fused_step(head, inputs, kv, self.draft_layer)
+            if step is None:  # (`_fused` asked the kernels the same question before anything ran)
+                raise RuntimeError(f"the fused layer refused a chain step of {tuple(inputs[0].shape[:2])} tokens, "
+                                   "which it said it runs")
+            if i + 1 == k:
+                return self._greedy_draft(head, *step, new, lengths, i, kv, ops, tokens)
+            token, inputs = self._greedy_draft(head, *step, new, lengths, i, kv, ops, None)
+            tokens.append(token)
+            new = None
+
     def propose(self, history, lengths, k, sampling, generator):
         head = self.head
+        k = min(k, self.head_k)
+        chain = self._greedy_fused_chain(history, lengths, k) if sampling.greedy else None
+        if chain is not None:
+            tokens, valid = chain
+            if self.lookup is not None:
+                return self._looked_up(history, lengths, tokens, None)
+            return Proposal(tokens, valid)
         last, logits = self._draft_first(history, lengths)
         tokens, probs = [], []
-        k = min(k, self.head_k)
         for i in range(k):
             if sampling.greedy:
                 tok = head.draft_to_target[logits.argmax(-1)]

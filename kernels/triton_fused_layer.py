@@ -938,17 +938,19 @@ def fused_layer(block, x, delta, cos, sin, kv_cache, rows, positions, masks, ops
 
 def draft_layer(block, x_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, positions: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                eps: float, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An EAGLE-3 head's decoder layer and LM head over tokens [B, T] at `positions` of its cache, in six kernels: q/k/v
     of `x_in` [B, T, K] (its [embedding; hidden] pair, normed by the caller), RoPE and the cache write, attention to
     slots 0..position of the row, o, the post-attention norm with gate/up and SwiGLU, down (`fused_layer` with
     `qkv_input`, the residual stream `residual`), then `draft_logits`. `block` holds the layer's weights as a Block
     does. Returns (pre-norm output [B, T, H], logits [B, T, rows of lm_head]), or None where this file cannot run the
-    step (`supports`): the caller runs its modular layer."""
+    step (`supports`): the caller runs its modular layer. `rows` [B, T] int64, each token's row (b at [b, t]): the
+    caller's where its glue is compiled (made here, they are two kernels of a step of some fifteen)."""
     B, T = x_in.shape[:2]
     if supports(block, B * T, x_in.device) is not None:
         return None
-    rows = torch.arange(B, device=x_in.device)[:, None].expand(B, T).contiguous()
+    if rows is None:
+        rows = torch.arange(B, device=x_in.device)[:, None].expand(B, T).contiguous()
     h, mlp = fused_layer(block, residual, residual, cos, sin, kv_cache, rows, positions, None, None,
                          qkv_input=x_in)
     return draft_logits(h, mlp, norm, lm_head, eps)

@@ -684,6 +684,60 @@ def test_proposals_after_partial_acceptance_are_the_reference_heads(bigram_targe
     assert check_proposals(calls, hf, head, loaded.model.embed.detach(), (0, 1, 1)) > 10
 
 
+def test_fused_greedy_chain_is_the_step_by_step_chain(llama_target, tmp_path):
+    """A greedy chain on the fused layer's kernels with each draft's glue in one call (`greedy_draft`: the first
+    forward's gathers, argmax, d2t, the next pair's inputs and rows) proposes what the step-by-step chain proposes
+    (each draft step's inputs made apart, `_draft_next`), from the same state, for chains of 1 to 4 with and without
+    prompt lookup; and the glue compiled (inductor, on the CPU here) equals it eagerly."""
+    from specpilot.engine.eagle3 import greedy_draft, next_fused_inputs
+    from specpilot.engine.model import compiled
+
+    loaded, _ = llama_target
+    head_dir = write_head(tmp_path / "head", loaded.hf_config, seed=7)
+    for lookup in (0, 2):
+        extra = {"layer": "fused"} | ({"drafter": {"kind": "eagle3", "model": str(head_dir), "lookup": lookup}}
+                                      if lookup else {})
+        eng = Engine(loaded, eagle3_recipe(head_dir, 4, **extra))
+        eng.generate(tiny_prompts(), 5, ignore_eos=True)
+        drafter, st = eng.decoder.drafter, eng.decoder._state
+        state = drafter.snapshot()
+        for k in (1, 2, 4):
+            drafter.restore(state)
+            fused = drafter.propose(st.history, st.lengths, k, SamplingParams(), None)
+            drafter.restore(state)
+            real, drafter._greedy_fused_chain = drafter._greedy_fused_chain, lambda *args: None
+            stepwise = drafter.propose(st.history, st.lengths, k, SamplingParams(), None)
+            drafter._greedy_fused_chain = real
+            drafter.restore(state)
+            assert real(st.history, st.lengths, k) is not None  # (the kernels ran the chain: not a fallback)
+            assert torch.equal(fused.tokens, stepwise.tokens) and torch.equal(fused.valid, stepwise.valid), (lookup, k)
+            assert fused.tokens.shape == (st.batch, 4 if lookup else k)
+
+    head = drafter.head
+    ops, kv = drafter.ops, drafter.cache.kv[:, 0]
+    g = torch.Generator().manual_seed(2)
+    B, H, Vd = 3, head.cfg.hidden_size, head.lm_head.shape[0]
+    lengths, new = torch.tensor([9, 14, 20]), torch.tensor([0, 2, 4])
+    first = (torch.randn(B, 5, H, generator=g), torch.randn(B, 5, Vd, generator=g))
+    later = (torch.randn(B, 1, H, generator=g), torch.randn(B, 1, Vd, generator=g))
+    earlier = [torch.tensor([3, 4, 5])]
+    glue = compiled(greedy_draft)
+    for out, logits, at, i, before in ((*first, new, 0, None), (*later, None, 2, None), (*later, None, 1, earlier),
+                                       (*first, new, 0, [])):
+        want, got = greedy_draft(head, out, logits, at, lengths, i, kv, ops, before), glue(
+            head, out, logits, at, lengths, i, kv, ops, before)
+        assert torch.equal(want[0], got[0])
+        if before is None:  # the next step's pair: at position lengths - 1 + i, of this draft and the head's output
+            last = out if at is None else out[torch.arange(B), at][:, None]
+            ref = next_fused_inputs(head, want[0], last, (lengths - 1 + i)[:, None], kv, ops)
+            for a, b, c in zip(want[1], got[1], ref):
+                torch.testing.assert_close(a, b)
+                torch.testing.assert_close(a, c)
+        else:
+            assert want[1].tolist() == got[1].tolist() == [len(before) + 1] * B
+            assert want[0].shape == (B, len(before) + 1)
+
+
 # -- heads that do not fit ----------------------------------------------------------------------------------------
 BAD_HEADS = {
     "wrong hidden size": (dict(config_changes={"target_hidden_size": 48}), r"target hidden states of size 48"),
