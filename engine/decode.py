@@ -33,7 +33,7 @@ from ..kernels import Kernels, resolve as resolve_kernels
 from ..kernels.builtin import attention_sdpa
 from .drafters import Drafter, rows_of
 from .errors import SpecPilotError
-from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, compiled_dynamic, unpacked
+from .model import Block, KVCache, Packing, Transformer, TreeStep, compiled, compiled_dynamic, token_inputs, unpacked
 from .batch_controller import (BLIND_AR, SPECULATION_MARGIN, DraftLengthController, fraction_kinds, is_packed,
                                packed_budget)
 from .tree import (DynamicTree, TreeShape, accept_tree_sampled, ancestor_bits, compact_tree_kv, tree_mask,
@@ -255,14 +255,15 @@ def _step_inputs(history, lengths, budget, active, drafts, valid, adaptive: bool
     that is not active: finished, or a dead row of a batch bucket; within its budget when the draft length is
     adaptive); and for greedy verification the live tokens: the logits are read only up to each row's valid drafts,
     so the slots after them are dead, and a layer that can skip them does (a step without drafts then costs about
-    what an AR step does). AR (drafts None): no drafts, no live mask."""
+    what an AR step does). AR (drafts None): no drafts, no live mask. `valid` (the drafter's count a row) may exceed
+    the drafts given (a step narrower than the proposal): capped here, in the compiled step."""
     S = history.shape[1]
     last = history.gather(1, (lengths - 1)[:, None])
     if drafts is None:
         inputs, valid = last, torch.zeros_like(lengths)
     else:
         inputs = torch.cat([last, drafts], 1)
-        valid = valid * active
+        valid = valid.clamp(max=drafts.shape[1]) * active
         if adaptive:
             valid = torch.minimum(valid, budget)
     offsets = torch.arange(inputs.shape[1], device=inputs.device)[None]
@@ -282,7 +283,7 @@ def _finish_step(history, lengths, active, out, drafts, valid, logits, accept, f
     n_acc, tokens = accept(drafts, valid, logits)
     _record(history, lengths, active, out, n_acc, tokens)
     out[:, -2].copy_(valid)
-    out[:, -1].copy_(found)
+    out[:, -1] = found  # (a tensor, or a number for every row)
     return n_acc
 
 
@@ -329,7 +330,7 @@ def _finish_packed(history, lengths, active, out, drafts, alloc, logits, slots, 
     n_acc = match.long().cumprod(1).sum(1)
     _record(history, lengths, active, out, n_acc, target)
     out[:, -2].copy_(alloc)
-    out[:, -1].copy_(found)
+    out[:, -1] = found  # (a tensor, or a number for every row)
     return n_acc
 
 
@@ -448,6 +449,7 @@ class Decoder:
 
             # (packed_weights: the 12-bit planes of `weights.format: lossless12`, which its steps read too)
             self.layer_fn = layer_function(self.layer_fn, packed_weights)
+        self._prologue = compiled(token_inputs) if compile else None  # the target's per-token inputs in a step
         self._finish = compiled(_finish_step) if compile else _finish_step
         self._inputs = compiled(_step_inputs) if compile else _step_inputs
         self._update_budget = compiled(_update_budget) if compile else _update_budget
@@ -518,8 +520,9 @@ class Decoder:
             raise ValueError(f"a step of {drafts_k} drafts a row packs them: greedy steps only")
         drafts = proposed = prop = side = None
         # a drafter that reports what each row would draft (`Drafter.reports_found`) and always has some: k where
-        # it did not search (a blind AR step), so that the controller does not take the skipped search for none
-        found = torch.full_like(st.lengths, k if self.drafter is not None and self.drafter.reports_found else 0)
+        # it did not search (a blind AR step), so that the controller does not take the skipped search for none (a
+        # number, which the compiled bookkeeping writes: a tensor of it was one more kernel in every step)
+        found = k if self.drafter is not None and self.drafter.reports_found else 0
         if k and search:
             # A drafter whose search costs the same for any length (n-gram) always proposes k, so every step reports
             # how many drafts each row has; a ragged step verifies up to k a row, but one below a draft a row of a
@@ -536,7 +539,7 @@ class Decoder:
             found = prop.valid if prop.found is None else prop.found
             if drafts_k:
                 keep = k if ragged else drafts_k
-                drafts, proposed = prop.tokens[:, :keep], prop.valid.clamp(max=keep)
+                drafts, proposed = prop.tokens[:, :keep], prop.valid  # (capped at keep by `_step_inputs`)
             self._mark("draft")
         inputs, valid, positions, live = self._inputs(st.history, st.lengths, st.budget, st.active, drafts, proposed,
                                                       self.adaptive_drafts, sampling.greedy and not ragged)
@@ -567,7 +570,7 @@ class Decoder:
             n_acc, tokens = accept_sampled(inputs[:, 1:], valid, q, logits, sampling, generator)  # q None: one-hot
             _record(st.history, st.lengths, st.active, st.out, n_acc, tokens)
             st.out[:, -2].copy_(valid)
-            st.out[:, -1].copy_(found)
+            st.out[:, -1] = found
         if drafts is not None and self.adaptive_drafts:
             self._update_budget(st.budget, valid, n_acc, k)
         if hidden is not None:  # every step, AR steps too: the drafter reads the states of every token emitted
@@ -624,7 +627,8 @@ class Decoder:
         """The target's forward over a step's tokens: (logits, the hidden states the drafter reads or None)."""
         if self.aux_layers is not None:
             kwargs["aux_layers"] = self.aux_layers
-        out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn, **kwargs)
+        out = self.model(tokens, positions, self._cache, ops=self.ops, layer_fn=self.layer_fn,
+                         prologue=self._prologue, **kwargs)
         return out if self.aux_layers is not None else (out, None)
 
     def _run_step(self, st: DecodeState, sampling: SamplingParams, drafts_k: int) -> None:

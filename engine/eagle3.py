@@ -479,6 +479,17 @@ def fused_step(head: Eagle3Head, inputs: tuple, kv: torch.Tensor, draft_layer):
                        *rows)
 
 
+def copied_chain(tokens: torch.Tensor, copies: torch.Tensor, found: torch.Tensor, head_k: int):
+    """The head's chain `tokens` [B, h] with each row's replaced by prompt lookup's `copies` [B, k] where the lookup
+    found at least h (`found` [B]): (tokens [B, k], the head's rows filler past h; drafts a row; which rows copied;
+    what each row would draft in a step of k, `Proposal.found`: at least head_k). Compiled with the drafter's steps
+    (eagerly five kernels of every step)."""
+    h, k = tokens.shape[1], copies.shape[1]
+    copy = found >= h
+    chain = torch.where(copy[:, None], copies, F.pad(tokens, (0, k - h)))
+    return chain, torch.where(copy, found, h), copy, found.clamp(min=head_k)
+
+
 def greedy_draft(head: Eagle3Head, out: torch.Tensor, logits: torch.Tensor, new: torch.Tensor | None,
                  lengths: torch.Tensor, i: int, kv: torch.Tensor, ops, earlier: list | None):
     """Draft i of a greedy chain on the fused layer's kernels, from the forward that drafts it (out [B, T, H], logits
@@ -630,7 +641,7 @@ class Eagle3Drafter(Drafter):
         self._first, self._next, self._nodes, self._absorb = first_draft, next_draft, draft_nodes, absorb_pairs
         self._pend, self._keep = pend_pair, keep_pairs
         self._first_inputs, self._next_inputs = first_fused_inputs, next_fused_inputs
-        self._greedy_draft = greedy_draft
+        self._greedy_draft, self._copied = greedy_draft, copied_chain
         self._tree_levels: tuple | None = None  # (shape, device) and its tree_levels
         self._base: KVCache | None = None
         self.cache: KVCache | None = None  # the current batch's rows of `_base`
@@ -659,7 +670,7 @@ class Eagle3Drafter(Drafter):
             self._nodes, self._absorb = compiled(draft_nodes), compiled(absorb_pairs)
             self._pend, self._keep = compiled(pend_pair), compiled(keep_pairs)
             self._first_inputs, self._next_inputs = compiled(first_fused_inputs), compiled(next_fused_inputs)
-            self._greedy_draft = compiled(greedy_draft)
+            self._greedy_draft, self._copied = compiled(greedy_draft), compiled(copied_chain)
 
     def reserve(self, rows, max_len):
         head = self.head
@@ -826,13 +837,11 @@ class Eagle3Drafter(Drafter):
         the decoder verifies as many as its step is wide). Tokens [B, k], the head's rows filler past h."""
         h = tokens.shape[1]
         found = self.lookup.propose(history, lengths, self.k, None, None)
-        copy = found.valid >= h
-        tokens = torch.where(copy[:, None], found.tokens, F.pad(tokens, (0, self.k - h)))
+        tokens, valid, copy, reported = self._copied(tokens, found.tokens, found.valid, self.head_k)
         if probs is not None:
             one_hot = F.one_hot(tokens, probs.shape[-1]).to(probs.dtype)
             probs = torch.where(copy[:, None, None], one_hot, torch.cat([probs, one_hot[:, h:]], 1))
-        valid = torch.where(copy, found.valid, h)
-        return Proposal(tokens, valid, probs, found=found.valid.clamp(min=self.head_k))
+        return Proposal(tokens, valid, probs, found=reported)
 
     def propose_tree(self, history, lengths, shape: TreeShape):
         """Greedy draft-tree nodes 1..N-1 of a static tree (engine/tree.py) for every row: tokens [B, N - 1], all

@@ -214,6 +214,19 @@ class Block(nn.Module):
         return x, linear(F.silu(gate) * up, self.w2, None)
 
 
+def token_inputs(embed: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
+                 positions: torch.Tensor, with_rows: bool = True):
+    """What a forward's layers take for tokens [B, T] at `positions`, besides the cache: each token's cache row [B, T]
+    (contiguous: a fused layer's kernels read it by token; None without `with_rows`), RoPE's rows at its position
+    (cos, sin [B, T, 1, head_dim]), its embedding (the first layer's delta) and a zero residual stream. Eagerly five
+    or six kernels in every captured step, compiled two or three (`Transformer.forward`'s `prologue`)."""
+    B, T = tokens.shape
+    rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T).contiguous() if with_rows else None
+    cos, sin = (t[positions].unsqueeze(2) for t in rope)
+    delta = F.embedding(tokens, embed)
+    return rows, cos, sin, delta, torch.zeros_like(delta)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
@@ -253,7 +266,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 n_layers: int | None = None, logits_at: torch.Tensor | None = None, ops: Kernels | None = None,
                 layer_fn=None, live: torch.Tensor | None = None, packing: Packing | None = None,
-                aux_layers: tuple[int, ...] | None = None, tree: TreeStep | None = None):
+                aux_layers: tuple[int, ...] | None = None, tree: TreeStep | None = None, prologue=None):
         """Logits [B, T, vocab] for `tokens` [B, T] at cache slots `positions` [B, T]; writes their K/V to `cache`.
 
         `n_layers` runs only the first layers (then final norm and LM head): the layer-skip self-draft.
@@ -267,17 +280,17 @@ class Transformer(nn.Module):
         head reads them (engine/eagle3.py); they come from this forward, at no extra pass.
         `tree`: the tokens are draft-tree nodes (engine/tree.py): their K/V go to `tree.slots`, and each attends where
         `tree.visible` says (the modular layer; a fused layer that takes the tree reads `tree.ancestor_bits`).
+        `prologue`: `token_inputs` as the caller has it (a decoder's steps: compiled).
         """
         ops = ops or self.default_ops
         layer_fn = layer_fn or Block.forward
         B, T = tokens.shape
+        rows, cos, sin, delta, x = (prologue or token_inputs)(self.embed, self._rope, tokens, positions,
+                                                              packing is None)
         if packing is None:
-            # Each token's cache row, contiguous: a fused layer's kernels read it by token.
-            rows = torch.arange(B, device=tokens.device)[:, None].expand(B, T).contiguous()
             mask_positions = positions
         else:
             rows, mask_positions = packing.rows.view(B, T), packing.padded_positions
-        cos, sin = (t[positions].unsqueeze(2) for t in self._rope)  # [B,T,1,head_dim]
         needs_masks = getattr(layer_fn, "needs_masks", None)  # a fused layer masks from positions itself
         masks = {}
         tree_needs_masks = getattr(layer_fn, "tree_needs_masks", None)  # a fused layer masks trees by ancestor bits
@@ -301,8 +314,6 @@ class Transformer(nn.Module):
                 m = visible if window is None else visible & (key_pos[None, None, :] > mask_positions[:, :, None] - window)
                 m = m[:, None, None].expand(Bm, 1, rep, Tm, cache.max_len)
                 masks[window] = m.reshape(Bm, 1, rep * Tm, cache.max_len)
-        delta = F.embedding(tokens, self.embed)
-        x = torch.zeros_like(delta)
         skip = {"live": live} if live is not None and getattr(layer_fn, "skips_dead_tokens", False) else {}
         if packing is not None:
             skip["unpack"] = packing.slots

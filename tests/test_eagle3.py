@@ -688,8 +688,8 @@ def test_fused_greedy_chain_is_the_step_by_step_chain(llama_target, tmp_path):
     """A greedy chain on the fused layer's kernels with each draft's glue in one call (`greedy_draft`: the first
     forward's gathers, argmax, d2t, the next pair's inputs and rows) proposes what the step-by-step chain proposes
     (each draft step's inputs made apart, `_draft_next`), from the same state, for chains of 1 to 4 with and without
-    prompt lookup; and the glue compiled (inductor, on the CPU here) equals it eagerly."""
-    from specpilot.engine.eagle3 import greedy_draft, next_fused_inputs
+    prompt lookup; and the glue compiled (inductor, on the CPU here) equals it eagerly, lookup's copies too."""
+    from specpilot.engine.eagle3 import copied_chain, greedy_draft, next_fused_inputs
     from specpilot.engine.model import compiled
 
     loaded, _ = llama_target
@@ -736,6 +736,13 @@ def test_fused_greedy_chain_is_the_step_by_step_chain(llama_target, tmp_path):
         else:
             assert want[1].tolist() == got[1].tolist() == [len(before) + 1] * B
             assert want[0].shape == (B, len(before) + 1)
+    # prompt lookup's copies beside the head's chain of 3: rows that found 2, 3 and 5 of k = 5 (head_k 3)
+    chain, found = torch.tensor([[1, 2, 3]] * B), torch.tensor([2, 3, 5])
+    copies = torch.arange(5)[None].repeat(B, 1) + 10
+    want, got = copied_chain(chain, copies, found, 3), compiled(copied_chain)(chain, copies, found, 3)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert want[0][0, :3].tolist() == [1, 2, 3] and want[0][1].tolist() == want[0][2].tolist() == copies[0].tolist()
+    assert want[1].tolist() == [3, 3, 5] and want[3].tolist() == [3, 3, 5] and want[2].tolist() == [False, True, True]
 
 
 # -- heads that do not fit ----------------------------------------------------------------------------------------

@@ -295,3 +295,28 @@ def test_step_functions_may_compile_every_shape_a_bench_runs():
     compiled(lambda x: x + 1)
     assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT >= 7 * 5 * 6 * 2
     assert torch._dynamo.config.accumulated_recompile_limit >= RECOMPILE_LIMIT
+
+
+def test_compiled_prologue_is_the_eager_one(tiny):
+    """A decoder's steps compile the target's per-token inputs (`token_inputs`: cache rows, RoPE rows, embeddings and
+    the zero residual stream; eagerly five or six kernels of every captured step): compiled (inductor, on the CPU
+    here) they equal the eager ones, and a forward given them (`prologue`) has the logits of one without."""
+    from specpilot.engine.model import compiled, token_inputs
+
+    model = tiny.loaded.model
+    B, T = 3, 5
+    ids = random_ids(T, seed=4, batch=B)
+    positions = torch.arange(T)[None].expand(B, T) + torch.tensor([0, 7, 20])[:, None]
+    cache = model.new_cache(B, 64)
+    prologue = compiled(token_inputs)
+    for with_rows in (True, False):
+        want = token_inputs(model.embed, model._rope, ids, positions, with_rows)
+        got = prologue(model.embed, model._rope, ids, positions, with_rows)
+        assert (want[0] is None) == (got[0] is None) == (not with_rows)
+        for a, b in zip(want, got):
+            assert a is None or torch.equal(a, b)
+    assert want[3].abs().sum() > 0 and not want[4].any()
+    with torch.inference_mode():
+        plain = model(ids, positions, cache)
+        given = model(ids, positions, model.new_cache(B, 64), prologue=prologue)
+    assert torch.equal(plain, given)
