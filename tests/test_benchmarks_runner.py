@@ -681,3 +681,28 @@ def test_train_head_benches_a_continued_head_beside_its_start_at_a_batch_size(ru
                                             "init-k3-cost-fused-overlap"]
     assert [r.get("drafter", {}).get("model") for r in recipes[1:]] == ["/run/head", "smollm2-135m-eagle3"]
     assert all(r["batch"]["controller"] == "cost" and r["k"] == 3 for r in recipes[1:])
+
+
+def test_step_launches_finds_no_eager_glue_in_the_fused_steps(runner, tmp_path, monkeypatch):
+    """step_launches (CPU = True) on our fastest AR and the head's chain with prompt lookup: every kind of step
+    launches the fused layer's five Triton kernels a layer and nothing else there; outside the layers our AR runs
+    only its final norm, the LM head's GEMV and compiled calls, and a head's step of k drafts the head's six kernels a
+    draft with one compiled call of glue a draft (`greedy_draft`): no torch op of glue left eager (each one a kernel
+    of a captured step on the GPU, where a launch-bound step pays per kernel)."""
+    monkeypatch.setattr(runner.harness, "WORK", tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert runner.experiments()["step_launches"]["cpu"]
+    assert runner.main(["step_launches", "--systems", "ar-fused-overlap,eagle3-k3-lookup3-cost-fused-overlap",
+                        "--out", str(tmp_path / "out")]) == 0
+    systems = json.loads((tmp_path / "out" / "step_launches.json").read_text())["results"]["systems"]
+    assert list(systems["ar-fused-overlap"]) == ["0"]
+    assert sorted(systems["eagle3-k3-lookup3-cost-fused-overlap"], key=int) == ["-1", "1", "2", "3"]
+    for name, kinds in systems.items():
+        for kind, step in kinds.items():
+            assert step["per_layer"] == {"triton": 5, "eager": 0, "compiled_calls": 0}, (name, kind)
+            drafts = max(int(kind), 0) if name.startswith("eagle3") else 0
+            assert step["fixed"]["triton"] == 1 + 6 * drafts, (name, kind)
+            assert step["compiled_calls"].get("<_greedy_draft>", 0) == drafts
+            # the LM head's GEMV; the head's adds: this 3-layer model's random head reads layer 0 twice
+            assert set(step["eager_ops"]) <= ({"linear", "add"} if name.startswith("eagle3") else {"linear"})
+            assert step["eager_ops"]["linear"] == 1
